@@ -1,0 +1,42 @@
+#pragma once
+// Argument checking and process-group plumbing shared by the op kernels.
+// Every helper takes the op's qualified name so that errors read
+// "torch_tp::all_gather: dim=3 is out of range for x of 2 dimensions".
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <string>
+
+namespace torch_tp {
+
+// The reductions the ops accept, spelled as torch's functional collectives spell them.
+enum class Reduction { Sum, Avg, Min, Max, Product };
+
+// Parses `reduce_op` and checks that `dtype` allows it (avg needs a floating
+// dtype; bool allows none). Throws naming the op, the argument and the value.
+Reduction parse_reduction(const char* op, c10::string_view reduce_op, c10::ScalarType dtype);
+
+const char* reduction_name(Reduction reduction);
+
+// The c10d reduction that computes `reduction` (avg is a sum, divided afterwards,
+// so that it works on every backend and integer-free dtypes alike).
+c10d::ReduceOp to_c10d(Reduction reduction);
+
+// Looks `group_name` up in c10d's group registry (the names ProcessGroup.group_name
+// returns and torch's _c10d_functional ops take).
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const char* op, c10::string_view group_name);
+
+// Checks that the dtype is one the collectives support: float32/64, bfloat16,
+// float16 and the integer types; bool only where `allow_bool` (no reduction).
+void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allow_bool);
+
+// Wraps a possibly negative `dim` into [0, ndim) or throws.
+int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim);
+
+// x [..., n, ...] along `dim`: n must split into `world_size` equal pieces.
+void check_divisible(const char* op, const at::Tensor& x, int64_t dim, int64_t world_size,
+                     c10::string_view group_name);
+
+} // namespace torch_tp

@@ -1,0 +1,70 @@
+// Meta kernels: output shapes only, for torch.compile (FakeTensor) and
+// torch.library.opcheck. They run the same argument checks as the device
+// kernels so that a bad call fails at trace time with the same message, and
+// they work on symbolic sizes. Outputs are contiguous, as the device kernels'.
+
+#include "ops/common.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace torch_tp {
+namespace {
+
+at::Tensor all_reduce_meta(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
+  constexpr const char* op = "torch_tp::all_reduce";
+  check_dtype(op, "x", x, /*allow_bool=*/false);
+  parse_reduction(op, reduce_op, x.scalar_type());
+  resolve_group(op, group_name);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+  constexpr const char* op = "torch_tp::all_gather";
+  check_dtype(op, "x", x, /*allow_bool=*/true);
+  dim = wrap_dim(op, dim, x.dim());
+  const int64_t world_size = resolve_group(op, group_name)->getSize();
+  auto sizes = x.sym_sizes().vec();
+  sizes[dim] = sizes[dim] * world_size;
+  return at::empty_symint(sizes, x.options());
+}
+
+at::Tensor reduce_scatter_meta(const at::Tensor& x, int64_t dim, c10::string_view reduce_op,
+                               c10::string_view group_name) {
+  constexpr const char* op = "torch_tp::reduce_scatter";
+  check_dtype(op, "x", x, /*allow_bool=*/false);
+  parse_reduction(op, reduce_op, x.scalar_type());
+  dim = wrap_dim(op, dim, x.dim());
+  const int64_t world_size = resolve_group(op, group_name)->getSize();
+  check_divisible(op, x, dim, world_size, group_name);
+  auto sizes = x.sym_sizes().vec();
+  sizes[dim] = sizes[dim] / world_size;
+  return at::empty_symint(sizes, x.options());
+}
+
+// Both region ops keep the shape of x.
+at::Tensor tp_region_meta(const char* op, const at::Tensor& x, c10::string_view group_name) {
+  check_dtype(op, "x", x, /*allow_bool=*/false);
+  resolve_group(op, group_name);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+at::Tensor copy_to_tp_region_meta(const at::Tensor& x, c10::string_view group_name) {
+  return tp_region_meta("torch_tp::copy_to_tp_region", x, group_name);
+}
+
+at::Tensor reduce_from_tp_region_meta(const at::Tensor& x, c10::string_view group_name) {
+  return tp_region_meta("torch_tp::reduce_from_tp_region", x, group_name);
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
+  m.impl("all_reduce", all_reduce_meta);
+  m.impl("all_gather", all_gather_meta);
+  m.impl("reduce_scatter", reduce_scatter_meta);
+  m.impl("copy_to_tp_region", copy_to_tp_region_meta);
+  m.impl("reduce_from_tp_region", reduce_from_tp_region_meta);
+}
+
+} // namespace torch_tp

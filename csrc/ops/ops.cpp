@@ -1,0 +1,49 @@
+// Typed dispatcher entry points behind csrc/include/torch_tp/ops.h.
+
+#include <torch_tp/ops.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace torch_tp {
+namespace {
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+} // namespace
+
+at::Tensor all_reduce(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, c10::string_view, c10::string_view)>("torch_tp::all_reduce");
+  return op.call(x, reduce_op, group_name);
+}
+
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, int64_t, c10::string_view)>("torch_tp::all_gather");
+  return op.call(x, dim, group_name);
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, c10::string_view reduce_op,
+                          c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, int64_t, c10::string_view, c10::string_view)>(
+          "torch_tp::reduce_scatter");
+  return op.call(x, dim, reduce_op, group_name);
+}
+
+at::Tensor copy_to_tp_region(const at::Tensor& x, c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, c10::string_view)>("torch_tp::copy_to_tp_region");
+  return op.call(x, group_name);
+}
+
+at::Tensor reduce_from_tp_region(const at::Tensor& x, c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, c10::string_view)>("torch_tp::reduce_from_tp_region");
+  return op.call(x, group_name);
+}
+
+} // namespace torch_tp

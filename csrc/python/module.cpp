@@ -1,0 +1,17 @@
+// torch_tp._C: importing it loads libtorch_tp.so (a link dependency), whose
+// static initialisers register the torch_tp ops with the dispatcher. The module
+// itself carries the facts of the build that `import torch_tp` checks: a
+// library built against another torch fails with a clear message instead of
+// an undefined symbol.
+
+#include <pybind11/pybind11.h>
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*";
+  m.attr("built_with_torch") = TORCH_TP_TORCH_VERSION;
+#ifdef TORCH_TP_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+}

@@ -1,0 +1,57 @@
+"""Drives the CMake build (CMakeLists.txt is the one list of sources).
+
+`pip install --no-build-isolation .` and `pip install --no-build-isolation -e .`
+both end here. Environment:
+  TORCH_TP_CUDA=0|1          force the CPU-only or the CUDA build (default: CUDA
+                             when torch is a CUDA build and nvcc is found)
+  TORCH_TP_BUILD_TESTS=1     also build the GoogleTest executables
+  TORCH_TP_BUILD_DIR=DIR     the CMake build directory (default build/cmake)
+  MAX_JOBS=N                 parallel compile jobs (default: all cores)
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        # Both libraries land where setuptools expects the extension: the
+        # package directory (editable) or build/lib.*/torch_tp (wheel).
+        output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(os.environ.get("TORCH_TP_BUILD_DIR", ROOT / "build" / "cmake")).resolve()
+        cuda = {"0": "OFF", "1": "ON"}.get(os.environ.get("TORCH_TP_CUDA", ""), "AUTO")
+        tests = "ON" if os.environ.get("TORCH_TP_BUILD_TESTS") == "1" else "OFF"
+        configure = [
+            "cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DTORCH_TP_OUTPUT_DIR={output_dir}",
+            f"-DTORCH_TP_CUDA={cuda}",
+            f"-DTORCH_TP_BUILD_TESTS={tests}",
+        ]
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.check_call(configure)
+        subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs])
+
+
+    def copy_extensions_to_source(self) -> None:
+        # Editable installs copy the extension module into the source tree;
+        # the library it links must travel with it.
+        super().copy_extensions_to_source()
+        built = Path(self.build_lib) / "torch_tp" / "libtorch_tp.so"
+        self.copy_file(str(built), str(ROOT / "torch_tp" / built.name), level=self.verbose)
+
+
+setup(ext_modules=[CMakeExtension("torch_tp._C")], cmdclass={"build_ext": CMakeBuild})

@@ -1,0 +1,36 @@
+"""torch_tp: tensor parallelism for PyTorch as C++/CUDA autograd ops.
+
+``import torch_tp`` loads the native library, which registers the ops as
+``torch.ops.torch_tp.*``; :mod:`torch_tp.ops` holds typed wrappers that accept a
+ProcessGroup, a 1-D DeviceMesh or a group name.
+"""
+
+import torch
+
+from . import _C
+
+if _C.built_with_torch.split("+")[0] != torch.__version__.split("+")[0]:
+    raise ImportError(
+        f"torch_tp was built against torch {_C.built_with_torch} but torch {torch.__version__} "
+        "is installed; rebuild it with `pip install --no-build-isolation .`"
+    )
+
+from . import ops  # noqa: E402
+from .ops import (  # noqa: E402
+    all_gather,
+    all_reduce,
+    copy_to_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "copy_to_tp_region",
+    "ops",
+    "reduce_from_tp_region",
+    "reduce_scatter",
+]
