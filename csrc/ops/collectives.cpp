@@ -36,6 +36,22 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at
 }
 #endif
 
+// Runs one collective to completion. A failure inside the process group (a
+// dtype the backend cannot reduce, a peer that timed out) comes back naming
+// the op, the group, its backend and the tensor, not only the backend's words.
+template <typename Launch>
+void run_collective(const char* op, c10d::ProcessGroup& group, c10::string_view group_name, const at::Tensor& x,
+                    Launch&& launch) {
+  try {
+    launch()->wait();
+  } catch (c10::Error& e) {
+    // Context, not a new error: a DistBackendError (timeout, dead peer) stays one.
+    e.add_context(c10::str(op, ": the ", group.getBackendName(), " backend of group '", group_name,
+                           "' failed on x of dtype ", x.scalar_type(), " and shape ", x.sizes()));
+    throw;
+  }
+}
+
 at::Tensor all_reduce_kernel(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
   constexpr const char* op = "torch_tp::all_reduce";
   check_dtype(op, "x", x, /*allow_bool=*/false);
@@ -51,7 +67,7 @@ at::Tensor all_reduce_kernel(const at::Tensor& x, c10::string_view reduce_op, c1
   std::vector<at::Tensor> tensors{out};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(reduction);
-  group->allreduce(tensors, opts)->wait();
+  run_collective(op, *group, group_name, x, [&] { return group->allreduce(tensors, opts); });
   if (reduction == Reduction::Avg) {
     out.div_(world_size);
   }
@@ -76,7 +92,7 @@ at::Tensor all_gather_kernel(const at::Tensor& x, int64_t dim, c10::string_view 
   auto sizes = front.sizes().vec();
   sizes[0] *= world_size;
   at::Tensor gathered = at::empty(sizes, front.options());
-  all_gather_into(*group, gathered, front)->wait();
+  run_collective(op, *group, group_name, x, [&] { return all_gather_into(*group, gathered, front); });
   return gathered.movedim(0, dim).contiguous();
 }
 
@@ -102,7 +118,7 @@ at::Tensor reduce_scatter_kernel(const at::Tensor& x, int64_t dim, c10::string_v
   at::Tensor piece = at::empty(sizes, front.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(reduction);
-  reduce_scatter_into(*group, piece, front, opts)->wait();
+  run_collective(op, *group, group_name, x, [&] { return reduce_scatter_into(*group, piece, front, opts); });
   if (reduction == Reduction::Avg) {
     piece.div_(world_size);
   }

@@ -1,0 +1,183 @@
+"""One reusable multi-rank harness for every pytest in torch_tp.
+
+A :class:`RankPool` keeps ``world_size`` worker processes alive, each one a rank
+of a torch.distributed group initialised over a FileStore, and runs functions on
+all of them on request: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank
+and returns the per-rank results in rank order. Workers outlive a test, so the
+cost of starting Python, importing torch and rendezvousing is paid once per
+world size, not once per test.
+
+Failures come back as :class:`RankError` with every failing rank's traceback.
+A run that does not finish within its timeout (a hung collective, a rank
+waiting on a peer that died) kills the pool and raises :class:`RankTimeout`
+naming the ranks that did not answer; the next run starts a fresh pool. So a
+broken test fails in seconds instead of blocking CI.
+
+``fn`` must be picklable by reference: a module-level function of a test module.
+"""
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+__all__ = ["RankError", "RankPool", "RankTimeout", "get_pool", "close_pools"]
+
+# After one rank fails, how long the others get to finish or fail on their own
+# before the pool is declared stuck (they may be blocked in a collective with
+# the rank that failed).
+FAILURE_GRACE_S = 10.0
+# Start-up (spawn, import torch, rendezvous) on 2 busy cores with 4 ranks.
+STARTUP_S = 120.0
+# torch.distributed's own timeout inside the workers: shorter than any run's
+# timeout would be pointless, longer only delays the harness' own verdict.
+PG_TIMEOUT_S = 60.0
+
+
+class RankError(AssertionError):
+    """One or more ranks raised; the message holds each one's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """A run did not finish in time; the pool was killed."""
+
+
+def _worker_main(rank: int, world_size: int, backend: str, init_method: str,
+                 tasks: "mp.SimpleQueue", results: "mp.Queue") -> None:
+    import torch
+    import torch.distributed as dist
+
+    import torch_tp  # noqa: F401  (registers the ops in the worker)
+
+    torch.set_num_threads(1)  # 4 ranks on 2 cores: avoid oversubscription
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            value = fn(*args, **kwargs)
+            results.put((rank, "ok", value))
+        except BaseException:  # noqa: BLE001  (carry everything back, even KeyboardInterrupt)
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` persistent ranks of one process group.
+
+    Args:
+        world_size: number of ranks.
+        backend: the torch.distributed backend every rank initialises.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self._tmpdir = tempfile.mkdtemp(prefix="torch_tp_pool_")
+        init_method = "file://" + os.path.join(self._tmpdir, "store")
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_worker_main, daemon=True, name=f"rank{rank}",
+                        args=(rank, world_size, backend, init_method, self._tasks[rank], self._results))
+            for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._ready = False
+        self.alive = True
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> List[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if not self.alive:
+            raise RuntimeError("RankPool.run on a pool that was killed")
+        if not self._ready:
+            self._collect(lambda: None, "ready", STARTUP_S)
+            self._ready = True
+        for task_queue in self._tasks:
+            task_queue.put((fn, args, kwargs))
+        return self._collect(fn, "ok", timeout)
+
+    def _collect(self, fn: Callable[..., Any], expected: str, timeout: float) -> List[Any]:
+        name = getattr(fn, "__qualname__", repr(fn)) if expected == "ok" else "start-up"
+        values: Dict[int, Any] = {}
+        errors: Dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, payload = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                if dead and not errors:
+                    errors.update({int(n[4:]): f"{n} exited with code {self._procs[int(n[4:])].exitcode}"
+                                   for n in dead})
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                continue
+            if status == expected:
+                values[rank] = payload
+            else:
+                if not errors:
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                errors[rank] = payload
+        missing = sorted(set(range(self.world_size)) - set(values) - set(errors))
+        if missing:
+            self.kill()
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankTimeout(
+                f"{name} on {self.world_size} ranks: rank(s) {missing} did not finish within "
+                f"{timeout:.0f} s (pool killed){detail}")
+        if errors:
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankError(f"{name} failed on rank(s) {sorted(errors)} of {self.world_size}:{detail}")
+        return [values[r] for r in range(self.world_size)]
+
+    def kill(self) -> None:
+        """Terminate every rank at once (a stuck pool cannot be shut down politely)."""
+        self.alive = False
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=10)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Shut the ranks down cleanly (destroy_process_group), killing any that hang."""
+        if not self.alive:
+            return
+        for task_queue in self._tasks:
+            task_queue.put(None)
+        for proc in self._procs:
+            proc.join(timeout=30)
+        self.kill()
+
+
+_POOLS: Dict[Tuple[int, str], RankPool] = {}
+
+
+def get_pool(world_size: int, backend: str = "gloo") -> RankPool:
+    """The shared pool for ``(world_size, backend)``, started on first use or after a kill."""
+    key = (world_size, backend)
+    pool: Optional[RankPool] = _POOLS.get(key)
+    if pool is None or not pool.alive:
+        pool = _POOLS[key] = RankPool(world_size, backend)
+    return pool
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
