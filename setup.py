@@ -27,9 +27,6 @@ class CMakeExtension(Extension):
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        # Both libraries land where setuptools expects the extension: the
-        # package directory (editable) or build/lib.*/torch_tp (wheel).
-        output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(os.environ.get("TORCH_TP_BUILD_DIR", ROOT / "build" / "cmake")).resolve()
         cuda = {"0": "OFF", "1": "ON"}.get(os.environ.get("TORCH_TP_CUDA", ""), "AUTO")
         tests = "ON" if os.environ.get("TORCH_TP_BUILD_TESTS") == "1" else "OFF"
@@ -37,14 +34,21 @@ class CMakeBuild(build_ext):
             "cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DPython_EXECUTABLE={sys.executable}",
-            f"-DTORCH_TP_OUTPUT_DIR={output_dir}",
             f"-DTORCH_TP_CUDA={cuda}",
             f"-DTORCH_TP_BUILD_TESTS={tests}",
         ]
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(configure)
         subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs])
-
+        # CMake writes into a stable directory (so rebuilds are incremental and
+        # the GoogleTest executables keep finding libtorch_tp.so); both
+        # libraries then go where setuptools expects the extension.
+        built = build_dir / "torch_tp"
+        output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        output_dir.mkdir(parents=True, exist_ok=True)
+        module = Path(self.get_ext_filename(ext.name)).name
+        for name in ("libtorch_tp.so", module):
+            self.copy_file(str(built / name), str(output_dir / name), level=self.verbose)
 
     def copy_extensions_to_source(self) -> None:
         # Editable installs copy the extension module into the source tree;
