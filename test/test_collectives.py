@@ -188,6 +188,48 @@ def test_reduce_scatter(ranks, world_size):
             pool.run(_check_reduce_scatter, (3, 8), 1, dtype, reduce_op, True)
 
 
+# ---------------------------------------------------------------- uneven (torch.chunk) shards
+
+
+def _check_uneven(n, dim):
+    """Pieces of n rows as torch.chunk (DTensor's Shard(dim)) cuts them: gathered
+    back whole, reduce-scattered into the same pieces, and differentiated through."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    full_shape = [3, 2, 4]
+    full_shape[dim] = n
+    full = _rank_input(0, tuple(full_shape), torch.float64, seed=7)
+    pieces = list(full.chunk(world_size, dim))
+    expected_piece = pieces[rank] if rank < len(pieces) else full.narrow(dim, n, 0)
+    mine = ops.shard(full, dim)
+    assert torch.equal(mine, expected_piece)
+    assert ops.chunk_range(n, world_size, rank)[1] == expected_piece.size(dim)
+
+    gathered = ops.all_gather(mine.clone().requires_grad_(), dim, full_size=n)
+    assert torch.equal(gathered, full)
+
+    x = _rank_input(rank, tuple(full_shape), torch.float64, seed=8).requires_grad_()
+    piece = ops.reduce_scatter(x, dim)
+    reduced = _all_inputs(world_size, tuple(full_shape), torch.float64, seed=8).sum(0)
+    torch.testing.assert_close(piece, ops.shard(reduced, dim), **GRAD_TOL)
+
+    # Backward: all_gather's is the sum reduce-scatter into the same pieces;
+    # reduce_scatter's is the all-gather of the uneven pieces.
+    leaf = mine.clone().requires_grad_()
+    grads = [_rank_input(r, tuple(full_shape), torch.float64, seed=9) for r in range(world_size)]
+    ops.all_gather(leaf, dim, full_size=n).backward(grads[rank])
+    torch.testing.assert_close(leaf.grad, ops.shard(torch.stack(grads).sum(0), dim), **GRAD_TOL)
+    piece.backward(ops.shard(grads[0], dim))
+    torch.testing.assert_close(x.grad, grads[0], **GRAD_TOL)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_uneven_shards(ranks, world_size):
+    pool = ranks(world_size)
+    for n in [1, 2, 5, 7, 10]:
+        for dim in [0, 1, -1]:
+            pool.run(_check_uneven, n, dim)
+
+
 def _check_tp_region_forward(shape):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x = _rank_input(rank, shape, torch.float64)
@@ -423,8 +465,8 @@ def _check_errors():
         (lambda: ops.copy_to_tp_region(x, "no_such_group"), ["torch_tp::copy_to_tp_region", "no_such_group"]),
     ]
     if world_size > 1:
-        cases.append((lambda: ops.reduce_scatter(torch.randn(4, 3), 1),
-                      ["torch_tp::reduce_scatter", "x.size(1)=3", f"world size {world_size}", group]))
+        cases.append((lambda: ops.all_gather(torch.randn(4, 3), 1, full_size=10),
+                      ["torch_tp::all_gather", "x.size(1)=3", "full_size=10", f"over {world_size} ranks"]))
     for call, fragments in cases:
         with pytest.raises(RuntimeError) as info:
             call()
@@ -435,8 +477,8 @@ def _check_errors():
     with pytest.raises(RuntimeError, match=r"torch_tp::all_gather: dim=7"):
         torch.ops.torch_tp.all_gather(torch.empty(2, 3, device="meta"), 7, group)
     if world_size > 1:
-        with pytest.raises(RuntimeError, match=r"x.size\(0\)=3 is not divisible"):
-            torch.ops.torch_tp.reduce_scatter(torch.empty(3, device="meta"), 0, "sum", group)
+        with pytest.raises(RuntimeError, match=r"x.size\(0\)=3 but rank \d's torch.chunk piece of full_size=10"):
+            torch.ops.torch_tp.all_gather(torch.empty(3, device="meta"), 0, group, 10)
 
 
 def _check_backend_dtype_error():

@@ -19,9 +19,11 @@ from . import ops  # noqa: E402
 from .ops import (  # noqa: E402
     all_gather,
     all_reduce,
+    chunk_range,
     copy_to_tp_region,
     reduce_from_tp_region,
     reduce_scatter,
+    shard,
 )
 
 __version__ = "0.1.0"
@@ -29,8 +31,10 @@ __version__ = "0.1.0"
 __all__ = [
     "all_gather",
     "all_reduce",
+    "chunk_range",
     "copy_to_tp_region",
     "ops",
     "reduce_from_tp_region",
     "reduce_scatter",
+    "shard",
 ]

@@ -7,7 +7,7 @@ calls the op with the group's name. The ops are functional (they return new
 tensors), differentiable (autograd in C++) and traceable by ``torch.compile``.
 """
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,12 @@ __all__ = [
     "GroupLike",
     "all_gather",
     "all_reduce",
+    "chunk_range",
     "copy_to_tp_region",
     "group_name",
     "reduce_from_tp_region",
     "reduce_scatter",
+    "shard",
 ]
 
 GroupLike = Optional[Union[dist.ProcessGroup, DeviceMesh, str]]
@@ -83,15 +85,23 @@ def all_reduce(x: torch.Tensor, reduce_op: str = "sum", group: GroupLike = None)
     return torch.ops.torch_tp.all_reduce(x, reduce_op, group_name(group))
 
 
-def all_gather(x: torch.Tensor, dim: int, group: GroupLike = None) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, dim: int, group: GroupLike = None, full_size: Optional[int] = None
+) -> torch.Tensor:
     r"""Concatenate the ranks' ``x`` along ``dim`` in rank order.
 
-    ``x [.., n, ..]`` on each of ``p`` ranks gives ``[.., p * n, ..]``.
+    ``x [.., n, ..]`` on each of ``p`` ranks gives ``[.., p * n, ..]``. With
+    ``full_size``, the ranks hold the ``torch.chunk`` pieces of ``full_size``
+    rows (DTensor's ``Shard(dim)``, uneven when ``full_size`` is not a multiple
+    of ``p``: later ranks hold fewer rows, or none), and the result has
+    ``full_size`` rows.
 
     Args:
-        x (Tensor): this rank's piece; the same shape on every rank.
+        x (Tensor): this rank's piece.
         dim (int): the dimension to concatenate along; negative counts from the end.
         group: the process group (see :func:`group_name`).
+        full_size (int, optional): the gathered size along ``dim``; needed
+            when the pieces are uneven.
 
     Returns:
         Tensor: a new contiguous tensor. Its gradient is the sum reduce-scatter
@@ -102,28 +112,33 @@ def all_gather(x: torch.Tensor, dim: int, group: GroupLike = None) -> torch.Tens
         >>> # on each of 2 ranks
         >>> torch_tp.ops.all_gather(torch.full((2,), float(dist.get_rank())), 0)
         tensor([0., 0., 1., 1.])
+        >>> # 3 rows over 2 ranks: rank 0 holds 2, rank 1 holds 1
+        >>> torch_tp.ops.all_gather(shard(torch.arange(3.0), 0), 0, full_size=3)
+        tensor([0., 1., 2.])
     """
-    return torch.ops.torch_tp.all_gather(x, dim, group_name(group))
+    return torch.ops.torch_tp.all_gather(x, dim, group_name(group), full_size)
 
 
 def reduce_scatter(
     x: torch.Tensor, dim: int, reduce_op: str = "sum", group: GroupLike = None
 ) -> torch.Tensor:
-    r"""Reduce ``x`` over the ranks and keep this rank's piece along ``dim``.
+    r"""Reduce ``x`` over the ranks and keep this rank's ``torch.chunk`` piece along ``dim``.
 
-    ``x [.., p * n, ..]`` gives rank ``r`` the reduction of rows ``r*n .. (r+1)*n``.
+    ``x [.., n, ..]`` gives rank ``r`` the reduction of the rows that
+    ``torch.chunk(n, p)[r]`` covers: ``n / p`` rows when ``p`` divides ``n``;
+    otherwise ``ceil(n / p)`` rows for the first ranks and fewer, or none,
+    for the last ones (DTensor's ``Shard(dim)``).
 
     Args:
-        x (Tensor): this rank's tensor; the same shape on every rank, with
-            ``x.size(dim)`` divisible by the world size.
+        x (Tensor): this rank's tensor; the same shape on every rank.
         dim (int): the dimension to scatter along; negative counts from the end.
         reduce_op (str): as for :func:`all_reduce`.
         group: the process group (see :func:`group_name`).
 
     Returns:
-        Tensor: a new contiguous tensor of ``x.size(dim) // p`` along ``dim``.
-        Its gradient is the all-gather of the output gradient along ``dim``
-        (with the local factor of :func:`all_reduce` for avg, min, max, product).
+        Tensor: a new contiguous tensor. Its gradient is the all-gather of the
+        output gradient along ``dim`` (with the local factor of
+        :func:`all_reduce` for avg, min, max, product).
 
     Example::
 
@@ -173,3 +188,44 @@ def reduce_from_tp_region(x: torch.Tensor, group: GroupLike = None) -> torch.Ten
         >>> y = torch_tp.ops.reduce_from_tp_region(h @ w_row_shard.t(), tp_group)
     """
     return torch.ops.torch_tp.reduce_from_tp_region(x, group_name(group))
+
+
+def chunk_range(n: int, world_size: int, rank: int) -> Tuple[int, int]:
+    r"""The rows ``[start, start + length)`` of ``n`` that rank ``rank`` holds when
+    they are split as ``torch.chunk(n, world_size)`` splits them.
+
+    Returns:
+        tuple: ``(start, length)``; ``length`` is 0 for ranks past the last piece.
+
+    Example::
+
+        >>> [chunk_range(10, 4, r) for r in range(4)]
+        [(0, 3), (3, 3), (6, 3), (9, 1)]
+    """
+    chunk = -(-n // world_size)
+    start = min(rank * chunk, n)
+    return start, min(chunk, n - start)
+
+
+def shard(full: torch.Tensor, dim: int, group: GroupLike = None) -> torch.Tensor:
+    r"""This rank's ``torch.chunk`` piece of ``full`` along ``dim`` (DTensor's ``Shard(dim)``).
+
+    Args:
+        full (Tensor): the unsharded tensor, the same on every rank.
+        dim (int): the dimension to split.
+        group: the process group whose ranks split it (see :func:`group_name`).
+
+    Returns:
+        Tensor: a contiguous copy of this rank's rows; empty along ``dim`` for a
+        rank past the last piece.
+
+    Example::
+
+        >>> # rank 1 of 2
+        >>> shard(torch.arange(5.0), 0)
+        tensor([3., 4.])
+    """
+    name = group_name(group)
+    pg = torch.distributed.distributed_c10d._resolve_process_group(name)
+    start, length = chunk_range(full.size(dim), pg.size(), pg.rank())
+    return full.narrow(dim, start, length).contiguous()

@@ -99,23 +99,25 @@ struct AllReduceFunction : public torch::autograd::Function<AllReduceFunction> {
 };
 
 struct AllGatherFunction : public torch::autograd::Function<AllGatherFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, const std::string& group_name) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, const std::string& group_name,
+                            std::optional<int64_t> full_size) {
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["group_name"] = group_name;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return all_gather(x, dim, group_name);
+    return all_gather(x, dim, group_name, full_size);
   }
 
   // The adjoint of a concatenation over ranks: each rank's block of the
-  // gradient, summed over the ranks that received it.
+  // gradient, summed over the ranks that received it. reduce_scatter cuts the
+  // same torch.chunk pieces that were gathered.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) {
-      return {at::Tensor(), at::Tensor(), at::Tensor()};
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     const int64_t dim = ctx->saved_data["dim"].toInt();
     const auto group_name = ctx->saved_data["group_name"].toStringRef();
-    return {reduce_scatter(grad, dim, "sum", group_name), at::Tensor(), at::Tensor()};
+    return {reduce_scatter(grad, dim, "sum", group_name), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -128,6 +130,7 @@ struct ReduceScatterFunction : public torch::autograd::Function<ReduceScatterFun
       piece = reduce_scatter(x, dim, reduce_op, group_name);
     }
     ctx->saved_data["dim"] = dim;
+    ctx->saved_data["full_size"] = x.size(dim);
     ctx->saved_data["reduce_op"] = reduce_op;
     ctx->saved_data["group_name"] = group_name;
     if (needs_inputs_for_backward(parse_reduction("torch_tp::reduce_scatter", reduce_op, x.scalar_type()))) {
@@ -144,12 +147,13 @@ struct ReduceScatterFunction : public torch::autograd::Function<ReduceScatterFun
     const int64_t dim = ctx->saved_data["dim"].toInt();
     const auto reduce_op = ctx->saved_data["reduce_op"].toStringRef();
     const auto group_name = ctx->saved_data["group_name"].toStringRef();
+    const int64_t full_size = ctx->saved_data["full_size"].toInt();
     const Reduction reduction = parse_reduction("torch_tp::reduce_scatter", reduce_op, grad.scalar_type());
-    const at::Tensor upstream = all_gather(grad, dim, group_name);
+    const at::Tensor upstream = all_gather(grad, dim, group_name, full_size);
     at::Tensor grad_x;
     if (needs_inputs_for_backward(reduction)) {
       const auto saved = ctx->get_saved_variables();
-      const at::Tensor y_full = all_gather(saved[1], dim, group_name);
+      const at::Tensor y_full = all_gather(saved[1], dim, group_name, full_size);
       grad_x = reduction_adjoint(reduction, upstream, saved[0], y_full, group_name);
     } else {
       grad_x = reduction_adjoint(reduction, upstream, at::Tensor(), at::Tensor(), group_name);
@@ -191,8 +195,9 @@ at::Tensor all_reduce_autograd(const at::Tensor& x, c10::string_view reduce_op, 
   return AllReduceFunction::apply(x, std::string(reduce_op), std::string(group_name));
 }
 
-at::Tensor all_gather_autograd(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
-  return AllGatherFunction::apply(x, dim, std::string(group_name));
+at::Tensor all_gather_autograd(const at::Tensor& x, int64_t dim, c10::string_view group_name,
+                               std::optional<int64_t> full_size) {
+  return AllGatherFunction::apply(x, dim, std::string(group_name), full_size);
 }
 
 at::Tensor reduce_scatter_autograd(const at::Tensor& x, int64_t dim, c10::string_view reduce_op,

@@ -94,11 +94,4 @@ int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim) {
   return dim < 0 ? dim + ndim : dim;
 }
 
-void check_divisible(const char* op, const at::Tensor& x, int64_t dim, int64_t world_size,
-                     c10::string_view group_name) {
-  const auto size = x.sym_size(dim).maybe_as_int();
-  TORCH_CHECK(!size || *size % world_size == 0, op, ": x.size(", dim, ")=", *size,
-              " is not divisible by the world size ", world_size, " of group '", group_name, "'");
-}
-
 } // namespace torch_tp

@@ -35,8 +35,4 @@ void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allo
 // Wraps a possibly negative `dim` into [0, ndim) or throws.
 int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim);
 
-// x [..., n, ...] along `dim`: n must split into `world_size` equal pieces.
-void check_divisible(const char* op, const at::Tensor& x, int64_t dim, int64_t world_size,
-                     c10::string_view group_name);
-
 } // namespace torch_tp

@@ -3,6 +3,7 @@
 // kernels so that a bad call fails at trace time with the same message, and
 // they work on symbolic sizes. Outputs are contiguous, as the device kernels'.
 
+#include "ops/comm.h"
 #include "ops/common.h"
 
 #include <ATen/ATen.h>
@@ -19,13 +20,22 @@ at::Tensor all_reduce_meta(const at::Tensor& x, c10::string_view reduce_op, c10:
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
-at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view group_name,
+                           std::optional<int64_t> full_size) {
   constexpr const char* op = "torch_tp::all_gather";
   check_dtype(op, "x", x, /*allow_bool=*/true);
   dim = wrap_dim(op, dim, x.dim());
-  const int64_t world_size = resolve_group(op, group_name)->getSize();
+  const auto group = resolve_group(op, group_name);
   auto sizes = x.sym_sizes().vec();
-  sizes[dim] = sizes[dim] * world_size;
+  if (full_size) {
+    if (x.sym_size(dim).is_heap_allocated()) {
+      sizes[dim] = *full_size;
+    } else {
+      sizes[dim] = gathered_size(op, x, dim, full_size, group->getSize(), group->getRank());
+    }
+  } else {
+    sizes[dim] = sizes[dim] * group->getSize();
+  }
   return at::empty_symint(sizes, x.options());
 }
 
@@ -35,10 +45,14 @@ at::Tensor reduce_scatter_meta(const at::Tensor& x, int64_t dim, c10::string_vie
   check_dtype(op, "x", x, /*allow_bool=*/false);
   parse_reduction(op, reduce_op, x.scalar_type());
   dim = wrap_dim(op, dim, x.dim());
-  const int64_t world_size = resolve_group(op, group_name)->getSize();
-  check_divisible(op, x, dim, world_size, group_name);
+  const auto group = resolve_group(op, group_name);
+  // This rank's torch.chunk piece, in SymInt arithmetic (see NOTE [torch.chunk shards]).
+  const int64_t world_size = group->getSize();
+  const c10::SymInt n = x.sym_size(dim);
+  const c10::SymInt chunk = (n + (world_size - 1)) / world_size;
+  const c10::SymInt start = (chunk * group->getRank()).min(n);
   auto sizes = x.sym_sizes().vec();
-  sizes[dim] = sizes[dim] / world_size;
+  sizes[dim] = chunk.min(n - start);
   return at::empty_symint(sizes, x.options());
 }
 

@@ -20,10 +20,12 @@ at::Tensor all_reduce(const at::Tensor& x, c10::string_view reduce_op, c10::stri
   return op.call(x, reduce_op, group_name);
 }
 
-at::Tensor all_gather(const at::Tensor& x, int64_t dim, c10::string_view group_name) {
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, c10::string_view group_name,
+                      std::optional<int64_t> full_size) {
   static const auto op =
-      find_op<at::Tensor(const at::Tensor&, int64_t, c10::string_view)>("torch_tp::all_gather");
-  return op.call(x, dim, group_name);
+      find_op<at::Tensor(const at::Tensor&, int64_t, c10::string_view, std::optional<int64_t>)>(
+          "torch_tp::all_gather");
+  return op.call(x, dim, group_name, full_size);
 }
 
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, c10::string_view reduce_op,

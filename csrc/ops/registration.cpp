@@ -19,7 +19,7 @@
 
 TORCH_LIBRARY(torch_tp, m) {
   m.def("all_reduce(Tensor x, str reduce_op, str group_name) -> Tensor");
-  m.def("all_gather(Tensor x, int dim, str group_name) -> Tensor");
+  m.def("all_gather(Tensor x, int dim, str group_name, int? full_size=None) -> Tensor");
   m.def("reduce_scatter(Tensor x, int dim, str reduce_op, str group_name) -> Tensor");
   m.def("copy_to_tp_region(Tensor x, str group_name) -> Tensor");
   m.def("reduce_from_tp_region(Tensor x, str group_name) -> Tensor");

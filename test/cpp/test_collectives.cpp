@@ -398,9 +398,9 @@ TEST(CollectiveErrors, MessagesNameTheOpTheArgumentAndTheValue) {
     EXPECT_TRUE(
         throws_with([&] { torch_tp::reduce_scatter(x, 2, "sum", group); }, {"torch_tp::reduce_scatter", "dim=2"}));
 
-    // x.size(0) = 3 does not split over 2 ranks.
-    EXPECT_TRUE(throws_with([&] { torch_tp::reduce_scatter(x, 0, "sum", group); },
-                            {"torch_tp::reduce_scatter", "x.size(0)=3", "world size 2"}));
+    // 3 rows are not a torch.chunk piece of 10 rows over 2 ranks (those have 5).
+    EXPECT_TRUE(throws_with([&] { torch_tp::all_gather(x, 0, group, 10); },
+                            {"torch_tp::all_gather", "x.size(0)=3", "full_size=10", "has 5 rows"}));
 
     EXPECT_TRUE(throws_with([&] { torch_tp::all_reduce(x, "sum", "no_such_group"); },
                             {"torch_tp::all_reduce", "group_name='no_such_group'"}));

@@ -1,0 +1,176 @@
+#include "ops/comm.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/version.h>
+
+namespace torch_tp {
+namespace {
+
+// ProcessGroup renamed _allgather_base/_reduce_scatter_base to
+// all_gather_single/reduce_scatter_single in torch 2.13 and deprecated the old names.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
+  return group.all_gather_single(out, in);
+}
+c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
+                                                   const c10d::ReduceScatterOptions& opts) {
+  return group.reduce_scatter_single(out, in, opts);
+}
+#else
+c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
+  return group._allgather_base(out, in);
+}
+c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
+                                                   const c10d::ReduceScatterOptions& opts) {
+  return group._reduce_scatter_base(out, in, opts);
+}
+#endif
+
+// x moved so that `dim` leads, as one contiguous block of `rows` rows: x's own
+// rows, then zeros. [.., n, ..] -> [rows, rest].
+at::Tensor front_padded(const at::Tensor& x, int64_t dim, int64_t rows) {
+  at::Tensor front = x.movedim(dim, 0);
+  if (front.size(0) == rows) {
+    return front.contiguous();
+  }
+  auto sizes = front.sizes().vec();
+  sizes[0] = rows;
+  at::Tensor padded = at::zeros(sizes, front.options());
+  padded.narrow(0, 0, front.size(0)).copy_(front);
+  return padded;
+}
+
+// Wraps the start of a collective: a failure while launching is reported like one while waiting.
+template <typename Launch>
+c10::intrusive_ptr<c10d::Work> launch(const char* op, c10d::ProcessGroup& group, const at::Tensor& x,
+                                      Launch&& start) {
+  try {
+    return start();
+  } catch (c10::Error& e) {
+    e.add_context(c10::str(op, ": the ", group.getBackendName(), " backend of group '", group.getGroupName(),
+                           "' failed on x of dtype ", x.scalar_type(), " and shape ", x.sizes()));
+    throw;
+  }
+}
+
+} // namespace
+
+ChunkRange chunk_range(int64_t n, int64_t world_size, int64_t rank) {
+  const int64_t chunk = (n + world_size - 1) / world_size;
+  const int64_t start = std::min(rank * chunk, n);
+  return {start, std::min(chunk, n - start)};
+}
+
+int64_t gathered_size(const char* op, const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
+                      int64_t world_size, int64_t rank) {
+  const int64_t local = x.size(dim);
+  if (!full_size) {
+    return local * world_size;
+  }
+  TORCH_CHECK(*full_size >= 0, op, ": full_size=", *full_size, " must be >= 0");
+  const int64_t expected = chunk_range(*full_size, world_size, rank).length;
+  TORCH_CHECK(local == expected, op, ": x.size(", dim, ")=", local, " but rank ", rank,
+              "'s torch.chunk piece of full_size=", *full_size, " over ", world_size, " ranks has ", expected,
+              " rows");
+  return *full_size;
+}
+
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish,
+                                     const char* op, c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor input)
+    : work_(std::move(work)), finish_(std::move(finish)), op_(op), group_(std::move(group)), input_(std::move(input)) {}
+
+PendingCollective::~PendingCollective() {
+  if (work_) {
+    try {
+      work_->wait();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): unwinding already; the first error is the one to report
+    }
+  }
+}
+
+at::Tensor PendingCollective::wait() {
+  if (work_) {
+    auto work = std::move(work_);
+    try {
+      work->wait();
+    } catch (c10::Error& e) {
+      // Context, not a new error: a DistBackendError (timeout, dead peer) stays one.
+      e.add_context(c10::str(op_, ": the ", group_->getBackendName(), " backend of group '", group_->getGroupName(),
+                             "' failed on x of dtype ", input_.scalar_type(), " and shape ", input_.sizes()));
+      throw;
+    }
+  }
+  return finish_();
+}
+
+PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                    at::Tensor& x, Reduction reduction) {
+  TORCH_INTERNAL_ASSERT(x.is_contiguous());
+  const int64_t world_size = group->getSize();
+  c10::intrusive_ptr<c10d::Work> work;
+  if (world_size > 1) {
+    c10::OptionalDeviceGuard device_guard(x.device());
+    std::vector<at::Tensor> tensors{x};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(reduction);
+    work = launch(op, *group, x, [&] { return group->allreduce(tensors, opts); });
+  }
+  auto finish = [x, reduction, world_size]() mutable {
+    if (reduction == Reduction::Avg && world_size > 1) {
+      x.div_(world_size);
+    }
+    return x;
+  };
+  return PendingCollective(std::move(work), std::move(finish), op, group, x);
+}
+
+PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size) {
+  const int64_t world_size = group->getSize();
+  const int64_t n = gathered_size(op, x, dim, full_size, world_size, group->getRank());
+  if (world_size == 1) {
+    return PendingCollective({}, [out = x.clone(at::MemoryFormat::Contiguous)] { return out; }, op, group, x);
+  }
+  c10::OptionalDeviceGuard device_guard(x.device());
+  // x [.., s, ..] -> front [c, rest] (padded) -> gathered [p*c, rest] -> first n rows, moved back: [.., n, ..].
+  const int64_t chunk = (n + world_size - 1) / world_size;
+  at::Tensor front = front_padded(x, dim, chunk);
+  auto sizes = front.sizes().vec();
+  sizes[0] = chunk * world_size;
+  at::Tensor gathered = at::empty(sizes, front.options());
+  auto work = launch(op, *group, x, [&] { return all_gather_into(*group, gathered, front); });
+  auto finish = [gathered, front, n, dim] { return gathered.narrow(0, 0, n).movedim(0, dim).contiguous(); };
+  return PendingCollective(std::move(work), std::move(finish), op, group, x);
+}
+
+PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                       const at::Tensor& x, int64_t dim, Reduction reduction) {
+  const int64_t world_size = group->getSize();
+  if (world_size == 1) {
+    return PendingCollective({}, [out = x.clone(at::MemoryFormat::Contiguous)] { return out; }, op, group, x);
+  }
+  c10::OptionalDeviceGuard device_guard(x.device());
+  // x [.., n, ..] -> front [p*c, rest] (zero rows appended) -> piece [c, rest]
+  // (rows r*c.. of the reduction) -> this rank's rows, moved back: [.., s_r, ..].
+  const int64_t n = x.size(dim);
+  const int64_t chunk = (n + world_size - 1) / world_size;
+  const int64_t length = chunk_range(n, world_size, group->getRank()).length;
+  at::Tensor front = front_padded(x, dim, chunk * world_size);
+  auto sizes = front.sizes().vec();
+  sizes[0] = chunk;
+  at::Tensor piece = at::empty(sizes, front.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = to_c10d(reduction);
+  auto work = launch(op, *group, x, [&] { return reduce_scatter_into(*group, piece, front, opts); });
+  auto finish = [piece, front, length, dim, reduction, world_size] {
+    at::Tensor mine = piece.narrow(0, 0, length);
+    if (reduction == Reduction::Avg) {
+      mine.div_(world_size);
+    }
+    return mine.movedim(0, dim).contiguous();
+  };
+  return PendingCollective(std::move(work), std::move(finish), op, group, x);
+}
+
+} // namespace torch_tp

@@ -1,0 +1,73 @@
+#pragma once
+// Collectives on any c10d process group in torch_tp's layout: along any dim,
+// with torch.chunk-sized pieces, started now and finished later. The collective
+// ops (collectives.cpp) start and immediately wait; the linear backward kernels
+// start one, compute a GEMM while it runs, then wait (Megatron's overlap).
+//
+// NOTE [torch.chunk shards]
+// A dim of n rows is split over p ranks as torch.chunk(n, p) splits it, which
+// is DTensor's Shard(dim): every piece has c = ceil(n / p) rows except the
+// last non-empty one; later ranks may get none. Rank r holds rows
+// [r*c, min((r+1)*c, n)). Collectives move such pieces as p blocks of c rows,
+// zero-padding the short ones: the valid rows of the gathered [p*c] tensor are
+// then exactly its first n rows, since every padded block comes after all full ones.
+
+#include "ops/common.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <optional>
+
+namespace torch_tp {
+
+// Rank `rank`'s rows [start, start + length) of n rows split as torch.chunk splits them.
+struct ChunkRange {
+  int64_t start;
+  int64_t length;
+};
+ChunkRange chunk_range(int64_t n, int64_t world_size, int64_t rank);
+
+// A collective in flight. wait() blocks until it completed and returns the
+// result in its final layout; a backend failure is rethrown with the op, the
+// group and the tensor named. Destroying it unwaited waits (errors dropped),
+// so no collective outlives the buffers it writes.
+class PendingCollective {
+ public:
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish, const char* op,
+                    c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor input);
+  PendingCollective(PendingCollective&&) = default;
+  PendingCollective& operator=(PendingCollective&&) = default;
+  ~PendingCollective();
+
+  at::Tensor wait();
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;  // null when there was nothing to send
+  std::function<at::Tensor()> finish_;
+  const char* op_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  at::Tensor input_;  // for the error message only
+};
+
+// Reduces the contiguous tensor `x` over the group, in place.
+PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                    at::Tensor& x, Reduction reduction);
+
+// Concatenates the ranks' pieces of x along `dim` (already wrapped). Without
+// `full_size` every rank's piece has x's size; with it, the pieces are the
+// torch.chunk pieces of full_size rows and x must hold this rank's.
+PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size);
+
+// Reduces x over the group and keeps this rank's torch.chunk piece along `dim`.
+PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                       const at::Tensor& x, int64_t dim, Reduction reduction);
+
+// Checks that x's size along `dim` is this rank's torch.chunk piece of
+// `full_size` rows and returns full_size (or p * x.size(dim) without it).
+int64_t gathered_size(const char* op, const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
+                      int64_t world_size, int64_t rank);
+
+} // namespace torch_tp
