@@ -34,14 +34,40 @@ gathered/unscattered tensor size); torch_tp's overhead over raw c10d as the
 median of the per-repeat paired differences (us) and as the ratio of medians;
 and the ratio of medians torch_tp / functional.
 
+On gloo the collective itself takes hundreds of microseconds with tens of
+microseconds of jitter, so the paired difference above cannot resolve an
+overhead of a few microseconds. A separate phase (run first; it takes seconds) measures each layer's
+own per-call cost (dispatcher, group-name resolution, argument checks, output
+allocation, layout work, Work/wait) with the communication taken out:
+
+NOTE [no-op process group]: the same three implementations (the same call
+forms as above) run on a second group created inside the same torchrun run,
+``dist.new_group(backend="fake")``, next to the gloo world group. The "fake"
+backend is torch's ``FakeProcessGroup`` (``torch._C._distributed_c10d``); it is
+registered with c10d by importing
+``torch.testing._internal.distributed.fake_pg``. Its collectives return an
+already completed Work without communicating (all_reduce does nothing;
+all_gather / reduce_scatter copy local data into the output so it is not left
+uninitialised), so output contents are meaningless there and are not checked;
+only shapes are. Sizes are small (default 64 B, 4 KiB, 64 KiB per rank). For
+each (size, op), every round runs one batch of back-to-back calls of each
+implementation, in an order rotated from round to round, after a gloo barrier
+that lines the ranks' rounds up; per-call time = batch time / batch length.
+A batch's time is the max over ranks; reported are the median over batches
+of the per-call time of each implementation, and the medians over rounds of
+the paired per-round differences torch_tp - raw and torch_tp - functional.
+``--no-overhead`` skips this phase.
+
 Rank 0 writes ``collectives.json`` (all figures, the per-repeat times and the
-machine), ``collectives.png`` (latency vs size, log-log, one subplot per op)
-and the ``bench_collectives`` section of ``RESULTS.md`` (text outside its
-markers is kept) into ``--out-dir``, and prints the markdown table.
+machine; the no-op-group phase under ``"overhead_noop_pg"``),
+``collectives.png`` (latency vs size, log-log, one subplot per op) and the
+``bench_collectives`` section of ``RESULTS.md`` (text outside its markers is
+kept; both tables) into ``--out-dir``, and prints the markdown tables.
 """
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -49,7 +75,7 @@ import shlex
 import socket
 import sys
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +115,16 @@ QUICK_REPEATS = {
     16 * MiB: 4,
     64 * MiB: 3,
 }
+
+# The per-call overhead phase on the no-op ("fake") process group: small
+# messages, many calls timed in batches (perf_counter around a whole batch, so
+# timer resolution and the timer call itself vanish in the per-call figure).
+OVERHEAD_SIZES = [64, 4 * KiB, 64 * KiB]
+OVERHEAD_CALLS = 5000  # timed calls per (size, op, implementation); --quick: OVERHEAD_CALLS_QUICK
+OVERHEAD_CALLS_QUICK = 600
+OVERHEAD_BATCH = 100  # calls per timed batch; --quick: OVERHEAD_BATCH_QUICK
+OVERHEAD_BATCH_QUICK = 50
+OVERHEAD_WARMUP_BATCHES = 2  # untimed batches per (size, op, implementation)
 
 # torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour
 # of the *_single names; the deprecated wrappers call warnings.warn on every
@@ -149,7 +185,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         epilog=(
             "Method: all implementations interleaved per repeat (rotating order), dist.barrier() "
             "before each timed call, per-call times max-reduced over ranks, medians (p10/p90) over "
-            "repeats. Rank 0 writes collectives.json, collectives.png and the bench_collectives "
+            "repeats. First (unless --no-overhead), the per-call overhead of each layer: the same three "
+            "implementations on a no-op process group (dist.new_group(backend='fake'), torch's "
+            "FakeProcessGroup, which does no communication) beside the gloo group, small sizes, many "
+            "calls timed in batches, rounds interleaved, median per-call time over batches. "
+            "Rank 0 writes collectives.json, collectives.png and the bench_collectives "
             "section of RESULTS.md into --out-dir."
         ),
     )
@@ -161,7 +201,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run (~30 s): same sizes, about a tenth of the repeats",
+        help="smoke run (~40 s): same sizes, about a tenth of the repeats and of the no-op-group calls",
     )
     p.add_argument(
         "--sizes",
@@ -187,6 +227,31 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "halved for sizes >= 16 MiB)",
     )
     p.add_argument(
+        "--no-overhead",
+        action="store_true",
+        help="skip the per-call overhead phase on the no-op (fake backend) process group",
+    )
+    p.add_argument(
+        "--overhead-sizes",
+        default=None,
+        help="comma-separated message sizes for the overhead phase "
+        f"(default: {','.join(fmt_size(x).replace(' ', '') for x in OVERHEAD_SIZES)})",
+    )
+    p.add_argument(
+        "--overhead-calls",
+        type=int,
+        default=None,
+        help=f"timed calls per (size, op, implementation) in the overhead phase (default: {OVERHEAD_CALLS}, "
+        f"{OVERHEAD_CALLS_QUICK} with --quick)",
+    )
+    p.add_argument(
+        "--overhead-batch",
+        type=int,
+        default=None,
+        help=f"calls per timed batch in the overhead phase (default: {OVERHEAD_BATCH}, "
+        f"{OVERHEAD_BATCH_QUICK} with --quick)",
+    )
+    p.add_argument(
         "--no-results-md",
         action="store_true",
         help="do not update RESULTS.md (still writes the json and png)",
@@ -199,6 +264,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             p.error(f"--ops: unknown op {o!r}; choose from {', '.join(OPS)}")
     if args.warmup is None:
         args.warmup = 2 if args.quick else 5
+    args.overhead_sizes = (
+        [parse_size(s) for s in args.overhead_sizes.split(",")] if args.overhead_sizes else list(OVERHEAD_SIZES)
+    )
+    if args.overhead_calls is None:
+        args.overhead_calls = OVERHEAD_CALLS_QUICK if args.quick else OVERHEAD_CALLS
+    if args.overhead_batch is None:
+        args.overhead_batch = OVERHEAD_BATCH_QUICK if args.quick else OVERHEAD_BATCH
+    if args.overhead_calls < 1 or args.overhead_batch < 1:
+        p.error("--overhead-calls and --overhead-batch must be positive")
     return args
 
 
@@ -462,6 +536,193 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: 
 
 
 # ---------------------------------------------------------------------------
+# per-call overhead on a no-op process group (see NOTE [no-op process group])
+
+
+def make_noop_group(world_group: dist.ProcessGroup) -> Tuple[Optional[dist.ProcessGroup], str]:
+    """Create a group on torch's "fake" backend beside the gloo world group; (group, "") or (None, why not).
+
+    Collective over the world group: every rank must call it.
+    """
+    group, why = None, ""
+    try:
+        # torch names the backend (dist.Backend.FAKE) but registers its creator
+        # (FakeProcessGroup._create_internal) only when this module is imported.
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+        group = dist.new_group(backend="fake")
+        if dist.get_backend(group) != "fake":
+            why, group = f"new_group(backend='fake') gave a {dist.get_backend(group)!r} group", None
+    except Exception as e:  # an older or newer torch without it: skip the phase, say why
+        why, group = f"{type(e).__name__}: {e}", None
+    ok = torch.tensor([0 if group is None else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=world_group)  # all ranks run the phase, or none
+    if not ok.item():
+        return None, why or "the fake group could not be created on another rank"
+    return group, ""
+
+
+def bench_overhead(
+    args: argparse.Namespace, fake_group: dist.ProcessGroup, world_group: dist.ProcessGroup, rank: int, world: int
+) -> Dict:
+    """Per-call time of each implementation on the no-op group; figures in us per call."""
+    batch = args.overhead_batch
+    n_batches = max(3, -(-args.overhead_calls // batch))
+    sizes, ops = args.overhead_sizes, args.ops
+    # per-call seconds of each timed batch on this rank: [size, op, impl, batch]
+    local = torch.zeros(len(sizes), len(ops), len(IMPLS), n_batches, dtype=torch.float64)
+    shapes: Dict[Tuple[int, str], List[int]] = {}
+    gc_was_enabled = gc.isenabled()
+    t_phase = time.perf_counter()
+    try:
+        for si, nbytes in enumerate(sizes):
+            t_size = time.perf_counter()
+            for oi, op in enumerate(ops):
+                # The same call forms as the gloo phase, bound to the fake group.
+                calls, _, getters, _ = make_calls(op, nbytes, fake_group, rank, world)
+                # The fake backend's outputs are not the collective's result, so
+                # only the shapes are checked, not the values.
+                for impl in IMPLS:
+                    calls[impl]()
+                got = {impl: tuple(getters[impl]().shape) for impl in IMPLS}
+                if len(set(got.values())) != 1:
+                    raise RuntimeError(f"{op} on the fake group: output shapes differ: {got}")
+                shapes[(nbytes, op)] = list(got["raw"])
+                # As timeit does: no cyclic GC pauses inside the timed batches.
+                gc.collect()
+                gc.disable()
+                for _ in range(OVERHEAD_WARMUP_BATCHES):
+                    for impl in IMPLS:
+                        fn = calls[impl]
+                        for _ in range(batch):
+                            fn()
+                for b in range(n_batches):
+                    # Untimed: lines the ranks' rounds up so the max over ranks pairs like with like.
+                    dist.barrier(group=world_group)
+                    order = IMPLS[b % len(IMPLS):] + IMPLS[: b % len(IMPLS)]
+                    for impl in order:
+                        fn = calls[impl]
+                        loop = range(batch)
+                        t0 = time.perf_counter()
+                        for _ in loop:
+                            fn()
+                        t1 = time.perf_counter()
+                        local[si, oi, IMPLS.index(impl), b] = (t1 - t0) / batch
+                if gc_was_enabled:
+                    gc.enable()
+            if rank == 0:
+                print(
+                    f"[bench_collectives] no-op group {fmt_size(nbytes):>7}: {n_batches} x {batch} calls x "
+                    f"{len(ops)} ops x {len(IMPLS)} impls in {time.perf_counter() - t_size:.1f} s",
+                    flush=True,
+                )
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    elapsed = time.perf_counter() - t_phase
+
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=world_group)
+    per_rank = torch.stack(gathered)  # [rank, size, op, impl, batch]
+    maxed = per_rank.max(dim=0).values  # a batch's time: the slowest rank's
+
+    def med_us(t: torch.Tensor) -> float:
+        return quantile(sorted((t * 1e6).tolist()), 0.5)
+
+    records = []
+    for si, nbytes in enumerate(sizes):
+        for oi, op in enumerate(ops):
+            rec = {
+                "op": op,
+                "size_bytes": nbytes,
+                "size": fmt_size(nbytes),
+                "output_shape": shapes[(nbytes, op)],
+                "impls": {},
+            }
+            for ii, impl in enumerate(IMPLS):
+                times = maxed[si, oi, ii].tolist()
+                st = stats_us(times)
+                st["per_rank_median_us"] = [med_us(per_rank[r, si, oi, ii]) for r in range(world)]
+                st["batch_us_per_call"] = [t * 1e6 for t in times]
+                rec["impls"][impl] = st
+            tp_t, fc_t, raw_t = maxed[si, oi, 0], maxed[si, oi, 1], maxed[si, oi, 2]
+            med = {k: rec["impls"][k]["median_us"] for k in IMPLS}
+            # Paired per round (the three batches of a round ran back to back).
+            rec["torch_tp_minus_raw_us"] = med_us(tp_t - raw_t)
+            rec["torch_tp_minus_functional_us"] = med_us(tp_t - fc_t)
+            rec["functional_minus_raw_us"] = med_us(fc_t - raw_t)
+            rec["torch_tp_minus_raw_medians_us"] = med["torch_tp"] - med["raw"]
+            rec["torch_tp_minus_functional_medians_us"] = med["torch_tp"] - med["functional"]
+            records.append(rec)
+    return {
+        "backend": dist.get_backend(fake_group),
+        "group": "dist.new_group(backend='fake') beside the gloo world group, after importing "
+        "torch.testing._internal.distributed.fake_pg (registers torch's FakeProcessGroup)",
+        "world_size": world,
+        "sizes": list(sizes),
+        "calls_per_impl": n_batches * batch,
+        "batch": batch,
+        "batches": n_batches,
+        "warmup_batches": OVERHEAD_WARMUP_BATCHES,
+        "elapsed_s": elapsed,
+        "method": {
+            "backend_semantics": "collectives return a completed Work without communicating: all_reduce does "
+            "nothing, all_gather / reduce_scatter copy local data into the output; values are not checked, "
+            "shapes are",
+            "timing": "perf_counter around a batch of back-to-back calls; per-call = batch time / batch",
+            "interleaved": "each round: one batch of each implementation, order rotated per round; "
+            "gloo barrier (untimed) before each round",
+            "per_batch_time": "max over ranks",
+            "stat": "median over batches (p10/p90 in impls); per_rank_median_us: each rank's own median",
+            "differences": "*_us: median over rounds of the paired per-round difference; "
+            "*_medians_us: difference of the medians",
+            "gc": "cyclic GC disabled during the timed batches",
+        },
+        "results": records,
+    }
+
+
+def overhead_markdown_table(records: List[Dict]) -> str:
+    lines = [
+        "| size | op | torch_tp us/call | functional us/call | raw c10d us/call "
+        "| torch_tp - raw us | torch_tp - functional us |",
+        "|---:|:---|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        im = rec["impls"]
+        lines.append(
+            f"| {rec['size']} | {rec['op']} | {im['torch_tp']['median_us']:.2f} | "
+            f"{im['functional']['median_us']:.2f} | {im['raw']['median_us']:.2f} | "
+            f"{rec['torch_tp_minus_raw_us']:+.2f} | {rec['torch_tp_minus_functional_us']:+.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def overhead_section(overhead: Dict) -> List[str]:
+    """The RESULTS.md lines for the no-op-group phase ([] when it was not asked for)."""
+    if overhead is None:
+        return []
+    head = f"### Per-call overhead on a no-op process group (fake backend, world size {overhead['world_size']})"
+    if "skipped" in overhead:
+        return [head, "", f"Skipped: {overhead['skipped']}", ""]
+    return [
+        head,
+        "",
+        "Method: the same three calls on a second group, `dist.new_group(backend=\"fake\")` (torch's "
+        "FakeProcessGroup: collectives complete at once without communicating; all_reduce does nothing, "
+        "all_gather/reduce_scatter copy local data into the output), so what remains is each layer's own "
+        "cost (dispatch, group resolution, checks, output allocation, Work/wait); "
+        f"each rank times batches of {overhead['batch']} back-to-back calls "
+        f"({overhead['calls_per_impl']} calls per size, op and implementation), one batch per implementation "
+        "per round in a rotating order, a batch's per-call time is the max over ranks, and figures are "
+        "medians over batches (differences: medians of the per-round paired differences).",
+        "",
+        overhead_markdown_table(overhead["results"]),
+        "",
+    ]
+
+
+# ---------------------------------------------------------------------------
 # reporting
 
 
@@ -515,7 +776,7 @@ def plot(records: List[Dict], ops: List[str], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def results_section(meta: Dict, table: str) -> str:
+def results_section(meta: Dict, table: str, overhead: Optional[Dict] = None) -> str:
     m = meta["machine"]
     return "\n".join(
         [
@@ -545,7 +806,9 @@ def results_section(meta: Dict, table: str) -> str:
             "",
             "![latency vs message size](collectives.png)",
             "",
-            "Raw figures, per-repeat times and p10/p90: [collectives.json](collectives.json).",
+            *overhead_section(overhead),
+            "Raw figures, per-repeat times and p10/p90: [collectives.json](collectives.json)"
+            + (" (no-op group: `overhead_noop_pg`)." if overhead and "skipped" not in overhead else "."),
             SECTION_END,
         ]
     )
@@ -589,7 +852,7 @@ def main(argv: Sequence[str]) -> int:
     group = dist.group.WORLD
     start = time.perf_counter()
     try:
-        for nbytes in args.sizes:
+        for nbytes in args.sizes + ([] if args.no_overhead else args.overhead_sizes):
             if nbytes % (4 * world):
                 raise ValueError(f"size {nbytes} B must be a multiple of 4 * world_size = {4 * world}")
         meta = {
@@ -623,14 +886,27 @@ def main(argv: Sequence[str]) -> int:
                 },
             },
         }
+        overhead: Optional[Dict] = None
+        if not args.no_overhead:
+            # First, so a problem with the fake backend shows in seconds, not minutes.
+            fake_group, why = make_noop_group(group)
+            if fake_group is None:
+                overhead = {"skipped": why, "world_size": world}
+                if rank == 0:
+                    print(f"[bench_collectives] no-op group phase skipped: {why}", flush=True)
+            else:
+                overhead = bench_overhead(args, fake_group, group, rank, world)
         records = bench(args, group, rank, world)
         meta["elapsed_s"] = time.perf_counter() - start
         if rank == 0:
             os.makedirs(args.out_dir, exist_ok=True)
             table = markdown_table(records)
             json_path = os.path.join(args.out_dir, "collectives.json")
+            out = {**meta, "results": records}
+            if overhead is not None:
+                out["overhead_noop_pg"] = overhead
             with open(json_path, "w") as f:
-                json.dump({**meta, "results": records}, f, indent=1)
+                json.dump(out, f, indent=1)
             png_path = os.path.join(args.out_dir, "collectives.png")
             m = meta["machine"]
             plot(
@@ -643,10 +919,12 @@ def main(argv: Sequence[str]) -> int:
             print()
             print(table)
             print()
+            if overhead is not None:
+                print("\n".join(overhead_section(overhead)))
             written = [json_path, png_path]
             if not args.no_results_md:
                 md_path = os.path.join(args.out_dir, "RESULTS.md")
-                update_results_md(md_path, results_section(meta, table))
+                update_results_md(md_path, results_section(meta, table, overhead))
                 written.append(md_path)
             print(f"[bench_collectives] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
         dist.barrier(group=group)
