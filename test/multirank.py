@@ -112,7 +112,8 @@ class RankPool:
         name = getattr(fn, "__qualname__", repr(fn)) if expected == "ok" else "start-up"
         values: Dict[int, Any] = {}
         errors: Dict[int, str] = {}
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while len(values) + len(errors) < self.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -136,9 +137,11 @@ class RankPool:
         if missing:
             self.kill()
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            waited = time.monotonic() - started
+            why = f"after rank(s) {sorted(errors)} failed" if errors else f"within {timeout:.0f} s"
             raise RankTimeout(
-                f"{name} on {self.world_size} ranks: rank(s) {missing} did not finish within "
-                f"{timeout:.0f} s (pool killed){detail}")
+                f"{name} on {self.world_size} ranks: rank(s) {missing} did not finish {why} "
+                f"(waited {waited:.0f} s; pool killed){detail}")
         if errors:
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             raise RankError(f"{name} failed on rank(s) {sorted(errors)} of {self.world_size}:{detail}")

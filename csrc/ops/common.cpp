@@ -87,10 +87,10 @@ void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allo
               allow_bool ? ", bool" : "");
 }
 
-int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim) {
-  TORCH_CHECK(ndim > 0, op, ": x must have at least one dimension to gather or scatter along, got a 0-d tensor");
-  TORCH_CHECK(dim >= -ndim && dim < ndim, op, ": dim=", dim, " is out of range for x of ", ndim,
-              " dimensions (expected -", ndim, " <= dim < ", ndim, ")");
+int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim, const char* arg, const char* tensor) {
+  TORCH_CHECK(ndim > 0, op, ": ", tensor, " must have at least one dimension to gather or scatter along, got a 0-d tensor");
+  TORCH_CHECK(dim >= -ndim && dim < ndim, op, ": ", arg, "=", dim, " is out of range for ", tensor, " of ", ndim,
+              " dimensions (expected -", ndim, " <= ", arg, " < ", ndim, ")");
   return dim < 0 ? dim + ndim : dim;
 }
 

@@ -32,7 +32,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const char* op, c10::string
 // float16 and the integer types; bool only where `allow_bool` (no reduction).
 void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allow_bool);
 
-// Wraps a possibly negative `dim` into [0, ndim) or throws.
-int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim);
+// Wraps a possibly negative `dim` (the argument `arg` of the op) into
+// [0, ndim) for the tensor called `tensor`, or throws.
+int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim, const char* arg = "dim", const char* tensor = "x");
 
 } // namespace torch_tp

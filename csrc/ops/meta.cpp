@@ -5,6 +5,7 @@
 
 #include "ops/comm.h"
 #include "ops/common.h"
+#include "ops/linear.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -71,6 +72,83 @@ at::Tensor reduce_from_tp_region_meta(const at::Tensor& x, c10::string_view grou
   return tp_region_meta("torch_tp::reduce_from_tp_region", x, group_name);
 }
 
+// x [.., K] -> [.., N] with `dim` gathered (column) or scattered (row).
+std::vector<c10::SymInt> linear_out_sizes(const at::Tensor& x, const at::Tensor& weight) {
+  auto sizes = x.sym_sizes().vec();
+  sizes.back() = weight.sym_size(0);
+  return sizes;
+}
+
+std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_meta(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
+    std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation) {
+  constexpr const char* op = "torch_tp::column_parallel_linear";
+  const auto dim = check_linear_args(op, x, weight, bias, gather_dim, "gather_dim");
+  const Activation act = parse_activation(op, activation);
+  const auto group = resolve_group(op, group_name);
+  auto sizes = linear_out_sizes(x, weight);
+  if (dim) {
+    if (!full_size) {
+      sizes[*dim] = sizes[*dim] * group->getSize();
+    } else if (x.sym_size(*dim).is_heap_allocated()) {
+      sizes[*dim] = *full_size;
+    } else {
+      sizes[*dim] = gathered_size(op, x, *dim, full_size, group->getSize(), group->getRank());
+    }
+  }
+  at::Tensor out = at::empty_symint(sizes, x.options());
+  at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : at::empty_symint(sizes, x.options());
+  return {out, pre};
+}
+
+at::Tensor column_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                       std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+                                       c10::string_view activation) {
+  return std::get<0>(
+      column_parallel_linear_forward_meta(x, weight, bias, group_name, gather_dim, full_size, activation));
+}
+
+at::Tensor row_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                    std::optional<int64_t> scatter_dim) {
+  constexpr const char* op = "torch_tp::row_parallel_linear";
+  const auto dim = check_linear_args(op, x, weight, bias, scatter_dim, "scatter_dim");
+  const auto group = resolve_group(op, group_name);
+  auto sizes = linear_out_sizes(x, weight);
+  if (dim) {
+    // This rank's torch.chunk piece (see NOTE [torch.chunk shards]).
+    const int64_t world_size = group->getSize();
+    const c10::SymInt n = sizes[*dim];
+    const c10::SymInt chunk = (n + (world_size - 1)) / world_size;
+    const c10::SymInt start = (chunk * group->getRank()).min(n);
+    sizes[*dim] = chunk.min(n - start);
+  }
+  return at::empty_symint(sizes, x.options());
+}
+
+// Gradients have the shapes of what they are gradients of.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads_meta(const at::Tensor& grad_out, const at::Tensor& x,
+                                                                 const at::Tensor& weight, bool bias_defined) {
+  at::Tensor grad_bias = bias_defined ? at::empty_symint({weight.sym_size(0)}, grad_out.options())
+                                      : at::empty({0}, grad_out.options());
+  return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(weight.sym_sizes(), weight.options()),
+          grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& /*pre_activation*/,
+    bool bias_defined, c10::string_view /*group_name*/, std::optional<int64_t> /*gather_dim*/,
+    std::optional<int64_t> /*full_size*/, c10::string_view /*activation*/) {
+  return linear_grads_meta(grad_out, x, weight, bias_defined);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, bool bias_defined,
+    c10::string_view /*group_name*/, std::optional<int64_t> /*scatter_dim*/) {
+  return linear_grads_meta(grad_out, x, weight, bias_defined);
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
@@ -79,6 +157,11 @@ TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("reduce_scatter", reduce_scatter_meta);
   m.impl("copy_to_tp_region", copy_to_tp_region_meta);
   m.impl("reduce_from_tp_region", reduce_from_tp_region_meta);
+  m.impl("column_parallel_linear", column_parallel_linear_meta);
+  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_meta);
+  m.impl("_column_parallel_linear_backward", column_parallel_linear_backward_meta);
+  m.impl("row_parallel_linear", row_parallel_linear_meta);
+  m.impl("_row_parallel_linear_backward", row_parallel_linear_backward_meta);
 }
 
 } // namespace torch_tp

@@ -48,4 +48,41 @@ at::Tensor reduce_from_tp_region(const at::Tensor& x, c10::string_view group_nam
   return op.call(x, group_name);
 }
 
+at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                  std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+                                  c10::string_view activation) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                         std::optional<int64_t>, std::optional<int64_t>, c10::string_view)>(
+          "torch_tp::column_parallel_linear");
+  return op.call(x, weight, bias, group_name, gather_dim, full_size, activation);
+}
+
+at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               c10::string_view group_name, std::optional<int64_t> scatter_dim) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                         std::optional<int64_t>)>("torch_tp::row_parallel_linear");
+  return op.call(x, weight, bias, group_name, scatter_dim);
+}
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
+                                    int64_t vocab_size, std::optional<int64_t> padding_idx,
+                                    std::optional<int64_t> scatter_dim) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, std::optional<int64_t>,
+                         std::optional<int64_t>)>("torch_tp::vocab_parallel_embedding");
+  return op.call(ids, weight, group_name, vocab_size, padding_idx, scatter_dim);
+}
+
+at::Tensor column_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
+                                     std::optional<int64_t> padding_idx, std::optional<int64_t> gather_dim,
+                                     std::optional<int64_t> full_size) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, std::optional<int64_t>,
+                         std::optional<int64_t>, std::optional<int64_t>)>("torch_tp::column_parallel_embedding");
+  return op.call(ids, weight, group_name, padding_idx, gather_dim, full_size);
+}
+
 } // namespace torch_tp

@@ -1,6 +1,7 @@
 // Every torch_tp op schema, and nothing else. Kernels are registered beside
 // their code: collectives.cpp (CPU, CUDA), collectives_autograd.cpp (Autograd),
-// meta.cpp (Meta).
+// linear.cpp (CPU, Autograd; CUDA backward), linear_cuda.cpp (CUDA forward),
+// embedding.cpp (CompositeImplicitAutograd), meta.cpp (Meta).
 //
 // `group_name` is what ProcessGroup.group_name returns, the same string torch's
 // _c10d_functional ops take; it is resolved through c10d's group registry, so
@@ -23,4 +24,32 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def("reduce_scatter(Tensor x, int dim, str reduce_op, str group_name) -> Tensor");
   m.def("copy_to_tp_region(Tensor x, str group_name) -> Tensor");
   m.def("reduce_from_tp_region(Tensor x, str group_name) -> Tensor");
+
+  // Sharded layers (linear.cpp, linear_cuda.cpp, embedding.cpp). weight is this
+  // rank's shard; a gather/scatter dim turns on sequence parallelism along it;
+  // full_size is the gathered length when the shards are uneven (torch.chunk).
+  m.def(
+      "column_parallel_linear(Tensor x, Tensor weight, Tensor? bias, str group_name, int? gather_dim=None, "
+      "int? full_size=None, str activation=\"none\") -> Tensor");
+  m.def("row_parallel_linear(Tensor x, Tensor weight, Tensor? bias, str group_name, int? scatter_dim=None) -> Tensor");
+  m.def(
+      "vocab_parallel_embedding(Tensor ids, Tensor weight, str group_name, int vocab_size, int? padding_idx=None, "
+      "int? scatter_dim=None) -> Tensor");
+  m.def(
+      "column_parallel_embedding(Tensor ids, Tensor weight, str group_name, int? padding_idx=None, "
+      "int? gather_dim=None, int? full_size=None) -> Tensor");
+
+  // The pieces the autograd kernels of the linear ops dispatch to, so that
+  // torch.compile traces forward and backward as ops. The forward also returns
+  // the pre-activation (empty without an activation) for the backward.
+  m.def(
+      "_column_parallel_linear_forward(Tensor x, Tensor weight, Tensor? bias, str group_name, int? gather_dim, "
+      "int? full_size, str activation) -> (Tensor, Tensor)");
+  m.def(
+      "_column_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor pre_activation, "
+      "bool bias_defined, str group_name, int? gather_dim, int? full_size, str activation) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_row_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, bool bias_defined, str group_name, "
+      "int? scatter_dim) -> (Tensor, Tensor, Tensor)");
 }

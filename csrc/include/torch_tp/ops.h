@@ -34,4 +34,35 @@ at::Tensor copy_to_tp_region(const at::Tensor& x, c10::string_view group_name);
 // Megatron's g: sum all-reduce forward, identity backward.
 at::Tensor reduce_from_tp_region(const at::Tensor& x, c10::string_view group_name);
 
+// Column-parallel linear: weight is this rank's row shard [N/p, K], bias [N/p].
+// x [.., K] is replicated, or with gather_dim a shard along that dim, gathered
+// first (sequence parallelism; full_size for uneven shards). Returns
+// activation(x @ weight^T + bias) [.., N/p]; activation "none" or "gelu_tanh".
+// Backward all-reduces (or reduce-scatters) grad_x, overlapped with grad_weight.
+at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                  std::optional<int64_t> gather_dim = std::nullopt,
+                                  std::optional<int64_t> full_size = std::nullopt,
+                                  c10::string_view activation = "none");
+
+// Row-parallel linear: weight is this rank's column shard [N, K/p], x [.., K/p].
+// Returns sum_r(x_r @ weight_r^T) + bias [.., N], all-reduced, or with
+// scatter_dim reduce-scattered along it (sequence parallelism). bias [N] is
+// added once, after the reduction.
+at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               c10::string_view group_name, std::optional<int64_t> scatter_dim = std::nullopt);
+
+// Vocab-parallel embedding: weight is this rank's torch.chunk piece of the
+// vocab_size rows. ids [..] -> [.., D], all-reduced, or reduce-scattered along scatter_dim.
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
+                                    int64_t vocab_size, std::optional<int64_t> padding_idx = std::nullopt,
+                                    std::optional<int64_t> scatter_dim = std::nullopt);
+
+// Embedding-dim-parallel embedding: weight [V, D/p]; ids [..] (all-gathered
+// along gather_dim first, if given) -> [.., D/p]. No communication for the table.
+at::Tensor column_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
+                                     std::optional<int64_t> padding_idx = std::nullopt,
+                                     std::optional<int64_t> gather_dim = std::nullopt,
+                                     std::optional<int64_t> full_size = std::nullopt);
+
 } // namespace torch_tp

@@ -1,0 +1,111 @@
+// Sharded embeddings, written as compositions of ATen ops and the torch_tp
+// collectives (CompositeImplicitAutograd): their gradients, Meta shapes and
+// torch.compile decompositions come from the pieces, so there is no backward
+// to hand-write and no communication to overlap.
+//
+// vocab_parallel_embedding: rows (the vocabulary) sharded, rank r holding
+// torch.chunk piece r of vocab_size rows, [start, start + rows):
+//   ids [..] (replicated) -> local = ids - start, masked where out of range
+//   -> embedding(W_r, local) [.., D] with masked rows zeroed
+//   -> reduce_from_tp_region (sum forward, identity backward)  [.., D]
+//      or reduce_scatter along scatter_dim (sequence parallel) [.., s/p, .., D]
+// Exactly one rank owns each id, so the sum is the unsharded lookup.
+//
+// column_parallel_embedding: columns (the embedding dim) sharded, W_r [V, D/p]:
+//   ids [..] (all-gathered along gather_dim first, if given) -> [.., D/p].
+//   No communication forward or backward for the table.
+//
+// padding_idx is a global id, as in nn.Embedding (negative counts from the
+// end): its row gets no gradient; the rank that owns it passes it on as a
+// local index.
+
+#include <torch_tp/ops.h>
+
+#include "ops/comm.h"
+#include "ops/common.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace torch_tp {
+namespace {
+
+void check_embedding_args(const char* op, const at::Tensor& ids, const at::Tensor& weight) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, op, ": ids has dtype ",
+              ids.scalar_type(), "; expected int64 or int32");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [rows, embedding_dim], got shape ", weight.sizes());
+  TORCH_CHECK(at::isFloatingType(weight.scalar_type()), op, ": weight has dtype ", weight.scalar_type(),
+              "; expected a floating-point dtype");
+  TORCH_CHECK(ids.device() == weight.device(), op, ": ids is on ", ids.device(), " but weight is on ",
+              weight.device());
+}
+
+// nn.Embedding's rule: -num_embeddings <= padding_idx < num_embeddings, negative counts from the end.
+std::optional<int64_t> wrap_padding_idx(const char* op, std::optional<int64_t> padding_idx, int64_t num_embeddings) {
+  if (!padding_idx) {
+    return std::nullopt;
+  }
+  TORCH_CHECK(*padding_idx >= -num_embeddings && *padding_idx < num_embeddings, op, ": padding_idx=", *padding_idx,
+              " is out of range for ", num_embeddings, " embeddings");
+  return *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
+}
+
+at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
+                                    int64_t vocab_size, std::optional<int64_t> padding_idx,
+                                    std::optional<int64_t> scatter_dim) {
+  constexpr const char* op = "torch_tp::vocab_parallel_embedding";
+  check_embedding_args(op, ids, weight);
+  TORCH_CHECK(vocab_size >= 0, op, ": vocab_size=", vocab_size, " must be >= 0");
+  const auto group = resolve_group(op, group_name);
+  const int64_t rank = group->getRank();
+  const ChunkRange rows = chunk_range(vocab_size, group->getSize(), rank);
+  TORCH_CHECK(weight.size(0) == rows.length, op, ": weight.size(0)=", weight.size(0), " but rank ", rank,
+              "'s torch.chunk piece of vocab_size=", vocab_size, " over ", group->getSize(), " ranks has ",
+              rows.length, " rows");
+  const auto padding = wrap_padding_idx(op, padding_idx, vocab_size);
+  const std::optional<int64_t> dim =
+      scatter_dim ? std::optional<int64_t>(wrap_dim(op, *scatter_dim, ids.dim() + 1, "scatter_dim", "the output"))
+                  : std::nullopt;
+  TORCH_CHECK(!dim || *dim != ids.dim(), op, ": scatter_dim=", *scatter_dim,
+              " is the embedding dimension; it must name a dimension of ids");
+
+  auto out_sizes = ids.sizes().vec();
+  out_sizes.push_back(weight.size(1));
+  at::Tensor partial;
+  if (rows.length == 0) {
+    // This rank owns no rows (uneven split). The zeros still hang off the
+    // (empty) table, so that every rank's autograd graph holds the same
+    // collectives and the backward ones are not skipped here while peers wait.
+    partial = at::zeros(out_sizes, weight.options()) + weight.sum();
+  } else {
+    const at::Tensor owned = (ids >= rows.start) & (ids < rows.start + rows.length);
+    const at::Tensor local = (ids - rows.start).masked_fill(owned.logical_not(), 0);
+    const bool owns_padding = padding && *padding >= rows.start && *padding < rows.start + rows.length;
+    const int64_t local_padding = owns_padding ? *padding - rows.start : -1;
+    const at::Tensor looked_up = at::embedding(weight, local, local_padding);
+    partial = at::where(owned.unsqueeze(-1), looked_up, at::zeros({}, looked_up.options()));
+  }
+  return dim ? reduce_scatter(partial, *dim, "sum", group_name) : reduce_from_tp_region(partial, group_name);
+}
+
+at::Tensor column_parallel_embedding_composite(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
+                                     std::optional<int64_t> padding_idx, std::optional<int64_t> gather_dim,
+                                     std::optional<int64_t> full_size) {
+  constexpr const char* op = "torch_tp::column_parallel_embedding";
+  check_embedding_args(op, ids, weight);
+  resolve_group(op, group_name);
+  const auto padding = wrap_padding_idx(op, padding_idx, weight.size(0));
+  const at::Tensor all_ids =
+      gather_dim ? all_gather(ids, wrap_dim(op, *gather_dim, ids.dim(), "gather_dim", "ids"), group_name, full_size)
+                 : ids;
+  return at::embedding(weight, all_ids, padding.value_or(-1));
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(torch_tp, CompositeImplicitAutograd, m) {
+  m.impl("vocab_parallel_embedding", vocab_parallel_embedding_composite);
+  m.impl("column_parallel_embedding", column_parallel_embedding_composite);
+}
+
+} // namespace torch_tp

@@ -1,0 +1,355 @@
+// Column- and row-parallel linear layers (Megatron's ColumnParallelLinear and
+// RowParallelLinear) as ops with C++ autograd.
+//
+// Shapes, with p ranks, x's leading dims flattened to M rows:
+//   column:  x [.., K] (replicated)  @ W_r [N/p, K]^T + b_r [N/p]  -> [.., N/p]
+//            backward: grad_x = all_reduce(grad @ W_r)
+//   column, sequence parallel (gather_dim = s):
+//            x [.., s/p, .., K] -> all_gather(s) -> [.., s, .., K] @ W_r^T + b_r -> [.., s, .., N/p]
+//            backward: grad_x = reduce_scatter(grad @ W_r, s)
+//   row:     x [.., K/p] @ W_r [N, K/p]^T -> partial [.., N] -> all_reduce -> + b [N]
+//   row, sequence parallel (scatter_dim = s):
+//            partial [.., s, .., N] -> reduce_scatter(s) -> [.., s/p, .., N] + b
+//            backward: grad = all_gather(grad, s), then the local GEMMs
+// (s/p meaning this rank's torch.chunk piece: uneven lengths are allowed.)
+//
+// NOTE [backward overlap]
+// As in Megatron, the column backward starts the grad-input collective
+// asynchronously and computes the weight gradient while it runs. Under
+// sequence parallelism the forward saves only the local shard of x; the
+// backward starts re-gathering it first and computes grad @ W meanwhile:
+//     start all_gather(x)     | grad_x_full = grad @ W
+//     wait; start reduce_scatter(grad_x_full)
+//                             | grad_W = grad^T @ x_full,  grad_b = sum(grad)
+//     wait
+// On CPU the collective runs on the backend's threads (gloo); on CUDA, NCCL
+// runs it on its own stream, ordered after the current stream by an event,
+// and wait() makes the current stream wait for it, so the GEMM overlaps.
+//
+// NOTE [no partial gradients]
+// Every gradient these ops return is complete on every rank: the column
+// layer's bias is sharded like its output, and the row layer's replicated bias
+// gets sum(grad) over the *gathered* gradient under sequence parallelism (the
+// gather happens anyway). Replicated parameters used outside these ops on
+// sequence shards (norm weights) are partial and must be all-reduced by the
+// caller; the Python layer does that.
+
+#include "ops/linear.h"
+
+#include "ops/comm.h"
+#include "ops/common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+namespace torch_tp {
+
+Activation parse_activation(const char* op, c10::string_view activation) {
+  if (activation == "none") {
+    return Activation::None;
+  }
+  if (activation == "gelu_tanh") {
+    return Activation::GeluTanh;
+  }
+  TORCH_CHECK(false, op, ": activation='", activation, "' is not supported; expected 'none' or 'gelu_tanh'");
+}
+
+GemmResult linear_gemm_aten(const at::Tensor& x2d, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            Activation activation) {
+  at::Tensor pre = bias ? at::addmm(*bias, x2d, weight.t()) : at::mm(x2d, weight.t());
+  if (activation == Activation::None) {
+    return {pre, at::Tensor()};
+  }
+  return {at::gelu(pre, "tanh"), pre};
+}
+
+std::optional<int64_t> check_linear_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, std::optional<int64_t> dim,
+                                         const char* dim_name) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), op, ": x has dtype ", x.scalar_type(),
+              "; expected float32, float64, bfloat16 or float16");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight has dtype ", weight.scalar_type(),
+              " but x has dtype ", x.scalar_type());
+  TORCH_CHECK(weight.device() == x.device(), op, ": weight is on ", weight.device(), " but x is on ", x.device());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension, got a 0-d tensor");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [out_features, in_features], got shape ", weight.sizes());
+  TORCH_CHECK(x.sym_size(-1) == weight.sym_size(1), op, ": x.size(-1)=", x.sym_size(-1),
+              " does not match weight.size(1)=", weight.sym_size(1), " (weight is ", weight.sym_sizes(), ")");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias has dtype ", bias->scalar_type(),
+                " but x has dtype ", x.scalar_type());
+    TORCH_CHECK(bias->device() == x.device(), op, ": bias is on ", bias->device(), " but x is on ", x.device());
+    TORCH_CHECK(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), op, ": bias must have shape [",
+                weight.sym_size(0), "] (weight.size(0)), got ", bias->sym_sizes());
+  }
+  if (!dim) {
+    return std::nullopt;
+  }
+  const int64_t ndim = x.dim();
+  TORCH_CHECK(*dim >= -ndim && *dim < ndim, op, ": ", dim_name, "=", *dim, " is out of range for x of ", ndim,
+              " dimensions (expected -", ndim, " <= ", dim_name, " < ", ndim, ")");
+  const int64_t wrapped = *dim < 0 ? *dim + ndim : *dim;
+  TORCH_CHECK(wrapped != ndim - 1, op, ": ", dim_name, "=", *dim,
+              " is the feature dimension; it must name a sequence or batch dimension");
+  return wrapped;
+}
+
+// x [.., K] as the 2-D [M, K] the GEMMs take (M = the product of the leading
+// dims; spelled out because reshape({-1, 0}) is ambiguous for a rank whose
+// shard has no features).
+static at::Tensor rows2d(const at::Tensor& x) {
+  return x.reshape({c10::multiply_integers(x.sizes().slice(0, x.dim() - 1)), x.size(-1)});
+}
+
+// Output sizes: `sizes` with the last dim replaced by n.
+static std::vector<int64_t> with_features(at::IntArrayRef sizes, int64_t n) {
+  auto out = sizes.vec();
+  out.back() = n;
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
+    std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation,
+    LinearGemm gemm) {
+  constexpr const char* op = "torch_tp::column_parallel_linear";
+  const auto dim = check_linear_args(op, x, weight, bias, gather_dim, "gather_dim");
+  const Activation act = parse_activation(op, activation);
+  const auto group = resolve_group(op, group_name);
+  const at::Tensor x_full = dim ? start_all_gather(op, group, x, *dim, full_size).wait() : x;
+  const GemmResult result = gemm(rows2d(x_full), weight, bias, act);
+  const auto sizes = with_features(x_full.sizes(), weight.size(0));
+  at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : result.pre_activation.view(sizes);
+  return {result.out.view(sizes), pre};
+}
+
+at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                       std::optional<int64_t> scatter_dim, LinearGemm gemm) {
+  constexpr const char* op = "torch_tp::row_parallel_linear";
+  const auto dim = check_linear_args(op, x, weight, bias, scatter_dim, "scatter_dim");
+  const auto group = resolve_group(op, group_name);
+  at::Tensor partial =
+      gemm(rows2d(x), weight, std::nullopt, Activation::None).out.view(
+          with_features(x.sizes(), weight.size(0)));
+  at::Tensor y = dim ? start_reduce_scatter(op, group, partial, *dim, Reduction::Sum).wait()
+                     : start_all_reduce_(op, group, partial, Reduction::Sum).wait();
+  // Added once, after the reduction, so the result is nn.Linear's.
+  return bias ? y.add_(*bias) : y;
+}
+
+namespace {
+
+at::Tensor column_parallel_linear_aten(const at::Tensor& x, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                      std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+                                      c10::string_view activation) {
+  return std::get<0>(
+      column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, linear_gemm_aten));
+}
+
+std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_aten(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
+    std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation) {
+  return column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation,
+                                        linear_gemm_aten);
+}
+
+at::Tensor row_parallel_linear_aten(const at::Tensor& x, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                   std::optional<int64_t> scatter_dim) {
+  return row_parallel_linear_forward(x, weight, bias, group_name, scatter_dim, linear_gemm_aten);
+}
+
+// The backward kernels use ATen GEMMs on every device. See NOTE [backward overlap].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_kernel(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre_activation,
+    bool bias_defined, c10::string_view group_name, std::optional<int64_t> gather_dim,
+    std::optional<int64_t> full_size, c10::string_view activation) {
+  constexpr const char* op = "torch_tp::column_parallel_linear backward";
+  const auto group = resolve_group(op, group_name);
+  const bool sequence_parallel = gather_dim.has_value();
+  const int64_t dim = sequence_parallel ? (*gather_dim < 0 ? *gather_dim + x.dim() : *gather_dim) : 0;
+
+  std::optional<PendingCollective> x_gather;
+  if (sequence_parallel) {
+    x_gather.emplace(start_all_gather(op, group, x, dim, full_size));
+  }
+  const at::Tensor grad_pre = parse_activation(op, activation) == Activation::GeluTanh
+      ? at::gelu_backward(grad_out, pre_activation, "tanh")
+      : grad_out;
+  const at::Tensor grad2d = rows2d(grad_pre);
+  const at::Tensor grad_x_full = grad2d.mm(weight);  // [M, K]: overlaps the gather of x
+  const at::Tensor x_full = x_gather ? x_gather->wait() : x;
+
+  at::Tensor grad_x_rows = grad_x_full.view(x_full.sizes());
+  PendingCollective grad_x_comm = sequence_parallel
+      ? start_reduce_scatter(op, group, grad_x_rows, dim, Reduction::Sum)
+      : start_all_reduce_(op, group, grad_x_rows, Reduction::Sum);
+  // Overlaps the grad-input collective.
+  at::Tensor grad_weight = grad2d.t().mm(rows2d(x_full));
+  at::Tensor grad_bias = bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options());
+  at::Tensor grad_x = grad_x_comm.wait();
+  return {grad_x, grad_weight, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kernel(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, bool bias_defined,
+    c10::string_view group_name, std::optional<int64_t> scatter_dim) {
+  constexpr const char* op = "torch_tp::row_parallel_linear backward";
+  const auto group = resolve_group(op, group_name);
+  at::Tensor grad_full = grad_out;
+  if (scatter_dim) {
+    const int64_t dim = *scatter_dim < 0 ? *scatter_dim + x.dim() : *scatter_dim;
+    grad_full = start_all_gather(op, group, grad_out, dim, x.size(dim)).wait();
+  }
+  const at::Tensor grad2d = rows2d(grad_full);
+  at::Tensor grad_x = grad2d.mm(weight).view(x.sizes());
+  at::Tensor grad_weight = grad2d.t().mm(rows2d(x));
+  at::Tensor grad_bias = bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options());
+  return {grad_x, grad_weight, grad_bias};
+}
+
+// ---------------------------------------------------------------- autograd
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::optional<int64_t> optional_int(const c10::IValue& value) {
+  return value.isNone() ? std::nullopt : std::optional<int64_t>(value.toInt());
+}
+
+struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnParallelLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const std::string& group_name,
+                            std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+                            const std::string& activation) {
+    static const auto forward_op =
+        find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                   const std::optional<at::Tensor>&, c10::string_view,
+                                                   std::optional<int64_t>, std::optional<int64_t>, c10::string_view)>(
+            "torch_tp::_column_parallel_linear_forward");
+    at::Tensor out, pre;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(out, pre) =
+          forward_op.call(x, weight, bias, group_name, gather_dim, full_size, activation);
+    }
+    // Under sequence parallelism x is the local shard: the backward re-gathers it.
+    ctx->save_for_backward({x, weight, pre});
+    ctx->saved_data["bias_defined"] = bias.has_value();
+    ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["gather_dim"] = gather_dim;
+    ctx->saved_data["full_size"] = full_size;
+    ctx->saved_data["activation"] = activation;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto backward_op =
+        find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, c10::string_view,
+            std::optional<int64_t>, std::optional<int64_t>, c10::string_view)>(
+            "torch_tp::_column_parallel_linear_backward");
+    const auto saved = ctx->get_saved_variables();
+    const bool bias_defined = ctx->saved_data["bias_defined"].toBool();
+    if (!grads[0].defined()) {
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    auto [grad_x, grad_weight, grad_bias] = backward_op.call(
+        grads[0], saved[0], saved[1], saved[2], bias_defined, ctx->saved_data["group_name"].toStringRef(),
+        optional_int(ctx->saved_data["gather_dim"]), optional_int(ctx->saved_data["full_size"]),
+        ctx->saved_data["activation"].toStringRef());
+    return {grad_x,        grad_weight,  bias_defined ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+struct RowParallelLinearFunction : public torch::autograd::Function<RowParallelLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const std::string& group_name,
+                            std::optional<int64_t> scatter_dim) {
+    static const auto forward_op =
+        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                           std::optional<int64_t>)>("torch_tp::row_parallel_linear");
+    at::Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      out = forward_op.call(x, weight, bias, group_name, scatter_dim);
+    }
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["bias_defined"] = bias.has_value();
+    ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["scatter_dim"] = scatter_dim;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto backward_op =
+        find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, bool, c10::string_view,
+                                                               std::optional<int64_t>)>(
+            "torch_tp::_row_parallel_linear_backward");
+    const auto saved = ctx->get_saved_variables();
+    const bool bias_defined = ctx->saved_data["bias_defined"].toBool();
+    if (!grads[0].defined()) {
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    auto [grad_x, grad_weight, grad_bias] =
+        backward_op.call(grads[0], saved[0], saved[1], bias_defined, ctx->saved_data["group_name"].toStringRef(),
+                         optional_int(ctx->saved_data["scatter_dim"]));
+    return {grad_x, grad_weight, bias_defined ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor column_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                           std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+                                           c10::string_view activation) {
+  return ColumnParallelLinearFunction::apply(x, weight, bias, std::string(group_name),
+                                             gather_dim, full_size, std::string(activation));
+}
+
+at::Tensor row_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                        const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                        std::optional<int64_t> scatter_dim) {
+  return RowParallelLinearFunction::apply(x, weight, bias, std::string(group_name),
+                                          scatter_dim);
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
+  m.impl("column_parallel_linear", column_parallel_linear_aten);
+  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_aten);
+  m.impl("_column_parallel_linear_backward", column_parallel_linear_backward_kernel);
+  m.impl("row_parallel_linear", row_parallel_linear_aten);
+  m.impl("_row_parallel_linear_backward", row_parallel_linear_backward_kernel);
+}
+
+// The backward kernels are device-generic (ATen GEMMs); the CUDA forward
+// kernels live in linear_cuda.cpp, or, in a build without CUDA sources, use
+// ATen's GEMMs too.
+TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
+  m.impl("_column_parallel_linear_backward", column_parallel_linear_backward_kernel);
+  m.impl("_row_parallel_linear_backward", row_parallel_linear_backward_kernel);
+#ifndef TORCH_TP_WITH_CUDA
+  m.impl("column_parallel_linear", column_parallel_linear_aten);
+  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_aten);
+  m.impl("row_parallel_linear", row_parallel_linear_aten);
+#endif
+}
+
+TORCH_LIBRARY_IMPL(torch_tp, Autograd, m) {
+  m.impl("column_parallel_linear", column_parallel_linear_autograd);
+  m.impl("row_parallel_linear", row_parallel_linear_autograd);
+}
+
+} // namespace torch_tp

@@ -1,0 +1,49 @@
+#pragma once
+// Column- and row-parallel linear: argument checks and the kernel bodies
+// shared by the CPU and CUDA registrations (linear.cpp, linear_cuda.cpp) and
+// the Meta kernels (meta.cpp). Only the forward GEMM differs by device: ATen
+// on the CPU, cuBLASLt with the bias (and GELU) fused into the epilogue on CUDA.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+#include <tuple>
+
+namespace torch_tp {
+
+// The activation a column-parallel layer may fuse after its bias.
+// "gelu_tanh" is GELU's tanh approximation (F.gelu(approximate="tanh")), the
+// one cuBLASLt's epilogue computes.
+enum class Activation { None, GeluTanh };
+Activation parse_activation(const char* op, c10::string_view activation);
+
+// out [M, N] = activation(x2d [M, K] @ weight [N, K]^T + bias [N]);
+// pre_activation holds the value before the activation, or is undefined without one.
+struct GemmResult {
+  at::Tensor out;
+  at::Tensor pre_activation;
+};
+using LinearGemm = GemmResult (*)(const at::Tensor& x2d, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, Activation activation);
+GemmResult linear_gemm_aten(const at::Tensor& x2d, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            Activation activation);
+
+// Checks x [.., K], weight [N, K], bias [N] (dtypes, devices, shapes) and
+// wraps `dim` (a gather or scatter dim, never the feature dim) against x.dim().
+// Returns the wrapped dim.
+std::optional<int64_t> check_linear_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, std::optional<int64_t> dim,
+                                         const char* dim_name);
+
+// (out, pre_activation); pre_activation is an empty tensor without an activation.
+std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
+    std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation,
+    LinearGemm gemm);
+
+at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                       std::optional<int64_t> scatter_dim, LinearGemm gemm);
+
+} // namespace torch_tp
