@@ -202,6 +202,7 @@ def _check_uneven(n, dim):
     expected_piece = pieces[rank] if rank < len(pieces) else full.narrow(dim, n, 0)
     mine = ops.shard(full, dim)
     assert torch.equal(mine, expected_piece)
+    assert mine.is_contiguous() and mine.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
     assert ops.chunk_range(n, world_size, rank)[1] == expected_piece.size(dim)
 
     gathered = ops.all_gather(mine.clone().requires_grad_(), dim, full_size=n)

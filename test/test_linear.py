@@ -333,3 +333,55 @@ def _check_errors():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_errors(ranks, world_size):
     ranks(world_size).run(_check_errors)
+
+
+# ---------------------------------------------------------------- CUDA (run where a GPU is present)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _check_cuda_linear():
+    """The cuBLASLt forward (bias and GELU in the epilogue) and the backward on
+    CUDA against nn.Linear on the same device. bf16 and fp16 follow the bf16
+    tolerance; fp32 runs with TF32 off so that it meets the fp32 one."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    group = _group()
+    for dtype, tol_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                             (torch.float16, torch.bfloat16)]:
+        for activation in ["none", "gelu_tanh"]:
+            for out_features in [64, 36]:  # 36 (9 per rank at 4) is not a multiple of 8: no fused GELU aux
+                x = _full((4, 16, 32), 1, dtype).to(device)
+                w = _full((out_features, 32), 2, dtype).to(device)
+                b = _full((out_features,), 3, dtype).to(device)
+                ref_x, ref_w, ref_b = _param(x), _param(w), _param(b)
+                ref = F.linear(ref_x, ref_w, ref_b)
+                if activation == "gelu_tanh":
+                    ref = F.gelu(ref, approximate="tanh")
+                grad = _full(tuple(ref.shape), 4, dtype).to(device)
+                ref.backward(grad)
+                x_r, w_r, b_r = _param(x), _param(ops.shard(w, 0)), _param(ops.shard(b, 0))
+                y = torch.ops.torch_tp.column_parallel_linear(x_r, w_r, b_r, group, None, None, activation)
+                _close(y, ops.shard(ref, -1), tol_dtype, f"cuda {dtype} {activation} output")
+                y.backward(ops.shard(grad, -1))
+                _close(x_r.grad, ref_x.grad, tol_dtype, "cuda grad_x")
+                _close(w_r.grad, ops.shard(ref_w.grad, 0), tol_dtype, "cuda grad_weight")
+                _close(b_r.grad, ops.shard(ref_b.grad, 0), tol_dtype, "cuda grad_bias")
+
+                h = _full((4, 16, out_features), 5, dtype).to(device)
+                w2 = _full((32, out_features), 6, dtype).to(device)
+                b2 = _full((32,), 7, dtype).to(device)
+                y = torch.ops.torch_tp.row_parallel_linear(ops.shard(h, -1), ops.shard(w2, 1), b2, group)
+                _close(y, F.linear(h, w2, b2), tol_dtype, f"cuda {dtype} row output")
+
+
+@needs_cuda
+def test_cuda_linear_nccl(ranks):
+    ranks(1, "cpu:gloo,cuda:nccl").run(_check_cuda_linear)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world_size", [2])
+def test_cuda_linear_gloo(ranks, world_size):
+    ranks(world_size, "gloo").run(_check_cuda_linear)

@@ -228,4 +228,5 @@ def shard(full: torch.Tensor, dim: int, group: GroupLike = None) -> torch.Tensor
     name = group_name(group)
     pg = torch.distributed.distributed_c10d._resolve_process_group(name)
     start, length = chunk_range(full.size(dim), pg.size(), pg.rank())
-    return full.narrow(dim, start, length).contiguous()
+    # A copy, never a view: a parameter made from it must not share storage with `full`.
+    return full.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
