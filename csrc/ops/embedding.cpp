@@ -50,9 +50,10 @@ std::optional<int64_t> wrap_padding_idx(const char* op, std::optional<int64_t> p
   return *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
 }
 
-at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
-                                    int64_t vocab_size, std::optional<int64_t> padding_idx,
-                                    std::optional<int64_t> scatter_dim) {
+at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::Tensor& weight,
+                                              c10::string_view group_name, int64_t vocab_size,
+                                              std::optional<int64_t> padding_idx,
+                                              std::optional<int64_t> scatter_dim) {
   constexpr const char* op = "torch_tp::vocab_parallel_embedding";
   check_embedding_args(op, ids, weight);
   TORCH_CHECK(vocab_size >= 0, op, ": vocab_size=", vocab_size, " must be >= 0");
@@ -63,10 +64,9 @@ at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::T
               "'s torch.chunk piece of vocab_size=", vocab_size, " over ", group->getSize(), " ranks has ",
               rows.length, " rows");
   const auto padding = wrap_padding_idx(op, padding_idx, vocab_size);
-  const std::optional<int64_t> dim =
-      scatter_dim ? std::optional<int64_t>(wrap_dim(op, *scatter_dim, ids.dim() + 1, "scatter_dim", "the output"))
-                  : std::nullopt;
-  TORCH_CHECK(!dim || *dim != ids.dim(), op, ": scatter_dim=", *scatter_dim,
+  const bool scatter = scatter_dim.has_value();
+  const int64_t dim = scatter ? wrap_dim(op, *scatter_dim, ids.dim() + 1, "scatter_dim", "the output") : 0;
+  TORCH_CHECK(!scatter || dim != ids.dim(), op, ": scatter_dim=", *scatter_dim,
               " is the embedding dimension; it must name a dimension of ids");
 
   auto out_sizes = ids.sizes().vec();
@@ -85,12 +85,12 @@ at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::T
     const at::Tensor looked_up = at::embedding(weight, local, local_padding);
     partial = at::where(owned.unsqueeze(-1), looked_up, at::zeros({}, looked_up.options()));
   }
-  return dim ? reduce_scatter(partial, *dim, "sum", group_name) : reduce_from_tp_region(partial, group_name);
+  return scatter ? reduce_scatter(partial, dim, "sum", group_name) : reduce_from_tp_region(partial, group_name);
 }
 
-at::Tensor column_parallel_embedding_composite(const at::Tensor& ids, const at::Tensor& weight, c10::string_view group_name,
-                                     std::optional<int64_t> padding_idx, std::optional<int64_t> gather_dim,
-                                     std::optional<int64_t> full_size) {
+at::Tensor column_parallel_embedding_composite(const at::Tensor& ids, const at::Tensor& weight,
+                                               c10::string_view group_name, std::optional<int64_t> padding_idx,
+                                               std::optional<int64_t> gather_dim, std::optional<int64_t> full_size) {
   constexpr const char* op = "torch_tp::column_parallel_embedding";
   check_embedding_args(op, ids, weight);
   resolve_group(op, group_name);

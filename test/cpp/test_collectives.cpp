@@ -17,6 +17,7 @@
 // The one test with general floats (AllReduceSumOfGeneralFloats) names its
 // tolerance.
 
+#include "test_util.h"
 #include "thread_backend.h"
 
 #include <torch_tp/ops.h>
@@ -36,8 +37,11 @@
 
 namespace {
 
+using torch_tp::testing::contains;
+using torch_tp::testing::equal_exactly;
 using torch_tp::testing::RankFailure;
 using torch_tp::testing::run_ranks;
+using torch_tp::testing::throws_with;
 using torch_tp::testing::try_run_ranks;
 
 const std::vector<std::string> kFloatReductions{"sum", "avg", "min", "max", "product"};
@@ -84,40 +88,6 @@ at::Tensor reference_reduce(const std::vector<at::Tensor>& xs, const std::string
     acc = acc / static_cast<int64_t>(xs.size());
   }
   return acc;
-}
-
-::testing::AssertionResult equal_exactly(const at::Tensor& actual, const at::Tensor& expected) {
-  if (actual.scalar_type() != expected.scalar_type()) {
-    return ::testing::AssertionFailure() << "dtype " << actual.scalar_type() << ", expected "
-                                         << expected.scalar_type();
-  }
-  if (actual.sizes() != expected.sizes()) {
-    return ::testing::AssertionFailure() << "sizes " << actual.sizes() << ", expected " << expected.sizes();
-  }
-  if (!at::equal(actual, expected)) {
-    return ::testing::AssertionFailure() << "values differ\nactual:\n" << actual << "\nexpected:\n" << expected;
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// Succeeds when call() throws a c10::Error whose message contains every one of `needles`.
-::testing::AssertionResult throws_with(const std::function<void()>& call, std::initializer_list<std::string> needles) {
-  try {
-    call();
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& needle : needles) {
-      if (message.find(needle) == std::string::npos) {
-        return ::testing::AssertionFailure() << "the error lacks \"" << needle << "\": " << message;
-      }
-    }
-    return ::testing::AssertionSuccess();
-  }
-  return ::testing::AssertionFailure() << "no c10::Error was thrown";
-}
-
-bool contains(const std::string& text, const std::string& needle) {
-  return text.find(needle) != std::string::npos;
 }
 
 class Collectives : public ::testing::TestWithParam<int> {};
