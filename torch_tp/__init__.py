@@ -26,14 +26,33 @@ from .ops import (  # noqa: E402
     shard,
 )
 
+from .parallel import (  # noqa: E402
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
     "all_gather",
     "all_reduce",
     "chunk_range",
     "copy_to_tp_region",
     "ops",
+    "parallelize_module",
     "reduce_from_tp_region",
     "reduce_scatter",
     "shard",

@@ -1,0 +1,392 @@
+"""torch_tp.parallelize_module against torch's own DTensor tensor parallelism.
+
+For each model and plan, three copies start from the same weights: the
+unsharded model, one parallelized by torch_tp and one by
+torch.distributed.tensor.parallel with the same plan (built from each
+library's own style classes). All three see the same inputs for three AdamW
+steps; after each step the outputs, the gradients (gathered to full tensors)
+and the updated parameters must agree.
+
+Tolerance: fp32, 1e-5 relative to each tensor's largest magnitude (the issue's
+bound). The three compute the same sums in different orders (sharded GEMMs,
+reductions over ranks). AdamW's first steps move every weight by about
+lr * g / (|g| + eps), which amplifies a gradient's roundoff by up to lr / eps
+where |g| is small: a weight whose exact gradient is zero (a causal
+attention's first key, say) gets a roundoff-sized g of either sign. With
+lr=1e-3 and eps=1e-4 the factor is 10, so gradient roundoff (~1e-8 absolute
+here) moves weights by ~1e-7, below 1e-5 of their magnitude; the gradients
+themselves are compared before each step.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+import torch.distributed.tensor.parallel as torch_tp_api
+
+import torch_tp
+from torch_tp.parallel._shard import get_shard_info
+
+RTOL = 1e-5
+
+
+# Parameters are judged against at least this magnitude: a zero-initialized
+# bias is only O(lr) = 1e-3 after a step, and against that size roundoff in the
+# three copies' AdamW normalization would read as a large relative error.
+PARAM_SCALE_FLOOR = 0.1
+
+
+def _close(actual, expected, what, floor=1e-12):
+    actual = actual.full_tensor() if isinstance(actual, DTensor) else actual
+    expected = expected.full_tensor() if isinstance(expected, DTensor) else expected
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().clamp_min(floor)
+    error = ((actual - expected).abs().max() / scale).item()
+    assert error <= RTOL, f"{what}: relative error {error:.2e} > {RTOL:.0e}"
+
+
+def _full_param(param):
+    """The unsharded value of a torch_tp parameter (gathered) or a torch DTensor parameter."""
+    if isinstance(param, DTensor):
+        return param.full_tensor()
+    info = get_shard_info(param)
+    if info is None:
+        return param
+    return torch.ops.torch_tp.all_gather(param.contiguous(), info.dim, info.group_name, info.full_shape[info.dim])
+
+
+class MLP(nn.Module):
+    def __init__(self, dim=16, hidden=40):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        # -1 heads: the local head count after column sharding.
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim)
+        self.attention = Attention(dim, heads)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.feed_forward = MLP(dim, 2 * dim)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab=30, dim=24, heads=12, layers=2, tied=False):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, ids):
+        h = self.tok_embeddings(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _transformer_plan(lib, sequence_parallel):
+    if not sequence_parallel:
+        return {
+            "tok_embeddings": lib.RowwiseParallel(input_layouts=Replicate()),
+            "layers.*.attention.w[qkv]": lib.ColwiseParallel(),
+            "layers.*.attention.wo": lib.RowwiseParallel(),
+            "layers.*.feed_forward.w1": lib.ColwiseParallel(),
+            "layers.*.feed_forward.w2": lib.RowwiseParallel(),
+            "output": lib.ColwiseParallel(output_layouts=Replicate()),
+        }
+    return {
+        "tok_embeddings": lib.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": lib.SequenceParallel(),
+        "layers.*.attention": lib.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.attention.w[qkv]": lib.ColwiseParallel(),
+        "layers.*.attention.wo": lib.RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": lib.SequenceParallel(),
+        "layers.*.feed_forward": lib.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": lib.ColwiseParallel(),
+        "layers.*.feed_forward.w2": lib.RowwiseParallel(output_layouts=Shard(1)),
+        "norm": lib.SequenceParallel(),
+        "output": lib.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+MODELS = {
+    "mlp": (lambda: MLP(), lambda lib, sp: {"w1": lib.ColwiseParallel(), "w2": lib.RowwiseParallel()},
+            lambda gen: torch.randn(4, 6, 16, generator=gen)),
+    "mlp_sp": (lambda: MLP(), lambda lib, sp: {"w1": lib.ColwiseParallel(input_layouts=Shard(1)),
+                                              "w2": lib.RowwiseParallel(output_layouts=Shard(1))},
+               None),
+    "transformer": (lambda: Transformer(), _transformer_plan, lambda gen: torch.randint(0, 30, (2, 8), generator=gen)),
+    # 31 tokens over 3 ranks: 11, 11, 9 rows. The sequence (9) splits evenly:
+    # sequence shards that enter as plain tensors are taken to be even, as
+    # DTensor.from_local takes them in torch.
+    # Tied input and output embeddings: both libraries shard the two uses
+    # separately (Shard(0) each), so the plan re-ties them afterwards.
+    "transformer_tied": (lambda: Transformer(tied=True), _transformer_plan,
+                         lambda gen: torch.randint(0, 30, (2, 8), generator=gen)),
+    "transformer_uneven": (lambda: Transformer(vocab=31), _transformer_plan,
+                           lambda gen: torch.randint(0, 31, (2, 9), generator=gen)),
+}
+
+
+def _check_against_torch(model_name, sequence_parallel, steps=3):
+    world_size = dist.get_world_size()
+    make_model, make_plan, make_input = MODELS[model_name]
+    torch.manual_seed(0)
+    reference = make_model()
+    ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch_tp.parallelize_module(ours, mesh, make_plan(torch_tp, sequence_parallel))
+    torch_tp_api.parallelize_module(theirs, mesh, make_plan(torch_tp_api, sequence_parallel))
+    if model_name == "transformer_tied":
+        for model in (ours, theirs):
+            model.output.weight = model.tok_embeddings.weight
+        reference.output.weight = reference.tok_embeddings.weight
+    models = {"reference": reference, "torch_tp": ours, "torch": theirs}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-4) for name, m in models.items()}
+
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        if model_name == "mlp_sp":
+            full = torch.randn(4, 8, 16, generator=gen)  # 8: even pieces, which DTensor.from_local assumes
+            inputs = {"reference": full, "torch_tp": torch_tp.shard(full, 1), "torch": torch_tp.shard(full, 1)}
+        else:
+            x = make_input(gen)
+            inputs = {name: x for name in models}
+        outputs = {name: models[name](inputs[name]) for name in models}
+        full_numel = outputs["reference"].numel()
+        if model_name == "mlp_sp":
+            # Sequence-sharded outputs (local tensors in both libraries): compare
+            # them gathered; each rank's loss term is its shard's share of the mean.
+            gathered = {n: torch.ops.torch_tp.all_gather(outputs[n].detach(), 1, dist.group.WORLD.group_name, 8)
+                        for n in ("torch_tp", "torch")}
+        else:
+            gathered = outputs
+        _close(gathered["torch_tp"], outputs["reference"], f"step {step} output vs unsharded")
+        _close(gathered["torch"], outputs["reference"], f"step {step} torch output vs unsharded")
+        for name, out in outputs.items():
+            (out.square().sum() / full_numel).backward()
+        for (name, p_ref), p_ours, p_theirs in zip(reference.named_parameters(), ours.parameters(),
+                                                    theirs.parameters()):
+            _close(_full_param(p_ours.grad if get_shard_info(p_ours) is None else _grad_as_param(p_ours)),
+                   p_ref.grad, f"step {step} grad {name}")
+            _close(_full_param(p_theirs.grad), p_ref.grad, f"step {step} torch grad {name}")
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, p_ref), p_ours, p_theirs in zip(reference.named_parameters(), ours.parameters(),
+                                                    theirs.parameters()):
+            _close(_full_param(p_ours), p_ref, f"step {step} param {name}", PARAM_SCALE_FLOOR)
+            _close(_full_param(p_theirs), p_ref, f"step {step} torch param {name}", PARAM_SCALE_FLOOR)
+
+
+def _grad_as_param(param):
+    grad = param.grad
+    info = get_shard_info(param)
+    return torch.ops.torch_tp.all_gather(grad.contiguous(), info.dim, info.group_name, info.full_shape[info.dim])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_mlp_matches_torch(ranks, world_size):
+    pool = ranks(world_size)
+    pool.run(_check_against_torch, "mlp", False)
+    pool.run(_check_against_torch, "mlp_sp", True)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_transformer_matches_torch(ranks, world_size):
+    pool = ranks(world_size)
+    pool.run(_check_against_torch, "transformer", False, timeout=300)
+    pool.run(_check_against_torch, "transformer", True, timeout=300)
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_uneven_vocab_matches_torch(ranks, world_size):
+    ranks(world_size).run(_check_against_torch, "transformer_uneven", True, timeout=300)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_tied_embeddings_match_torch(ranks, world_size):
+    ranks(world_size).run(_check_against_torch, "transformer_tied", True, timeout=300)
+
+
+# ---------------------------------------------------------------- plans, styles, meshes
+
+
+def _check_plan_resolution():
+    """Wildcards, the root key, unmatched keys, an empty plan, torch's own style
+    objects, a 2-D mesh refused and a sliced one accepted, `with mesh:`."""
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    model = Transformer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch_tp.parallelize_module(model, mesh, {"layers.*.attention.w[qk]": torch_tp.ColwiseParallel(),
+                                                 "layers.0.nothing": torch_tp.ColwiseParallel(),
+                                                 "layers.1.feed_forward.w1": torch_api_colwise()})
+    # The warning names the key as it is left after the matched prefix, as torch's does.
+    assert any("'nothing' could not be resolved" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    for layer in model.layers:
+        assert get_shard_info(layer.attention.wq.weight).dim == 0
+        assert get_shard_info(layer.attention.wk.weight).dim == 0
+        assert get_shard_info(layer.attention.wv.weight) is None, "wv does not match w[qk]"
+    assert get_shard_info(model.layers[1].feed_forward.w1.weight) is not None, "torch's style object applies"
+    assert get_shard_info(model.layers[0].feed_forward.w1.weight) is None
+    assert "tp=colwise" in repr(model.layers[0].attention.wq)
+
+    with pytest.warns(UserWarning, match="No parallelize_plan"):
+        torch_tp.parallelize_module(MLP(), mesh)
+
+    root = MLP().w1
+    torch_tp.parallelize_module(root, mesh, {"": torch_tp.ColwiseParallel()})
+    assert get_shard_info(root.weight).dim == 0
+
+    with mesh:
+        ctx = torch_tp.parallelize_module(MLP(), parallelize_plan={"w2": torch_tp.RowwiseParallel()})
+    assert get_shard_info(ctx.w2.weight).dim == 1
+
+    if world_size == 4:
+        mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(ValueError, match="only accepts a 1D DeviceMesh"):
+            torch_tp.parallelize_module(MLP(), mesh2d, {"w1": torch_tp.ColwiseParallel()})
+        sub = torch_tp.parallelize_module(MLP(), mesh2d["tp"], {"w1": torch_tp.ColwiseParallel()})
+        assert sub.w1.weight.shape == (20, 16)  # 40 rows over the 2 ranks of the tp dim
+
+    with pytest.raises(NotImplementedError, match="ColwiseParallel currently only support nn.Linear and nn.Embedding"):
+        torch_tp.parallelize_module(nn.LayerNorm(4), mesh, torch_tp.ColwiseParallel())
+    with pytest.raises(NotImplementedError, match="RowwiseParallel currently only support"):
+        torch_tp.parallelize_module(nn.Conv1d(2, 2, 1), mesh, torch_tp.RowwiseParallel())
+    with pytest.raises(TypeError, match="Expect Union"):
+        torch_tp.parallelize_module(MLP(), mesh, ["w1"])
+    with pytest.raises(AssertionError, match="same length"):
+        torch_tp.PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(),))
+
+
+def torch_api_colwise():
+    return torch_tp_api.ColwiseParallel()
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_plan_resolution(ranks, world_size):
+    ranks(world_size).run(_check_plan_resolution)
+
+
+def _check_style_options():
+    """Each option of each style against torch's, on single modules."""
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4 * world_size, 16, generator=gen)
+    ids = torch.randint(0, 10, (2, 4 * world_size), generator=gen)
+    cases = [
+        (lambda: nn.Linear(16, 12), lambda lib: lib.ColwiseParallel(), x),
+        (lambda: nn.Linear(16, 12), lambda lib: lib.ColwiseParallel(output_layouts=Replicate()), x),
+        (lambda: nn.Linear(16, 12), lambda lib: lib.ColwiseParallel(use_local_output=False), x),
+        (lambda: nn.Linear(16, 12), lambda lib: lib.ColwiseParallel(input_layouts=Shard(1)), "seq"),
+        (lambda: nn.Linear(16, 12), lambda lib: lib.RowwiseParallel(input_layouts=Replicate()), x),
+        (lambda: nn.Linear(16, 12), lambda lib: lib.RowwiseParallel(input_layouts=Replicate(),
+                                                                      output_layouts=Shard(1)), x),
+        (lambda: nn.Linear(16, 12), lambda lib: lib.RowwiseParallel(input_layouts=Replicate(),
+                                                                      use_local_output=False), x),
+        (lambda: nn.Embedding(10, 8), lambda lib: lib.RowwiseParallel(input_layouts=Replicate()), ids),
+        (lambda: nn.Embedding(10, 8), lambda lib: lib.RowwiseParallel(input_layouts=Replicate(),
+                                                                        output_layouts=Shard(1)), ids),
+        (lambda: nn.Embedding(10, 8), lambda lib: lib.ColwiseParallel(), ids),
+        (lambda: nn.Embedding(10, 8), lambda lib: lib.ColwiseParallel(output_layouts=Replicate()), ids),
+        (lambda: nn.LayerNorm(16), lambda lib: lib.SequenceParallel(), "seq"),
+        (lambda: nn.LayerNorm(16), lambda lib: lib.SequenceParallel(use_local_output=True), "seq"),
+    ]
+    for make, style, inp in cases:
+        torch.manual_seed(1)
+        reference = make()
+        ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
+        torch_tp.parallelize_module(ours, mesh, style(torch_tp))
+        torch_tp_api.parallelize_module(theirs, mesh, style(torch_tp_api))
+        value = torch_tp.shard(x, 1) if isinstance(inp, str) else inp
+        out_ours, out_theirs = ours(value), theirs(value)
+        what = f"{type(reference).__name__} {style(torch_tp)!r}"
+        assert isinstance(out_ours, DTensor) == isinstance(out_theirs, DTensor), f"{what}: output type"
+        if isinstance(out_theirs, DTensor):
+            assert out_ours.placements == out_theirs.placements, f"{what}: placements"
+            assert out_ours.shape == out_theirs.shape, f"{what}: global shape"
+        local_ours = out_ours.to_local() if isinstance(out_ours, DTensor) else out_ours
+        local_theirs = out_theirs.to_local() if isinstance(out_theirs, DTensor) else out_theirs
+        _close(local_ours, local_theirs, f"{what}: output")
+        (local_ours.square().sum()).backward()
+        (local_theirs.square().sum()).backward()
+        for (name, p_ours), p_theirs in zip(ours.named_parameters(), theirs.parameters()):
+            # Compared unsharded: torch may keep a gradient in another placement than its parameter's.
+            g_ours = p_ours.grad if get_shard_info(p_ours) is None else _grad_as_param(p_ours)
+            _close(g_ours, _full_param(p_theirs.grad), f"{what}: grad {name}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_style_options_match_torch(ranks, world_size):
+    ranks(world_size).run(_check_style_options, timeout=300)
+
+
+def _check_dtensor_inputs_and_src_rank():
+    """DTensor inputs are accepted; src_data_rank=None keeps each rank's values."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(rank)  # different weights on every rank
+    local_model = MLP()
+    mine = local_model.w1.weight.detach().clone()
+    torch_tp.parallelize_module(local_model, mesh, {"w1": torch_tp.ColwiseParallel()}, src_data_rank=None)
+    assert torch.equal(local_model.w1.weight, torch_tp.shard(mine, 0))
+
+    torch.manual_seed(rank)
+    model = MLP()
+    w1_rank0 = model.w1.weight.detach().clone()
+    dist.broadcast(w1_rank0, 0)
+    torch_tp.parallelize_module(model, mesh, {"w1": torch_tp.ColwiseParallel(), "w2": torch_tp.RowwiseParallel()})
+    assert torch.equal(model.w1.weight, torch_tp.shard(w1_rank0, 0)), "src_data_rank=0 scatters rank 0's weights"
+
+    x = torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(5))
+    plain = model(x)
+    as_dtensor = model(DTensor.from_local(x, mesh, [Replicate()], run_check=False))
+    _close(as_dtensor, plain, "DTensor Replicate input")
+    seq = DTensor.from_local(torch_tp.shard(x, 1), mesh, [Shard(1)], run_check=False)
+    sp_model = copy.deepcopy(model)
+    sp_model.w1._tp_input_layout = Shard(1)  # the DTensor's own placement decides, not the declared one
+    _close(torch_tp.ops.all_gather(torch_tp.shard(model(x), 1), 1), plain, "round trip")
+    _close(model.w1(seq), model.w1(x), "DTensor Shard(1) input is gathered")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dtensor_inputs_and_src_data_rank(ranks, world_size):
+    ranks(world_size).run(_check_dtensor_inputs_and_src_rank)

@@ -1,0 +1,102 @@
+"""Moving plain local tensors between DTensor layouts with the torch_tp ops.
+
+The styles keep activations as plain local tensors. A layout is one of torch's
+placements on a 1-D mesh: ``Replicate()``, ``Shard(d)`` (this rank's
+``torch.chunk`` piece along ``d``) or, for a row-parallel product, partial sums
+(handled inside the ops). Gradients follow Megatron's convention: the gradient
+of a replicated tensor is complete and identical on every rank, and the
+gradient of a shard is complete for that piece. So a gather to ``Replicate``
+is differentiated by taking this rank's piece of the gradient, and a split
+from ``Replicate`` by gathering the pieces; neither sums.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from ..ops import chunk_range
+
+__all__ = ["from_dtensor", "gather_replicated", "normalize", "split_replicated", "to_dtensor"]
+
+
+def normalize(placement: Placement, ndim: int) -> Placement:
+    """``Shard(-1)`` on a 3-d tensor is ``Shard(2)``: compare placements after this."""
+    if isinstance(placement, Shard) and placement.dim < 0:
+        return Shard(placement.dim + ndim)
+    return placement
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """Shard(dim) -> Replicate: all-gather forward, this rank's piece of the (complete) gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group_name, full_size):
+        ctx.dim, ctx.group_name, ctx.local = dim, group_name, x.size(dim)
+        return torch.ops.torch_tp.all_gather(x, dim, group_name, full_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pg = torch.distributed.distributed_c10d._resolve_process_group(ctx.group_name)
+        start, length = chunk_range(grad.size(ctx.dim), pg.size(), pg.rank())
+        return grad.narrow(ctx.dim, start, length).contiguous(), None, None, None
+
+
+class _SplitReplicated(torch.autograd.Function):
+    """Replicate -> Shard(dim): this rank's piece forward, all-gather of the pieces' gradients backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group_name):
+        pg = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+        ctx.dim, ctx.group_name, ctx.full = dim, group_name, x.size(dim)
+        start, length = chunk_range(x.size(dim), pg.size(), pg.rank())
+        return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.torch_tp.all_gather(grad.contiguous(), ctx.dim, ctx.group_name, ctx.full), None, None
+
+
+def gather_replicated(x: torch.Tensor, dim: int, group_name: str, full_size: Optional[int]) -> torch.Tensor:
+    return _GatherReplicated.apply(x, dim, group_name, full_size)
+
+
+def split_replicated(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return _SplitReplicated.apply(x, dim, group_name)
+
+
+def from_dtensor(x, declared: Placement) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
+    """``(local tensor, its placement, global shape or None)``.
+
+    A DTensor brings its own placement and global shape; a plain tensor is
+    taken to be in the ``declared`` layout, with shards of equal size (as
+    ``DTensor.from_local`` assumes), so its global shape is unknown here.
+    """
+    if isinstance(x, DTensor):
+        if x.device_mesh.ndim != 1:
+            raise ValueError(f"torch_tp: expected a DTensor on a 1-D mesh, got one on {x.device_mesh}")
+        return x.to_local(), normalize(x.placements[0], x.ndim), x.shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"torch_tp: expected a torch.Tensor or DTensor input, got {type(x).__name__}")
+    return x, normalize(declared, x.ndim), None
+
+
+def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape) -> DTensor:
+    """Wrap ``local`` as the DTensor torch would hand back, with the global shape
+    given explicitly so that uneven shards are described correctly."""
+    global_shape = torch.Size(global_shape)
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
+
+
+def convert(local: torch.Tensor, src: Placement, dst: Placement, group_name: str,
+            global_shape: Optional[torch.Size]) -> torch.Tensor:
+    """Move ``local`` from layout ``src`` to ``dst`` (both normalized)."""
+    if src == dst:
+        return local
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        full = None if global_shape is None else global_shape[src.dim]
+        return gather_replicated(local, src.dim, group_name, full)
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return split_replicated(local, dst.dim, group_name)
+    raise NotImplementedError(f"torch_tp: redistributing a tensor from {src} to {dst} is not supported")

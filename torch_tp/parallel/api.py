@@ -1,0 +1,132 @@
+"""``parallelize_module``: torch's entry point, on torch_tp's styles."""
+
+import warnings
+from fnmatch import fnmatch
+from typing import Dict, Optional, Union
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import style as _torch_style
+
+from . import style as _style
+
+__all__ = ["parallelize_module"]
+
+
+def _current_mesh() -> Optional[DeviceMesh]:
+    """The mesh of an enclosing ``with mesh:`` block, as torch looks it up."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    try:
+        return _mesh_resources.get_current_mesh()
+    except RuntimeError:
+        return None
+
+
+def _from_torch(style: _torch_style.ParallelStyle) -> _style.ParallelStyle:
+    """The torch_tp style with the settings of one of torch's own styles, so a
+    plan written with torch's classes works unchanged."""
+    if isinstance(style, _style.ParallelStyle):
+        return style
+    if isinstance(style, _torch_style.ColwiseParallel):
+        ours = _style.ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                                      use_local_output=style.use_local_output)
+    elif isinstance(style, _torch_style.RowwiseParallel):
+        ours = _style.RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                                      use_local_output=style.use_local_output)
+    elif isinstance(style, _torch_style.SequenceParallel):
+        ours = _style.SequenceParallel(sequence_dim=style.sequence_sharding[0].dim,
+                                       use_local_output=style.use_local_output)
+    elif isinstance(style, _torch_style.PrepareModuleInputOutput):
+        ours = _style.PrepareModuleInputOutput.__new__(_style.PrepareModuleInputOutput)
+        ours.prepare_module_input = _from_torch(style.prepare_module_input)
+        ours.prepare_module_output = _from_torch(style.prepare_module_output)
+    elif isinstance(style, _torch_style.PrepareModuleInput):
+        ours = _style.PrepareModuleInput(
+            input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+            input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
+            desired_input_kwarg_layouts=style.desired_input_kwarg_layouts, use_local_output=style.use_local_output)
+    elif isinstance(style, _torch_style.PrepareModuleOutput):
+        ours = _style.PrepareModuleOutput(output_layouts=style.output_layouts,
+                                          desired_output_layouts=style.desired_output_layouts,
+                                          use_local_output=style.use_local_output)
+    else:
+        raise TypeError(f"torch_tp.parallelize_module: unsupported parallel style {type(style).__name__}; "
+                        "use ColwiseParallel, RowwiseParallel, SequenceParallel or PrepareModule*")
+    return ours
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: Optional[DeviceMesh] = None,
+    parallelize_plan: Union[_torch_style.ParallelStyle, Dict[str, _torch_style.ParallelStyle], None] = None,
+    *,
+    src_data_rank: Optional[int] = 0,
+) -> nn.Module:
+    r"""Apply tensor parallelism to ``module`` according to ``parallelize_plan``.
+
+    A drop-in replacement for ``torch.distributed.tensor.parallel.parallelize_module``:
+    same arguments, same plans (torch's own style objects are accepted too),
+    same numbers; parameters become plain ``nn.Parameter`` shards and the
+    forward runs torch_tp's ops on local tensors.
+
+    Plan keys are module paths split on ``.``; each part is matched with
+    ``fnmatch`` against ``named_children()`` (``"layers.*.attention.w[qkv]"``);
+    ``""`` applies a style to ``module`` itself. A key that matches nothing is
+    skipped with a warning.
+
+    Args:
+        module (nn.Module): the module to parallelize, in place.
+        device_mesh (DeviceMesh, optional): a 1-D mesh (slice an N-D one, e.g.
+            ``mesh["tp"]``); by default the mesh of an enclosing ``with mesh:``.
+        parallelize_plan (ParallelStyle or Dict[str, ParallelStyle], optional):
+            the plan; without one, nothing happens (with a warning).
+
+    Keyword Args:
+        src_data_rank (int, optional): the rank (in the mesh) whose initial
+            parameters every rank takes (broadcast, then sharded); ``None``
+            keeps each rank's own values and communicates nothing. Default 0.
+
+    Returns:
+        nn.Module: ``module``, parallelized.
+
+    Example::
+
+        >>> from torch_tp import parallelize_module, ColwiseParallel, RowwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> tp_mesh = init_device_mesh("cpu", (2,))
+        >>> m = parallelize_module(MLP(), tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    """
+    device_mesh = device_mesh or _current_mesh()
+    if device_mesh is None:
+        raise RuntimeError("torch_tp.parallelize_module: no device_mesh given and no `with mesh:` block is active")
+    if device_mesh.ndim != 1:
+        raise ValueError(f"Tensor Parallel only accepts a 1D DeviceMesh, but found {device_mesh.ndim}D! "
+                         "If you have a 2-D or N-D device_mesh, consider passing in device_mesh[\"tp\"]")
+
+    if parallelize_plan is None:
+        warnings.warn("No parallelize_plan is provided and auto-parallel is not supported at the moment, "
+                      "so this parallelize_module call will do nothing.", stacklevel=2)
+        return module
+
+    if isinstance(parallelize_plan, _torch_style.ParallelStyle):
+        style = _from_torch(parallelize_plan)
+        style.src_data_rank = src_data_rank
+        return style._apply(module, device_mesh)
+
+    if not isinstance(parallelize_plan, dict):
+        raise TypeError("Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for"
+                        f" parallelize_plan, {type(parallelize_plan)} found!")
+    for module_path, style in parallelize_plan.items():
+        if module_path == "":
+            parallelize_module(module, device_mesh, style, src_data_rank=src_data_rank)
+            continue
+        token, _, rest = module_path.partition(".")
+        matched = [child for name, child in module.named_children() if fnmatch(name, token)]
+        if not matched:
+            warnings.warn(f"Parallelize plan key '{module_path}' could not be resolved: no submodule matching "
+                          f"token '{token}' in module {module}, skipping this plan entry.", stacklevel=2)
+            continue
+        for child in matched:
+            parallelize_module(child, device_mesh, {rest: style} if rest else style, src_data_rank=src_data_rank)
+    return module

@@ -1,0 +1,529 @@
+"""Vocab-parallel cross entropy: ``loss_parallel()``, a drop-in for
+``torch.distributed.tensor.parallel.loss_parallel``.
+
+Inside ``with loss_parallel():`` a :class:`torch.overrides.TorchFunctionMode`
+intercepts ``F.cross_entropy`` (so ``nn.CrossEntropyLoss``), ``F.nll_loss``
+(``nn.NLLLoss``) and ``log_softmax`` (``F.``, ``torch.``, ``torch.special.``,
+``Tensor.``; ``nn.LogSoftmax``) when their input is a DTensor sharded on the
+class dimension over a 1-D DeviceMesh: the output of
+``ColwiseParallel(use_local_output=False)`` on the output projection. It
+unwraps the local shard and computes on plain tensors with
+``torch.ops.torch_tp.all_reduce``. Everything else, plain tensors included,
+runs the normal op untouched.
+
+NOTE [vocab-parallel cross entropy]
+    Rank r holds x_r = x[..., s_r : s_r + n_r], its torch.chunk piece of the V
+    classes (class dim moved last). With m = max_c x_c, S = sum_c exp(x_c - m):
+
+        loss = log S - (x_t - m)          t: the target class
+
+    forward:  m    = all_reduce_max(amax(x_r))                    [..]
+              [S, x_t - m] = all_reduce_sum([sum exp(x_r - m),    [2, ..], one call
+                                             (x_r - m)[t - s_r] if s_r <= t < s_r + n_r else 0])
+    backward: d loss / d x_r = softmax(x)_r - onehot(t)_r = exp(x_r - m) / S - onehot
+              with the global m and S saved from forward: no communication.
+
+    Two collectives forward (Megatron's vocab-parallel cross entropy has three:
+    the sum-exp and target-logit sums share one all-reduce here), none
+    backward. m carries no gradient (log-sum-exp does not depend on it), so
+    the max all-reduce needs no adjoint. Rows count with their weight
+    w_t = weight[t] (1 without weight) and 0 when t == ignore_index;
+    mean divides by sum(w_t), as F.cross_entropy does.
+
+NOTE [log_softmax then nll_loss]
+    ``F.nll_loss(F.log_softmax(x, c), t)`` is cross entropy in two calls. The
+    log_softmax output remembers its input shard and the global m and S; when
+    nll_loss receives exactly that DTensor (same class dim, not modified in
+    place), it computes the cross-entropy gradient straight into x, so the
+    log_softmax node is not on the loss's backward path and backward needs no
+    communication. Used any other way, log_softmax has its exact gradient
+    g - softmax * sum_c g (one all-reduce of sum_c g, a [..]-sized tensor).
+"""
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+
+from ..ops import chunk_range
+
+__all__ = ["loss_parallel"]
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _err(fn: str, msg: str) -> str:
+    return f"torch_tp.loss_parallel: {fn}: {msg}"
+
+
+# ---------------------------------------------------------------- input checks
+
+
+@dataclass(frozen=True)
+class _ClassShard:
+    """Where the classes of a class-sharded DTensor live."""
+
+    group: str  # the mesh's process group name
+    start: int  # first class this rank holds
+    length: int  # classes this rank holds (0 for a rank past the last piece)
+    num_classes: int  # V, the global size of the class dim
+
+
+def _class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
+    """Check that ``x`` is sharded on ``dim`` (normalized) over a 1-D mesh, as
+    torch.chunk pieces, and say which classes this rank holds."""
+    mesh: DeviceMesh = x.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError(_err(
+            fn, f"{what} is a DTensor on a {mesh.ndim}-D DeviceMesh (placements {x.placements}); "
+            "torch_tp handles a 1-D mesh: slice the tensor-parallel dim (e.g. mesh['tp']), "
+            "or use torch.distributed.tensor.parallel.loss_parallel"))
+    (placement,) = x.placements
+    sharded = type(placement) is Shard and placement.dim % max(x.ndim, 1) == dim
+    if not sharded:
+        raise ValueError(_err(
+            fn, f"{what} must be sharded on its class dim {dim} (Shard({dim}) or Shard(-1) when "
+            f"it is the last dim), got placements {x.placements} for shape {tuple(x.shape)}"
+            + ("; for [batch, seq, vocab] logits flatten them first: "
+               "F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))"
+               if type(placement) is Shard and x.ndim > 2 else "")))
+    num_classes = x.shape[dim]
+    world, rank = mesh.size(), mesh.get_local_rank()
+    start, length = chunk_range(num_classes, world, rank)
+    local = x._local_tensor.size(dim)
+    if local != length:
+        raise ValueError(_err(
+            fn, f"{what}'s local shard holds {local} of {num_classes} classes on mesh rank {rank} "
+            f"of {world}, but torch.chunk gives it {length}; shards must be torch.chunk pieces"))
+    return _ClassShard(mesh.get_group().group_name, start, length, num_classes)
+
+
+def _replicated_local(t: torch.Tensor, mesh: DeviceMesh, fn: str, what: str) -> torch.Tensor:
+    """A plain tensor, or the local tensor of a DTensor replicated on ``mesh``."""
+    if isinstance(t, DTensor):
+        if t.device_mesh != mesh or not all(isinstance(p, Replicate) for p in t.placements):
+            raise ValueError(_err(
+                fn, f"{what} must be a plain tensor or a DTensor replicated on the input's mesh, "
+                f"got placements {t.placements} on {t.device_mesh}"))
+        return t.to_local()
+    return t
+
+
+def _check_target(target: Any, x: DTensor, class_dim: int, mesh: DeviceMesh, fn: str) -> torch.Tensor:
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(_err(fn, f"target must be a Tensor, got {type(target).__name__}"))
+    target = _replicated_local(target, mesh, fn, "target")
+    if target.is_floating_point() or target.is_complex():
+        raise NotImplementedError(_err(
+            fn, f"target of dtype {target.dtype} (class probabilities) is not supported, as in "
+            "torch's loss_parallel; pass class indices"))
+    if target.dtype == torch.bool:
+        raise TypeError(_err(fn, "target must hold integer class indices, got dtype torch.bool"))
+    expected = x.shape[:class_dim] + x.shape[class_dim + 1:]
+    if target.shape != expected:
+        raise ValueError(_err(
+            fn, f"target.shape={tuple(target.shape)} does not match input.shape={tuple(x.shape)} "
+            f"without the class dim {class_dim}: expected {tuple(expected)}"))
+    return target.long()
+
+
+def _check_weight(weight: Any, mesh: DeviceMesh, num_classes: int, fn: str) -> Optional[torch.Tensor]:
+    if weight is None:
+        return None
+    weight = _replicated_local(weight, mesh, fn, "weight")
+    if weight.shape != (num_classes,):
+        raise ValueError(_err(
+            fn, f"weight.shape={tuple(weight.shape)} must be ({num_classes},), one per class"))
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(_err(
+            fn, "weight requires grad, but the loss is not differentiable with respect to weight "
+            "(F.cross_entropy and F.nll_loss refuse it too)"))
+    return weight
+
+
+def _check_reduction(size_average: Any, reduce: Any, reduction: str, fn: str) -> str:
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(_err(fn, f"reduction={reduction!r} is not one of {_REDUCTIONS}"))
+    return reduction
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 are computed in fp32 (as torch's log_softmax kernels do)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# ---------------------------------------------------------------- kernels on plain tensors
+
+
+def _row_weights(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                 num_classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """w_t per row: weight[t] (1 without weight), 0 where t == ignore_index."""
+    valid = target != ignore_index
+    # F.cross_entropy raises "Target 12 is out of bounds."; on CUDA this is a
+    # device-side assert, so the check costs no host synchronisation.
+    torch._assert_async(
+        ((target >= 0) & (target < num_classes) | ~valid).all(),
+        f"torch_tp.loss_parallel: a target is outside [0, {num_classes}) and not ignore_index={ignore_index}")
+    if weight is None:
+        return valid.to(dtype)
+    return torch.where(valid, weight.to(dtype)[torch.where(valid, target, 0)], 0)
+
+
+def _local_target(target: torch.Tensor, shard: _ClassShard) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(index into this rank's classes, clamped to 0 elsewhere; whether t is here)."""
+    local = target - shard.start
+    here = (local >= 0) & (local < shard.length)
+    return torch.where(here, local, 0), here
+
+
+def _pick(values: torch.Tensor, index: torch.Tensor, here: torch.Tensor) -> torch.Tensor:
+    """values[..., index] where ``here``, else 0 (values: [.., n_r], index: [..])."""
+    if values.size(-1) == 0:  # a rank holding no classes
+        return values.new_zeros(index.shape)
+    picked = values.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return torch.where(here, picked, 0)
+
+
+def _max_and_sum_exp(x: torch.Tensor, group: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global m = max_c x_c, shifted x_r - m and the local sum of exp(x_r - m)."""
+    if x.size(-1) == 0:
+        local_max = x.new_full(x.shape[:-1], float("-inf"))
+    else:
+        local_max = x.amax(-1)
+    m = torch.ops.torch_tp.all_reduce(local_max, "max", group)
+    shifted = x - m.unsqueeze(-1)
+    return m, shifted, shifted.exp().sum(-1)
+
+
+def _reduce(loss: torch.Tensor, w: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / w.sum()
+
+
+def _row_grad_scale(grad: torch.Tensor, w: torch.Tensor, reduction: str) -> torch.Tensor:
+    """d reduced / d loss_row, times w_t: [..]."""
+    if reduction == "mean":
+        # where: a batch whose targets are all ignored has sum(w) = 0; its
+        # gradient is 0 (as F.cross_entropy's), not 0 * inf.
+        return torch.where(w == 0, 0, grad * w / w.sum())
+    return grad * w
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Cross entropy of class-last local logits ``x [.., n_r]``; see NOTE
+    [vocab-parallel cross entropy]. With ``stats = (m, S, logp)`` from
+    log_softmax, forward only picks -logp_t (one all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, target, w, reduction, shard, stats):  # noqa: D102
+        out_dtype = x.dtype
+        xc = x.to(_compute_dtype(x.dtype))
+        index, here = _local_target(target, shard)
+        if stats is None:
+            m, shifted, sum_exp_local = _max_and_sum_exp(xc, shard.group)
+            sums = torch.ops.torch_tp.all_reduce(
+                torch.stack([sum_exp_local, _pick(shifted, index, here)]), "sum", shard.group)
+            sum_exp, target_shifted = sums[0], sums[1]
+            loss = sum_exp.log() - target_shifted
+        else:
+            m, sum_exp, logp = stats
+            loss = -torch.ops.torch_tp.all_reduce(
+                _pick(logp.to(xc.dtype), index, here), "sum", shard.group)
+        loss = torch.where(w != 0, loss * w, 0)
+        ctx.save_for_backward(x, m, sum_exp, index, here, w)
+        ctx.reduction = reduction
+        return _reduce(loss, w, reduction).to(out_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: D102
+        x, m, sum_exp, index, here, w = ctx.saved_tensors
+        scale = _row_grad_scale(grad.to(w.dtype), w, ctx.reduction)
+        # softmax from the forward's global max and sum: exp(x_r - m) / S.
+        grad_x = (x.to(w.dtype) - m.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1)).mul_(scale.unsqueeze(-1))
+        if x.size(-1) > 0:  # - onehot(t) * scale, on the rank holding t
+            grad_x.scatter_add_(-1, index.unsqueeze(-1), torch.where(here, -scale, 0).unsqueeze(-1))
+        return grad_x.to(x.dtype), None, None, None, None, None
+
+
+class _NLLLoss(torch.autograd.Function):
+    """-values_t of class-last local values ``[.., n_r]``: one all-reduce
+    forward; backward is local (-w_t * grad on the rank holding t)."""
+
+    @staticmethod
+    def forward(ctx, values, target, w, reduction, shard):  # noqa: D102
+        index, here = _local_target(target, shard)
+        picked = torch.ops.torch_tp.all_reduce(
+            _pick(values.to(w.dtype), index, here), "sum", shard.group)
+        loss = torch.where(w != 0, -picked * w, 0)
+        ctx.save_for_backward(index, here, w)
+        ctx.reduction, ctx.shape, ctx.dtype = reduction, values.shape, values.dtype
+        return _reduce(loss, w, reduction).to(values.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: D102
+        index, here, w = ctx.saved_tensors
+        scale = _row_grad_scale(grad.to(w.dtype), w, ctx.reduction)
+        grad_values = w.new_zeros(ctx.shape)
+        if grad_values.size(-1) > 0:
+            grad_values.scatter_(-1, index.unsqueeze(-1), torch.where(here, -scale, 0).unsqueeze(-1))
+        return grad_values.to(ctx.dtype), None, None, None, None
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """log_softmax of class-last local ``x [.., n_r]`` over all ranks' classes.
+    Returns (logp, m, S); m and S feed NOTE [log_softmax then nll_loss]."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # noqa: D102
+        m, shifted, sum_exp_local = _max_and_sum_exp(x.to(_compute_dtype(x.dtype)), group)
+        sum_exp = torch.ops.torch_tp.all_reduce(sum_exp_local, "sum", group)
+        logp = (shifted - sum_exp.log().unsqueeze(-1)).to(x.dtype)
+        # Save the input, not logp: logp becomes the user's DTensor, and an
+        # in-place op on a DTensor does not bump its local tensor's version
+        # counter, so a modified saved logp would go unnoticed.
+        ctx.save_for_backward(x, m, sum_exp)
+        ctx.group = group
+        ctx.mark_non_differentiable(m, sum_exp)
+        return logp, m, sum_exp
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _grad_m, _grad_sum_exp):  # noqa: D102
+        x, m, sum_exp = ctx.saved_tensors
+        g = grad.to(m.dtype)
+        # d/dx_j sum_i g_i logp_i = g_j - softmax_j * sum_i g_i, the sum over all classes.
+        total = torch.ops.torch_tp.all_reduce(g.sum(-1), "sum", ctx.group)
+        softmax = (x.to(m.dtype) - m.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))
+        return (g - softmax * total.unsqueeze(-1)).to(x.dtype), None
+
+
+# ---------------------------------------------------------------- handlers
+
+
+@dataclass
+class _LogSoftmaxRecord:
+    """Kept on a log_softmax output DTensor; see NOTE [log_softmax then nll_loss]."""
+
+    x: torch.Tensor  # the input's local shard, class dim last (on the autograd path of the input)
+    m: torch.Tensor
+    sum_exp: torch.Tensor
+    logp: torch.Tensor  # class dim last
+    dim: int
+    versions: Tuple[int, int]
+
+
+_RECORD = "_torch_tp_log_softmax"
+
+
+def _versions(dt: DTensor) -> Tuple[int, int]:
+    # In-place ops on the DTensor bump its own counter; on a to_local() view, the local tensor's.
+    return dt._version, dt._local_tensor._version
+
+
+def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
+          reduction: str, cross_entropy: bool) -> torch.Tensor:
+    class_dim = 0 if input.ndim == 1 else 1
+    if input.ndim == 0:
+        raise ValueError(_err(fn, "input must have a class dim, got a 0-d DTensor"))
+    shard = _class_shard(input, class_dim, fn, "input")
+    mesh = input.device_mesh
+    target = _check_target(target, input, class_dim, mesh, fn)
+    weight = _check_weight(weight, mesh, shard.num_classes, fn)
+    if not isinstance(ignore_index, int):
+        raise TypeError(_err(fn, f"ignore_index must be an int, got {ignore_index!r}"))
+    dtype = _compute_dtype(input.dtype)
+    w = _row_weights(target, weight, ignore_index, shard.num_classes, dtype)
+
+    record: Optional[_LogSoftmaxRecord] = getattr(input, _RECORD, None)
+    if not cross_entropy and record is not None and record.dim == class_dim \
+            and record.versions == _versions(input):
+        # NOTE [log_softmax then nll_loss]: differentiate straight into the logits.
+        return _CrossEntropy.apply(record.x, target, w, reduction, shard,
+                                   (record.m, record.sum_exp, record.logp))
+    local = input.to_local().movedim(class_dim, -1)
+    if cross_entropy:
+        return _CrossEntropy.apply(local, target, w, reduction, shard, None)
+    return _NLLLoss.apply(local, target, w, reduction, shard)
+
+
+def _cross_entropy_args(input, target, weight=None, size_average=None, ignore_index=-100,
+                        reduce=None, reduction="mean", label_smoothing=0.0):
+    return input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+
+
+def _cross_entropy(args: tuple, kwargs: dict) -> torch.Tensor:
+    input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing = \
+        _cross_entropy_args(*args, **kwargs)
+    fn = "cross_entropy"
+    reduction = _check_reduction(size_average, reduce, reduction, fn)
+    if label_smoothing != 0.0:
+        raise NotImplementedError(_err(
+            fn, f"label_smoothing={label_smoothing} is not supported (torch's loss_parallel does "
+            "not support it either); use label_smoothing=0.0"))
+    return _loss(fn, input, target, weight, ignore_index, reduction, cross_entropy=True)
+
+
+def _nll_loss_args(input, target, weight=None, size_average=None, ignore_index=-100,
+                   reduce=None, reduction="mean"):
+    return input, target, weight, size_average, ignore_index, reduce, reduction
+
+
+def _nll_loss(args: tuple, kwargs: dict) -> torch.Tensor:
+    input, target, weight, size_average, ignore_index, reduce, reduction = _nll_loss_args(*args, **kwargs)
+    reduction = _check_reduction(size_average, reduce, reduction, "nll_loss")
+    return _loss("nll_loss", input, target, weight, ignore_index, reduction, cross_entropy=False)
+
+
+def _log_softmax_dt(x: DTensor, dim: Any, dtype: Optional[torch.dtype]) -> Any:
+    fn = "log_softmax"
+    if isinstance(dim, str):  # a named dim: DTensors have none; let the normal op say so
+        return NotImplemented
+    if dim is None:  # F.log_softmax's legacy implicit dim
+        warnings.warn("Implicit dimension choice for log_softmax has been deprecated. "
+                      "Change the call to include dim=X as an argument.", stacklevel=4)
+        dim = 0 if x.ndim in (0, 1, 3) else 1
+    if x.ndim == 0:
+        raise ValueError(_err(fn, "input must have a class dim, got a 0-d DTensor"))
+    dim = dim % x.ndim
+    shard = _class_shard(x, dim, fn, "input")
+    local = x.to_local()
+    if dtype is not None:
+        local = local.to(dtype)
+    local = local.movedim(dim, -1)
+    logp, m, sum_exp = _LogSoftmax.apply(local, shard.group)
+    out_local = logp.movedim(-1, dim).contiguous()
+    out = DTensor.from_local(out_local, x.device_mesh, [Shard(dim)], run_check=False,
+                             shape=x.shape, stride=_contiguous_stride(x.shape))
+    setattr(out, _RECORD, _LogSoftmaxRecord(local, m, sum_exp, logp.detach(), dim, _versions(out)))
+    return out
+
+
+def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _F_log_softmax_args(input, dim=None, _stacklevel=3, dtype=None):
+    return input, dim, dtype
+
+
+def _log_softmax_args(input, dim, dtype=None):
+    return input, dim, dtype
+
+
+def _log_softmax(binder: Callable) -> Callable[[tuple, dict], DTensor]:
+    def handler(args: tuple, kwargs: dict) -> Any:
+        input, dim, dtype = binder(*args, **kwargs)
+        return _log_softmax_dt(input, dim, dtype)
+    return handler
+
+
+def _first_is_dtensor(args: tuple, kwargs: dict) -> bool:
+    first = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    return isinstance(first, DTensor)
+
+
+_HANDLERS: Dict[Callable, Callable[[tuple, dict], Any]] = {
+    F.cross_entropy: _cross_entropy,
+    F.nll_loss: _nll_loss,
+    F.log_softmax: _log_softmax(_F_log_softmax_args),
+    torch.log_softmax: _log_softmax(_log_softmax_args),
+    torch.special.log_softmax: _log_softmax(_log_softmax_args),
+    torch.Tensor.log_softmax: _log_softmax(_log_softmax_args),
+}
+
+
+class _LossParallelMode(TorchFunctionMode):
+    """Routes the handled functions on DTensor inputs to the vocab-parallel
+    kernels; every other call runs unchanged (this mode is off while it runs)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None and _first_is_dtensor(args, kwargs):
+            result = handler(args, kwargs)
+            if result is not NotImplemented:
+                return result
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def loss_parallel() -> Iterator[None]:
+    r"""Compute cross entropy on logits sharded on the class dimension without gathering them.
+
+    A drop-in for :func:`torch.distributed.tensor.parallel.loss_parallel`.
+    Inside the context, :func:`~torch.nn.functional.cross_entropy`
+    (:class:`~torch.nn.CrossEntropyLoss`), :func:`~torch.nn.functional.nll_loss`
+    (:class:`~torch.nn.NLLLoss`) and ``log_softmax`` (``F.``, ``torch.``,
+    ``torch.special.``, ``Tensor.``; :class:`~torch.nn.LogSoftmax`) compute
+    vocab-parallel results when their input is a
+    :class:`~torch.distributed.tensor.DTensor` sharded on the class dimension
+    (dim 1, or 0 for a 1-D input) over a 1-D DeviceMesh, e.g. the output of
+    ``ColwiseParallel(use_local_output=False)`` on the output projection,
+    flattened to ``[batch * seq, vocab]``. A vocabulary that does not divide
+    the mesh size is split as ``torch.chunk`` splits it. Calls on plain tensors
+    are unchanged.
+
+    Cross entropy takes two all-reduces forward (global max; sum of exp and
+    target logit together) and no communication backward.
+
+    Args (of the intercepted calls):
+        input (DTensor): logits (log-probabilities for ``nll_loss``) with
+            placements ``(Shard(class_dim),)``; ``Shard(-1)`` when the class
+            dim is the last one.
+        target (Tensor or DTensor): class indices, replicated: a plain tensor
+            (the same on every rank) or a ``Replicate()`` DTensor. Class
+            probabilities are not supported.
+        weight (Tensor or DTensor, optional): a replicated rescaling weight of
+            one entry per class.
+        ignore_index, reduction: as for ``F.cross_entropy``.
+        label_smoothing: must be 0.0 (as in torch's loss_parallel).
+
+    Returns:
+        ``cross_entropy`` and ``nll_loss`` return a plain Tensor holding the
+        complete loss on every rank, where torch returns a ``Replicate()``
+        DTensor holding the same value: ``.backward()``, ``.item()``,
+        ``.detach()``, arithmetic and logging behave the same; DTensor-only
+        methods (``.full_tensor()``, ``.to_local()``, ``.placements``) do not
+        exist on it. ``log_softmax`` returns a DTensor sharded like its input.
+
+    Differences from torch's loss_parallel:
+
+    - ``backward()`` may run inside or outside the context (torch's must run
+      inside).
+    - ``log_softmax`` and ``nll_loss`` have exact gradients however they are
+      combined (torch's assume ``nll_loss(log_softmax(x))``).
+    - A rank holding no classes (vocabulary smaller than mesh size times the
+      chunk size, e.g. 5 classes on 4 ranks) works; out-of-range targets
+      raise, as in ``F.cross_entropy``.
+    - Only 1-D meshes; the context nests and survives exceptions.
+
+    Example::
+
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        >>> from torch_tp import loss_parallel
+        >>> parallelize_module(model, tp_mesh, {"output": ColwiseParallel(use_local_output=False)})
+        >>> with loss_parallel():
+        >>>     pred = model(tokens)                         # DTensor [b, s, V], Shard(-1)
+        >>>     loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
+        >>>     loss.backward()
+    """
+    with _LossParallelMode():
+        yield
