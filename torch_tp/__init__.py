@@ -34,6 +34,7 @@ from .parallel import (  # noqa: E402
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "all_reduce",
     "chunk_range",
     "copy_to_tp_region",
+    "loss_parallel",
     "ops",
     "parallelize_module",
     "reduce_from_tp_region",

@@ -1,6 +1,7 @@
 """Tensor-parallel module API, mirroring ``torch.distributed.tensor.parallel``."""
 
 from .api import parallelize_module
+from .loss import loss_parallel
 from .style import (
     ColwiseParallel,
     ParallelStyle,
@@ -19,5 +20,6 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "loss_parallel",
     "parallelize_module",
 ]

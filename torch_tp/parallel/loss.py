@@ -92,7 +92,8 @@ def _class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
             f"it is the last dim), got placements {x.placements} for shape {tuple(x.shape)}"
             + ("; for [batch, seq, vocab] logits flatten them first: "
                "F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))"
-               if type(placement) is Shard and x.ndim > 2 else "")))
+               if type(placement) is Shard and x.ndim > 2 and placement.dim % x.ndim == x.ndim - 1
+               else "")))
     num_classes = x.shape[dim]
     world, rank = mesh.size(), mesh.get_local_rank()
     start, length = chunk_range(num_classes, world, rank)
@@ -125,6 +126,8 @@ def _check_target(target: Any, x: DTensor, class_dim: int, mesh: DeviceMesh, fn:
             "torch's loss_parallel; pass class indices"))
     if target.dtype == torch.bool:
         raise TypeError(_err(fn, "target must hold integer class indices, got dtype torch.bool"))
+    if target.device != x.device:
+        raise ValueError(_err(fn, f"target is on {target.device} but input is on {x.device}"))
     expected = x.shape[:class_dim] + x.shape[class_dim + 1:]
     if target.shape != expected:
         raise ValueError(_err(
@@ -338,6 +341,8 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
     class_dim = 0 if input.ndim == 1 else 1
     if input.ndim == 0:
         raise ValueError(_err(fn, "input must have a class dim, got a 0-d DTensor"))
+    if not input.is_floating_point():
+        raise TypeError(_err(fn, f"input must be floating point, got dtype {input.dtype}"))
     shard = _class_shard(input, class_dim, fn, "input")
     mesh = input.device_mesh
     target = _check_target(target, input, class_dim, mesh, fn)
@@ -402,6 +407,8 @@ def _log_softmax_dt(x: DTensor, dim: Any, dtype: Optional[torch.dtype]) -> Any:
     local = x.to_local()
     if dtype is not None:
         local = local.to(dtype)
+    if not local.is_floating_point():
+        raise TypeError(_err(fn, f"input must be floating point, got dtype {local.dtype}"))
     local = local.movedim(dim, -1)
     logp, m, sum_exp = _LogSoftmax.apply(local, shard.group)
     out_local = logp.movedim(-1, dim).contiguous()

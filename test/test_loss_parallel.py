@@ -1,0 +1,488 @@
+"""torch_tp.parallel.loss.loss_parallel against F.cross_entropy and torch's loss_parallel.
+
+The logits come the way users get them: a small model whose output nn.Linear is
+parallelized by torch's own parallelize_module with
+ColwiseParallel(use_local_output=False) on a 1-D mesh, so they are a DTensor
+[batch, seq, vocab] with placements (Shard(2),), flattened to [batch * seq,
+vocab] as torchtitan does. Every rank builds the same model, input and labels
+(same seeds), and also runs the unsharded copy of the model in-process.
+
+Each loss is compared, value and gradient with respect to the logits (a leaf
+DTensor detached from the model output), against
+  (a) F.cross_entropy / F.nll_loss on the unsharded logits, and
+  (b) torch.distributed.tensor.parallel.loss_parallel on the identical DTensor.
+Vocab sizes include uneven splits (10 classes over 3 ranks: 4, 4, 2; over 4
+ranks: 3, 3, 3, 1) and a rank holding no class (5 over 4: 2, 2, 1, 0).
+
+Tolerances (fp32), relative to the largest magnitude of the reference:
+  vs unsharded  1e-5: the p-way split reorders the V-term sum of exp (the max
+                is exact), and the gradient's softmax divides by that sum:
+                a few ulp (2^-24 ~ 6e-8) per term, far below 1e-5 for V <= 64.
+  vs torch      1e-6: the same shifted logits, max and all-reduced sum of exp;
+                torch forms log-probabilities x - m - log S then picks
+                (ours: log S - (x_t - m)) and its gradient is exp(logp) where
+                ours is exp(x - m) / S: one or two roundings apart.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_tp.parallel.loss import loss_parallel
+
+WORLD_SIZES = [1, 2, 3, 4]
+REDUCTIONS = ["mean", "sum", "none"]
+VS_UNSHARDED = 1e-5
+VS_TORCH = 1e-6
+BATCH, SEQ, HIDDEN = 2, 5, 8
+
+_MESH = {}
+
+
+def _mesh():
+    world = dist.get_world_size()
+    if world not in _MESH:
+        _MESH[world] = init_device_mesh("cpu", (world,))
+    return _MESH[world]
+
+
+def _close(actual, expected, tol, what):
+    if isinstance(actual, DTensor):
+        actual = actual.full_tensor()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel() == 0:
+        return
+    assert torch.equal(actual.isnan(), expected.isnan()), f"{what}: NaNs differ: {actual} vs {expected}"
+    a, e = actual.double().nan_to_num(), expected.double().nan_to_num()
+    scale = e.abs().max().clamp_min(1e-30)
+    error = (a - e).abs().max() / scale
+    assert error <= tol, f"{what}: max error {error:.3e} of the scale exceeds {tol:.0e}"
+
+
+class _Head(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, vocab)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.proj(x)))
+
+
+def _models(vocab, seed=0):
+    """(tensor-parallel model, unsharded copy, input x): the same on every rank."""
+    torch.manual_seed(seed)
+    ref = _Head(vocab)
+    tp = _Head(vocab)
+    tp.load_state_dict(ref.state_dict())
+    parallelize_module(tp, _mesh(), {"out": ColwiseParallel(use_local_output=False)})
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed + 1))
+    return tp, ref, x
+
+
+def _labels(vocab, ignored=(), seed=2, shape=(BATCH, SEQ)):
+    labels = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+    for index in ignored:
+        labels.view(-1)[index] = -100
+    return labels
+
+
+def _logits(vocab, seed=0):
+    """(leaf DTensor [b, s, V] Shard(2), leaf unsharded [b, s, V]) from the model."""
+    tp, ref, x = _models(vocab, seed)
+    pred = tp(x)
+    assert isinstance(pred, DTensor) and pred.placements == (Shard(2),), pred
+    return pred.detach().requires_grad_(), ref(x).detach().requires_grad_()
+
+
+def _grad_of(fn, leaf):
+    leaf.grad = None
+    loss = fn(leaf)
+    loss.backward(torch.ones_like(loss))  # for "none" too: d sum / d logits
+    return loss, leaf.grad
+
+
+def _check_three_ways(dt, full, ours_fn, ref_fn, torch_ok=True):
+    """ours_fn(dt) under loss_parallel vs ref_fn(full) and vs ours_fn(dt) under torch's."""
+    with loss_parallel():
+        loss, grad = _grad_of(ours_fn, dt)
+    assert type(loss) is torch.Tensor, f"expected a plain tensor, got {type(loss).__name__}"
+    assert isinstance(grad, DTensor) and grad.placements == dt.placements
+    ref_loss, ref_grad = _grad_of(ref_fn, full)
+    _close(loss, ref_loss.detach(), VS_UNSHARDED, "loss vs unsharded")
+    _close(grad, ref_grad, VS_UNSHARDED, "grad vs unsharded")
+    if torch_ok:
+        with torch_loss_parallel():
+            t_loss, t_grad = _grad_of(ours_fn, dt)
+        _close(loss, t_loss.full_tensor().detach(), VS_TORCH, "loss vs torch's loss_parallel")
+        _close(grad, t_grad.full_tensor(), VS_TORCH, "grad vs torch's loss_parallel")
+    return loss
+
+
+# ---------------------------------------------------------------- cross entropy
+
+
+def _run_cross_entropy(vocab, reduction, ignored, torch_ok):
+    dt, full = _logits(vocab)
+    labels = _labels(vocab, ignored)
+
+    def ce(logits):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1), reduction=reduction)
+
+    loss = _check_three_ways(dt, full, ce, ce, torch_ok)
+    assert loss.shape == ((BATCH * SEQ,) if reduction == "none" else ())
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("ignored", [(), (0, 3, 4)], ids=["all_labels", "some_ignored"])
+def test_cross_entropy(ranks, world_size, reduction, ignored):
+    """Flattened [b*s, V] logits, uneven vocab (10) on 3 and 4 ranks."""
+    ranks(world_size).run(_run_cross_entropy, 10, reduction, ignored, True)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_rank_without_classes(ranks, reduction):
+    """5 classes on 4 ranks: torch.chunk gives 2, 2, 1, 0. (torch's loss_parallel
+    fails on the empty rank with an IndexError and the others hang; not compared.)"""
+    ranks(4).run(_run_cross_entropy, 5, reduction, (1,), False)
+
+
+def _run_class_dim_1(reduction):
+    """[b, V, s] (class dim 1, 3-D: aten's nll_loss2d) and [V] with a 0-d target."""
+    vocab = 10
+    dt, full = _logits(vocab)
+    labels = _labels(vocab, (2,))
+
+    def ce3(logits):
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction=reduction)
+
+    loss = _check_three_ways(dt, full, ce3, ce3)
+    assert loss.shape == ((BATCH, SEQ) if reduction == "none" else ())
+
+    def ce1(logits):
+        return F.cross_entropy(logits[1, 2], labels[1, 2], reduction=reduction)
+
+    loss = _check_three_ways(dt, full, ce1, ce1)
+    assert loss.shape == ()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_class_dim_1(ranks, world_size, reduction):
+    ranks(world_size).run(_run_class_dim_1, reduction)
+
+
+def _run_ignore_index():
+    vocab = 10
+    dt, full = _logits(vocab)
+    labels = _labels(vocab).flatten()
+    # an ignore_index that is a real class, held by one rank only
+    ignore = int(labels[3])
+
+    def ce(logits):
+        return F.cross_entropy(logits.flatten(0, 1), labels, ignore_index=ignore)
+
+    _check_three_ways(dt, full, ce, ce)
+
+    # every label ignored: mean is 0/0 = nan, the gradient is 0 (as F.cross_entropy)
+    none = torch.full_like(labels, -100)
+
+    def ce_none(logits):
+        return F.cross_entropy(logits.flatten(0, 1), none)
+
+    loss = _check_three_ways(dt, full, ce_none, ce_none)
+    assert loss.isnan()
+    assert dt.grad.full_tensor().eq(0).all()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ignore_index(ranks, world_size):
+    ranks(world_size).run(_run_ignore_index)
+
+
+def _run_weight(reduction, ignored):
+    vocab = 10
+    dt, full = _logits(vocab)
+    labels = _labels(vocab, ignored).flatten()
+    weight = torch.rand(vocab, generator=torch.Generator().manual_seed(5)) + 0.5
+    for w in (weight, distribute_tensor(weight, _mesh(), [Replicate()])):
+        def ce(logits, w=w):
+            return F.cross_entropy(logits.flatten(0, 1), labels, weight=w, reduction=reduction)
+
+        def ref(logits):
+            return F.cross_entropy(logits.flatten(0, 1), labels, weight=weight, reduction=reduction)
+
+        with loss_parallel():
+            loss, grad = _grad_of(ce, dt)
+        ref_loss, ref_grad = _grad_of(ref, full)
+        _close(loss, ref_loss.detach(), VS_UNSHARDED, "weighted loss vs unsharded")
+        _close(grad, ref_grad, VS_UNSHARDED, "weighted grad vs unsharded")
+        if not ignored:
+            # torch's backward with weight gathers weight[ignore_index] and
+            # fails ("index -100 is out of bounds"): compared without ignored labels.
+            with torch_loss_parallel():
+                t_loss, t_grad = _grad_of(ce, dt)
+            _close(loss, t_loss.full_tensor().detach(), VS_TORCH, "weighted loss vs torch")
+            _close(grad, t_grad.full_tensor(), VS_TORCH, "weighted grad vs torch")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("ignored", [(), (1, 7)], ids=["all_labels", "some_ignored"])
+def test_weight(ranks, reduction, ignored):
+    ranks(3).run(_run_weight, reduction, ignored)
+
+
+# ---------------------------------------------------------------- the model, end to end
+
+
+def _run_model_end_to_end():
+    """nn.CrossEntropyLoss on the model output; parameter and input gradients
+    against the unsharded model; backward outside the context; a Replicate
+    DTensor target."""
+    vocab = 10
+    tp, ref, x = _models(vocab)
+    labels = _labels(vocab, (4,))
+    x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    criterion = nn.CrossEntropyLoss()
+    target = distribute_tensor(labels.flatten(), _mesh(), [Replicate()])
+    with loss_parallel():
+        loss = criterion(tp(x_tp).flatten(0, 1), target)
+    loss.backward()  # outside the context: torch's loss_parallel needs it inside
+    ref_loss = criterion(ref(x_ref).flatten(0, 1), labels.flatten())
+    ref_loss.backward()
+    _close(loss, ref_loss.detach(), VS_UNSHARDED, "loss")
+    _close(x_tp.grad, x_ref.grad, VS_UNSHARDED, "grad x")
+    for (name, p), q in zip(tp.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad, VS_UNSHARDED, f"grad {name}")
+    assert abs(loss.item() - ref_loss.item()) <= VS_UNSHARDED * abs(ref_loss.item())
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_model_end_to_end(ranks, world_size):
+    ranks(world_size).run(_run_model_end_to_end)
+
+
+# ---------------------------------------------------------------- communication
+
+
+class _CountCollectives(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("torch_tp", "c10d", "_c10d_functional"):
+            self.calls.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _run_communication():
+    vocab = 10
+    dt, _ = _logits(vocab)
+    labels = _labels(vocab, (0,)).flatten()
+    counts = {}
+    cases = {
+        "cross_entropy": lambda x: F.cross_entropy(x, labels),
+        "log_softmax+nll_loss": lambda x: F.nll_loss(F.log_softmax(x, -1), labels),
+        "nll_loss": lambda x: F.nll_loss(x, labels),
+        "log_softmax": lambda x: F.log_softmax(x, 1).sum(),
+    }
+    for name, fn in cases.items():
+        logits = dt.detach().flatten(0, 1).requires_grad_()
+        with loss_parallel(), _CountCollectives() as fwd:
+            loss = fn(logits)
+        with _CountCollectives() as bwd:
+            loss.backward()
+        counts[name] = (len(fwd.calls), len(bwd.calls))
+    assert counts == {
+        "cross_entropy": (2, 0),          # max; [sum exp, target logit]
+        "log_softmax+nll_loss": (3, 0),   # max, sum exp; target logp (fused backward)
+        "nll_loss": (1, 0),
+        "log_softmax": (2, 1),            # backward: sum of the gradient over classes
+    }, counts
+
+
+def test_communication(ranks):
+    """Collectives per call: none in backward for the losses."""
+    ranks(2).run(_run_communication)
+
+
+# ---------------------------------------------------------------- log_softmax and nll_loss
+
+
+def _run_log_softmax_nll(reduction):
+    vocab = 10
+    dt, full = _logits(vocab)
+    labels = _labels(vocab, (3,)).flatten()
+
+    def nll_of_log_softmax(logits):  # NOTE [log_softmax then nll_loss]
+        return F.nll_loss(F.log_softmax(logits.flatten(0, 1), -1), labels, reduction=reduction)
+
+    _check_three_ways(dt, full, nll_of_log_softmax, nll_of_log_softmax)
+
+    def method(logits):  # Tensor.log_softmax, torch.log_softmax, nn.NLLLoss
+        return nn.NLLLoss(reduction=reduction)(torch.log_softmax(logits, 2).flatten(0, 1), labels) \
+            + F.nll_loss(logits.flatten(0, 1).log_softmax(1), labels, reduction=reduction)
+
+    _check_three_ways(dt, full, method, method, torch_ok=False)
+
+    # Used other ways, torch's loss_parallel gets these gradients wrong (its
+    # log_softmax backward is the identity, its nll_loss backward adds exp(x)):
+    # compare with the unsharded reference only.
+    def log_softmax_alone(logits):
+        lp = F.log_softmax(logits, -1)
+        out = (lp * lp).sum() + lp[..., :3].sum() * 0.5  # the grad of lp is not 1-hot
+        return out.full_tensor() if isinstance(out, DTensor) else out
+
+    _check_three_ways(dt, full, log_softmax_alone, log_softmax_alone, torch_ok=False)
+
+    def nll_of_logits(logits):
+        return F.nll_loss(logits.flatten(0, 1), labels, reduction=reduction)
+
+    _check_three_ways(dt, full, nll_of_logits, nll_of_logits, torch_ok=False)
+
+    def modified_in_place(logits):  # the fused path must not be taken
+        lp = F.log_softmax(logits.flatten(0, 1), -1)
+        lp.mul_(2)
+        return F.nll_loss(lp, labels, reduction=reduction)
+
+    def modified_ref(logits):
+        return F.nll_loss(F.log_softmax(logits.flatten(0, 1), -1) * 2, labels, reduction=reduction)
+
+    with loss_parallel():
+        loss, grad = _grad_of(modified_in_place, dt)
+    ref_loss, ref_grad = _grad_of(modified_ref, full)
+    _close(loss, ref_loss.detach(), VS_UNSHARDED, "in-place modified log_softmax loss")
+    _close(grad, ref_grad, VS_UNSHARDED, "in-place modified log_softmax grad")
+
+    with loss_parallel():
+        lp = F.log_softmax(dt, -1)
+    assert isinstance(lp, DTensor) and lp.placements == (Shard(2),)
+    _close(lp, F.log_softmax(full, -1).detach(), VS_UNSHARDED, "log_softmax value")
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_log_softmax_nll_loss(ranks, world_size, reduction):
+    ranks(world_size).run(_run_log_softmax_nll, reduction)
+
+
+def _run_bfloat16():
+    """bf16 logits: computed in fp32, the loss rounded once to bf16."""
+    vocab = 10
+    dt, full = _logits(vocab)
+    dt = dt.detach().bfloat16().requires_grad_()
+    full = full.detach().bfloat16().float().requires_grad_()
+    labels = _labels(vocab).flatten()
+    with loss_parallel():
+        loss, grad = _grad_of(lambda x: F.cross_entropy(x.flatten(0, 1), labels), dt)
+    ref_loss, ref_grad = _grad_of(lambda x: F.cross_entropy(x.flatten(0, 1), labels), full)
+    assert loss.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16
+    _close(loss.float(), ref_loss.detach(), 2 ** -8, "bf16 loss")  # one bf16 rounding
+    _close(grad.full_tensor().float(), ref_grad, 2 ** -8, "bf16 grad")
+
+
+def test_bfloat16(ranks):
+    ranks(2).run(_run_bfloat16)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _expect(exc, match, fn):
+    with pytest.raises(exc, match=match):
+        with loss_parallel():
+            fn()
+
+
+def _run_errors():
+    vocab = 10
+    dt, _ = _logits(vocab)
+    flat = dt.flatten(0, 1)
+    labels = _labels(vocab).flatten()
+    _expect(NotImplementedError, r"loss_parallel: cross_entropy: label_smoothing=0.1",
+            lambda: F.cross_entropy(flat, labels, label_smoothing=0.1))
+    # [b, s, V] without flattening: the class dim of cross_entropy is 1
+    _expect(ValueError, r"loss_parallel: cross_entropy: input must be sharded on its class dim 1.*"
+            r"Shard\(dim=2\).*flatten", lambda: F.cross_entropy(dt, labels.view(BATCH, SEQ)))
+    _expect(ValueError, r"loss_parallel: cross_entropy: input must be sharded on its class dim 1.*Replicate",
+            lambda: F.cross_entropy(flat.redistribute(_mesh(), [Replicate()]), labels))
+    _expect(ValueError, r"loss_parallel: log_softmax: input must be sharded on its class dim 0.*Shard\(dim=1\)",
+            lambda: F.log_softmax(flat, 0))
+    _expect(NotImplementedError, r"loss_parallel: cross_entropy: target of dtype torch.float32 \(class prob",
+            lambda: F.cross_entropy(flat, torch.softmax(torch.randn(BATCH * SEQ, vocab), -1)))
+    _expect(ValueError, r"loss_parallel: nll_loss: target.shape=\(9,\) does not match input.shape=\(10, 10\)",
+            lambda: F.nll_loss(flat, labels[:9]))
+    _expect(RuntimeError, r"loss_parallel: a target is outside \[0, 10\)",
+            lambda: F.cross_entropy(flat, labels.clamp(max=9) + 1))
+    _expect(ValueError, r"loss_parallel: cross_entropy: reduction='avg' is not one of",
+            lambda: F.cross_entropy(flat, labels, reduction="avg"))
+    _expect(ValueError, r"loss_parallel: cross_entropy: weight.shape=\(9,\) must be \(10,\)",
+            lambda: F.cross_entropy(flat, labels, weight=torch.ones(9)))
+    _expect(RuntimeError, r"loss_parallel: cross_entropy: weight requires grad",
+            lambda: F.cross_entropy(flat, labels, weight=torch.ones(vocab, requires_grad=True)))
+    if dist.get_world_size() > 1:
+        sharded = distribute_tensor(labels, _mesh(), [Shard(0)])
+        _expect(ValueError, r"loss_parallel: cross_entropy: target must be a plain tensor or a DTensor "
+                r"replicated", lambda: F.cross_entropy(flat, sharded))
+    if dist.get_world_size() == 4:
+        mesh2d = init_device_mesh("cpu", (2, 2))
+        x2d = distribute_tensor(torch.randn(4, vocab), mesh2d, [Replicate(), Shard(1)])
+        _expect(NotImplementedError, r"loss_parallel: cross_entropy: input is a DTensor on a 2-D DeviceMesh",
+                lambda: F.cross_entropy(x2d, labels[:4]))
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_errors(ranks, world_size):
+    ranks(world_size).run(_run_errors)
+
+
+# ---------------------------------------------------------------- plain tensors and the context
+
+
+def test_plain_tensors_unchanged():
+    """Inside the context, the functions on plain tensors give bitwise the same
+    values and gradients (the mode passes them through)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 7, generator=gen)
+    labels = torch.tensor([0, 6, -100, 3, 3, 1])
+    weight = torch.rand(7, generator=gen)
+    cases = [
+        lambda x: F.cross_entropy(x, labels),
+        lambda x: F.cross_entropy(x, labels, weight=weight, reduction="sum", label_smoothing=0.2),
+        lambda x: F.cross_entropy(x, torch.softmax(torch.ones(6, 7), -1)),
+        lambda x: F.nll_loss(F.log_softmax(x, 1), labels, reduction="none").sum(),
+        lambda x: x.log_softmax(-1).sum() + torch.log_softmax(x, 0).mean() + nn.CrossEntropyLoss()(x, labels),
+    ]
+    for case in cases:
+        outside = logits.clone().requires_grad_()
+        expected = case(outside)
+        expected.backward()
+        inside = logits.clone().requires_grad_()
+        with loss_parallel():
+            actual = case(inside)
+            actual.backward()
+        assert torch.equal(actual, expected)
+        assert torch.equal(inside.grad, outside.grad)
+
+
+def test_context_nests_and_survives_exceptions():
+    """Unlike torch's (whose exit after an exception is skipped, and whose
+    nested exit raises KeyError), the context leaves no state behind."""
+    depth = torch._C._len_torch_function_stack()
+    with loss_parallel():
+        with loss_parallel():
+            assert torch._C._len_torch_function_stack() == depth + 2
+    assert torch._C._len_torch_function_stack() == depth
+    with pytest.raises(KeyError):
+        with loss_parallel():
+            raise KeyError("inside")
+    assert torch._C._len_torch_function_stack() == depth
