@@ -1,6 +1,7 @@
 """Tensor-parallel module API, mirroring ``torch.distributed.tensor.parallel``."""
 
 from .api import parallelize_module
+from .checkpoint import clip_grad_norm_, get_full_state_dict, load_full_state_dict
 from .loss import loss_parallel
 from .style import (
     ColwiseParallel,
@@ -20,6 +21,9 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "clip_grad_norm_",
+    "get_full_state_dict",
+    "load_full_state_dict",
     "loss_parallel",
     "parallelize_module",
 ]

@@ -116,15 +116,15 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[s
                 continue
             info = get_shard_info(value)
             if info is not None:
-                # The gather runs on every rank, kept or not: the others wait on it.
+                # Every rank gathers, kept or not (the others wait on it), and
+                # gathers each tensor once: the same calls in the same order.
                 gathered = torch.ops.torch_tp.all_gather(value.detach().contiguous(), info.dim, info.group_name,
                                                          info.full_shape[info.dim])
-            elif keep:
-                gathered = value.detach().clone()
             else:
-                continue
+                gathered = value.detach().clone() if keep else value
+            done[id(value)] = gathered
             if keep:
-                done[id(value)] = full[key] = gathered
+                full[key] = gathered
     if not keep:
         return {}
     metadata = getattr(local, "_metadata", None)
