@@ -1,0 +1,442 @@
+"""A small Llama-style decoder and torchtitan's tensor-parallel plan for it.
+
+The module tree and parameter names are torchtitan's Llama (``torchtitan/models/llama``),
+so its tensor-parallel plan applies unchanged:
+
+    tok_embeddings                      nn.Embedding(vocab_size, dim)
+    layers.N.attention_norm             nn.RMSNorm(dim)
+    layers.N.attention.{wq,wk,wv,wo}    nn.Linear, no bias; rotary position embedding
+    layers.N.ffn_norm                   nn.RMSNorm(dim)
+    layers.N.feed_forward.{w1,w2,w3}    SwiGLU: w2(silu(w1(x)) * w3(x))
+    norm                                nn.RMSNorm(dim)
+    output                              nn.Linear(dim, vocab_size, no bias)
+
+The attention never assumes it holds all heads: it reads the head count from the
+size of ``wq``'s output (``view(bs, seqlen, -1, head_dim)``), so under tensor
+parallelism each rank computes its ``n_heads // tp`` local heads, as torchtitan does.
+The rotary table is a real tensor ``[max_seq_len, head_dim // 2, 2]`` (cos, sin)
+rather than torchtitan's complex ``freqs_cis``: same maths, no complex dtype.
+
+Shapes under the plan of :func:`tp_plan` (b batch, s sequence, d dim, p ranks,
+h heads, v vocab; ``[.]`` a DTensor, otherwise a plain local tensor):
+
+    tokens [b, s] -> tok_embeddings (vocab-parallel, reduce-scatter) -> x [b, s/p, d]
+    per layer:
+      attention_norm (SequenceParallel) -> [b, s/p, d] Shard(1)
+      -> PrepareModuleInput: all-gather -> [b, s, d] Replicate
+      -> wq/wk/wv (column-parallel) -> [b, s, h/p * head_dim]     local heads
+      -> attention over h/p heads -> wo (row-parallel, reduce-scatter) -> [b, s/p, d]
+      ffn_norm, feed_forward likewise (w1/w3 column-, w2 row-parallel)
+    norm (SequenceParallel) -> output (column-parallel, all-gather of the sequence)
+    -> logits [b, s, v/p] Shard(-1), consumed by loss_parallel() (vocab-parallel cross entropy)
+
+``from llama_model import Llama, LlamaConfig, tp_plan`` with examples/ on sys.path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "Llama",
+    "LlamaConfig",
+    "tp_plan",
+    "load_tp_api",
+    "TP_API_NAMES",
+    "cross_entropy_loss",
+    "to_full",
+    "check_tp_against_reference",
+]
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class LlamaConfig:
+    """Model hyper-parameters (torchtitan's ``ModelArgs``, trimmed)."""
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None: n_heads (no grouped-query attention)
+    multiple_of: int = 32  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 512
+    depth_init: bool = True  # torchtitan: output projections' init std shrinks with depth
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # torchtitan / Meta Llama: 2/3 of 4 * dim, scaled, rounded up to multiple_of.
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def precompute_rope(head_dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary table ``[end, head_dim // 2, 2]``: (cos, sin) of position * frequency."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
+    angles = torch.outer(torch.arange(end, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, rope: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate pairs (x[2i], x[2i+1]) of q and k ``[b, s, heads, head_dim]`` by the positions' angles
+    (torchtitan's complex multiply, written with reals)."""
+    seqlen = xq.size(1)
+    rope = rope[:seqlen].view(1, seqlen, 1, -1, 2)
+    cos, sin = rope[..., 0], rope[..., 1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xr = x.float().reshape(*x.shape[:-1], -1, 2)
+        a, b = xr[..., 0], xr[..., 1]
+        out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
+        return out.flatten(-2).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[b, s, kv_heads, d] -> [b, s, kv_heads * n_rep, d]`` (grouped-query attention)."""
+    if n_rep == 1:
+        return x
+    bs, slen, n_kv, head_dim = x.shape
+    return x[:, :, :, None, :].expand(bs, slen, n_kv, n_rep, head_dim).reshape(bs, slen, n_kv * n_rep, head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.n_rep = self.n_heads // self.n_kv_heads  # the same on every rank under TP
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def init_weights(self, init_std: float):
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        # -1, not n_heads: under TP the column-parallel wq/wk/wv hold n_heads // tp heads.
+        xq = xq.view(bs, seqlen, -1, self.head_dim)
+        xk = xk.view(bs, seqlen, -1, self.head_dim)
+        xv = xv.view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, rope)
+        keys = repeat_kv(xk, self.n_rep)
+        values = repeat_kv(xv, self.n_rep)
+        out = F.scaled_dot_product_attention(
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
+        )  # [b, local heads, s, head_dim]
+        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float):
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, config: LlamaConfig):
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        if config.depth_init:
+            self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+        else:
+            self.weight_init_std = 0.02 / (2 * config.n_layers) ** 0.5
+
+    def init_weights(self):
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer; ``forward(tokens [b, s]) -> logits [b, s, vocab] (float32)``.
+
+    The weights are initialised in the constructor (torchtitan's scheme) from the
+    current torch RNG, so the same ``torch.manual_seed`` gives the same model on every rank.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # Not persistent: recomputed from the config, never checkpointed, never sharded.
+        self.register_buffer("rope", precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta),
+                             persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, config) for i in range(config.n_layers)})
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        std, cutoff = self.config.dim ** -0.5, 3.0
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.size(1) > self.config.max_seq_len:
+            raise ValueError(f"sequence length {tokens.size(1)} exceeds max_seq_len={self.config.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h)
+        return self.output(h).float()
+
+
+# ----------------------------------------------------------------------------- TP API and plan
+
+TP_API_NAMES = (
+    "parallelize_module",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "loss_parallel",
+)
+
+
+def load_tp_api(impl: Any = "torch") -> Any:
+    """The tensor-parallel API to use: ``"torch"`` (torch.distributed.tensor.parallel),
+    ``"torch_tp"`` (the drop-in replacement), or any object that has the names in
+    :data:`TP_API_NAMES`, returned as it is.
+
+    Raises ImportError, naming what is missing, when ``torch_tp`` does not export them.
+    """
+    if not isinstance(impl, str):
+        return impl
+    if impl == "torch":
+        return importlib.import_module("torch.distributed.tensor.parallel")
+    if impl == "torch_tp":
+        module = importlib.import_module("torch_tp")
+        missing = [name for name in TP_API_NAMES if not hasattr(module, name)]
+        if missing:
+            raise ImportError(
+                f"torch_tp {getattr(module, '__version__', '?')} ({module.__file__}) does not export "
+                f"{', '.join(missing)} yet; use --impl torch (torch.distributed.tensor.parallel) meanwhile"
+            )
+        return module
+    raise ValueError(f"unknown TP implementation {impl!r}: expected 'torch' or 'torch_tp'")
+
+
+def tp_plan(api: Any = "torch", *, loss_parallel: bool = True) -> Dict[str, Any]:
+    """torchtitan's Llama plan, sequence parallel, as one ``parallelize_module`` plan.
+
+    Keys use ``*`` for the layer index (each dotted part is matched with fnmatch).
+    With ``loss_parallel=True`` the logits stay vocab-sharded DTensors
+    (``Shard(-1)``) for :func:`cross_entropy_loss`; with False they are
+    all-gathered to a replicated plain tensor.
+
+    Args:
+        api: ``"torch"``, ``"torch_tp"`` or a module with the style classes (see :func:`load_tp_api`).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    tp = load_tp_api(api)
+    plan = {
+        "tok_embeddings": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": tp.SequenceParallel(),
+        "output": tp.ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+        "layers.*.attention_norm": tp.SequenceParallel(),
+        "layers.*.attention": tp.PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "layers.*.attention.wq": tp.ColwiseParallel(),
+        "layers.*.attention.wk": tp.ColwiseParallel(),
+        "layers.*.attention.wv": tp.ColwiseParallel(),
+        "layers.*.attention.wo": tp.RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": tp.SequenceParallel(),
+        "layers.*.feed_forward": tp.PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "layers.*.feed_forward.w1": tp.ColwiseParallel(),
+        "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.feed_forward.w3": tp.ColwiseParallel(),
+    }
+    return plan
+
+
+def check_tp_degree(config: LlamaConfig, tp: int) -> None:
+    """Heads are split whole over the ranks; everything else may be uneven (torch.chunk)."""
+    if config.n_heads % tp or config.n_kv_heads % tp:
+        raise ValueError(
+            f"n_heads={config.n_heads} and n_kv_heads={config.n_kv_heads} must be divisible by the TP degree {tp}"
+        )
+
+
+# ----------------------------------------------------------------------------- loss and helpers
+
+
+def loss_context(api: Any, parallel: bool = True):
+    """``api.loss_parallel()`` when the logits are vocab-sharded, else a no-op context.
+    Enter it around the loss *and* its backward."""
+    return load_tp_api(api).loss_parallel() if parallel else contextlib.nullcontext()
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; ``logits [b, s, v]`` (a DTensor under loss_parallel), ``targets [b, s]``."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+def to_full(t: Any) -> torch.Tensor:
+    """A plain, full tensor from a DTensor (or anything with ``full_tensor()``) or a tensor."""
+    if hasattr(t, "full_tensor"):
+        return t.full_tensor()
+    return t
+
+
+def to_local(t: Any) -> torch.Tensor:
+    """This rank's plain tensor of a DTensor (or anything with ``to_local()``) or a tensor."""
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
+# ----------------------------------------------------------------------------- reference check
+
+
+def _default_mesh(device_type: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+
+
+def check_tp_against_reference(
+    mesh=None,
+    api: Any = "torch",
+    config: Optional[LlamaConfig] = None,
+    *,
+    steps: int = 3,
+    batch: int = 2,
+    seq: int = 32,
+    seed: int = 0,
+    lr: float = 1e-2,
+    rtol: float = 1e-5,
+    loss_parallel: bool = True,
+    device: str = "cpu",
+) -> List[Tuple[float, float]]:
+    """Train the TP model and the unsharded model side by side; the losses must agree.
+
+    Call on every rank of an initialised process group (``mesh`` None: a 1-D mesh
+    over the world). Each rank builds the unsharded :class:`Llama` from ``seed``
+    and trains it alone; the TP model is built from the same seed, parallelized
+    with :func:`tp_plan`, and trained with the same AdamW and the same random
+    batches. Step 0's loss checks the forward (embedding, attention over local
+    heads, sequence parallelism, vocab-parallel loss); later steps check the
+    gradients, including the partial sums of the norm weights under
+    SequenceParallel, which must be all-reduced.
+
+    ``rtol``: the sharded fp32 GEMMs and reductions add up in another order
+    than the reference's, which moves the loss by ~1e-7 relative (fp32
+    epsilon); 1e-5 leaves room for that and still catches the subtlest bug:
+    norm weights updated from their partial (sequence-shard) gradients, not
+    all-reduced, move the loss by ~5e-4 at step 1 and ~1.5e-3 at step 2 with
+    the default lr=1e-2 (a larger lr than training's, to make such bugs show).
+
+    Returns ``[(tp_loss, reference_loss), ...]``, one per step; raises
+    AssertionError on a mismatch.
+    """
+    if config is None:
+        config = LlamaConfig(vocab_size=67, dim=64, n_layers=2, n_heads=4, max_seq_len=seq)
+    tp = load_tp_api(api)
+    mesh = mesh if mesh is not None else _default_mesh(device)
+    check_tp_degree(config, mesh.size())
+
+    torch.manual_seed(seed)
+    reference = Llama(config).to(device)
+    torch.manual_seed(seed)
+    model = Llama(config).to(device)
+    tp.parallelize_module(model, mesh, tp_plan(tp, loss_parallel=loss_parallel))
+
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed + 1)
+    results = []
+    for step in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen).to(device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+        ref_loss = cross_entropy_loss(reference(inputs), targets)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        with loss_context(tp, loss_parallel):
+            loss = cross_entropy_loss(model(inputs), targets)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+        got, want = to_full(loss).item(), ref_loss.item()
+        results.append((got, want))
+        rel = abs(got - want) / abs(want)
+        assert rel <= rtol, (
+            f"step {step}: TP loss {got:.8f} vs unsharded {want:.8f} (rel. diff {rel:.2e} > rtol {rtol:.0e}); "
+            f"all steps so far: {results}"
+        )
+    return results
