@@ -142,27 +142,6 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
 
 namespace {
 
-at::Tensor column_parallel_linear_aten(const at::Tensor& x, const at::Tensor& weight,
-                                      const std::optional<at::Tensor>& bias, c10::string_view group_name,
-                                      std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                      c10::string_view activation) {
-  return std::get<0>(
-      column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, linear_gemm_aten));
-}
-
-std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_aten(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
-    std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation) {
-  return column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation,
-                                        linear_gemm_aten);
-}
-
-at::Tensor row_parallel_linear_aten(const at::Tensor& x, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, c10::string_view group_name,
-                                   std::optional<int64_t> scatter_dim) {
-  return row_parallel_linear_forward(x, weight, bias, group_name, scatter_dim, linear_gemm_aten);
-}
-
 // The backward kernels use ATen GEMMs on every device. See NOTE [backward overlap].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_kernel(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre_activation,
@@ -327,10 +306,10 @@ at::Tensor row_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& w
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
-  m.impl("column_parallel_linear", column_parallel_linear_aten);
-  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_aten);
+  m.impl("column_parallel_linear", column_parallel_linear_kernel<linear_gemm_aten>);
+  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_kernel<linear_gemm_aten>);
   m.impl("_column_parallel_linear_backward", column_parallel_linear_backward_kernel);
-  m.impl("row_parallel_linear", row_parallel_linear_aten);
+  m.impl("row_parallel_linear", row_parallel_linear_kernel<linear_gemm_aten>);
   m.impl("_row_parallel_linear_backward", row_parallel_linear_backward_kernel);
 }
 
@@ -341,9 +320,9 @@ TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
   m.impl("_column_parallel_linear_backward", column_parallel_linear_backward_kernel);
   m.impl("_row_parallel_linear_backward", row_parallel_linear_backward_kernel);
 #ifndef TORCH_TP_WITH_CUDA
-  m.impl("column_parallel_linear", column_parallel_linear_aten);
-  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_aten);
-  m.impl("row_parallel_linear", row_parallel_linear_aten);
+  m.impl("column_parallel_linear", column_parallel_linear_kernel<linear_gemm_aten>);
+  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_kernel<linear_gemm_aten>);
+  m.impl("row_parallel_linear", row_parallel_linear_kernel<linear_gemm_aten>);
 #endif
 }
 

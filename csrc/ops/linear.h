@@ -46,4 +46,29 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
                                        const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                        std::optional<int64_t> scatter_dim, LinearGemm gemm);
 
+// The forward kernels, one instantiation per device GEMM (linear.cpp: ATen,
+// linear_cuda.cpp: cuBLASLt).
+template <LinearGemm Gemm>
+at::Tensor column_parallel_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                         std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+                                         c10::string_view activation) {
+  return std::get<0>(
+      column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, Gemm));
+}
+
+template <LinearGemm Gemm>
+std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_kernel(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
+    std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation) {
+  return column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, Gemm);
+}
+
+template <LinearGemm Gemm>
+at::Tensor row_parallel_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                      std::optional<int64_t> scatter_dim) {
+  return row_parallel_linear_forward(x, weight, bias, group_name, scatter_dim, Gemm);
+}
+
 } // namespace torch_tp

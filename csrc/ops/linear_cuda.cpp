@@ -154,33 +154,12 @@ GemmResult linear_gemm_cuda(const at::Tensor& x2d, const at::Tensor& weight, con
   return linear_gemm_aten(x2d, weight, bias, activation);
 }
 
-at::Tensor column_parallel_linear_cuda(const at::Tensor& x, const at::Tensor& weight,
-                                       const std::optional<at::Tensor>& bias, c10::string_view group_name,
-                                       std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                       c10::string_view activation) {
-  return std::get<0>(column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation,
-                                                    linear_gemm_cuda));
-}
-
-std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_cuda(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
-    std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation) {
-  return column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation,
-                                        linear_gemm_cuda);
-}
-
-at::Tensor row_parallel_linear_cuda(const at::Tensor& x, const at::Tensor& weight,
-                                    const std::optional<at::Tensor>& bias, c10::string_view group_name,
-                                    std::optional<int64_t> scatter_dim) {
-  return row_parallel_linear_forward(x, weight, bias, group_name, scatter_dim, linear_gemm_cuda);
-}
-
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
-  m.impl("column_parallel_linear", column_parallel_linear_cuda);
-  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_cuda);
-  m.impl("row_parallel_linear", row_parallel_linear_cuda);
+  m.impl("column_parallel_linear", column_parallel_linear_kernel<linear_gemm_cuda>);
+  m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_kernel<linear_gemm_cuda>);
+  m.impl("row_parallel_linear", row_parallel_linear_kernel<linear_gemm_cuda>);
 }
 
 } // namespace torch_tp

@@ -94,6 +94,18 @@ def _describe(module: nn.Module, style: str, mesh: DeviceMesh) -> None:
     module.extra_repr = types.MethodType(extra_repr, module)
 
 
+def _install(module: nn.Module, mesh: DeviceMesh, style, forward, kind: str) -> nn.Module:
+    """Give a sharded module its layouts and its torch_tp forward."""
+    module._tp_mesh = mesh
+    module._tp_group_name = _group_name(mesh)
+    module._tp_input_layout = style.input_layouts[0]
+    module._tp_output_layout = style.output_layouts[0]
+    module._tp_use_local_output = style.use_local_output
+    module.forward = types.MethodType(forward, module)
+    _describe(module, kind, mesh)
+    return module
+
+
 class ParallelStyle(_TorchParallelStyle, ABC):
     """Base of the torch_tp styles: ``_apply(module, device_mesh)`` parallelizes
     ``module`` in place and returns it. ``src_data_rank`` is set by
@@ -155,14 +167,7 @@ class ColwiseParallel(ParallelStyle):
         else:
             raise NotImplementedError(
                 f"ColwiseParallel currently only support nn.Linear and nn.Embedding! got {type(module).__name__}")
-        module._tp_mesh = device_mesh
-        module._tp_group_name = _group_name(device_mesh)
-        module._tp_input_layout = self.input_layouts[0]
-        module._tp_output_layout = self.output_layouts[0]
-        module._tp_use_local_output = self.use_local_output
-        module.forward = types.MethodType(forward, module)
-        _describe(module, "colwise", device_mesh)
-        return module
+        return _install(module, device_mesh, self, forward, "colwise")
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, "
@@ -217,14 +222,7 @@ class RowwiseParallel(ParallelStyle):
         else:
             raise NotImplementedError(
                 f"RowwiseParallel currently only support nn.Linear and nn.Embedding! got {type(module).__name__}")
-        module._tp_mesh = device_mesh
-        module._tp_group_name = _group_name(device_mesh)
-        module._tp_input_layout = self.input_layouts[0]
-        module._tp_output_layout = self.output_layouts[0]
-        module._tp_use_local_output = self.use_local_output
-        module.forward = types.MethodType(forward, module)
-        _describe(module, "rowwise", device_mesh)
-        return module
+        return _install(module, device_mesh, self, forward, "rowwise")
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, "
