@@ -108,6 +108,29 @@ def _check_row(dtype, in_features, out_features, seq, bias, sequence_parallel):
         _close(b_full.grad, ref_b.grad, dtype, "grad_bias")
 
 
+def _check_column_partial_grad_input():
+    """partial_grad_input=True leaves grad_x as this rank's partial sum: summed
+    over the ranks it is nn.Linear's grad_x; the weight gradients are unchanged."""
+    dtype = torch.float64
+    weight, b = _full((14, 10), 1, dtype), _full((14,), 2, dtype)
+    x, grad = _full((2, 5, 10), 3, dtype), _full((2, 5, 14), 4, dtype)
+    ref_x, ref_w = _param(x), _param(weight)
+    F.linear(ref_x, ref_w, b).backward(grad)
+    x_r, w_r = _param(x), _param(ops.shard(weight, 0))
+    y = torch.ops.torch_tp.column_parallel_linear(x_r, w_r, ops.shard(b, 0), _group(), partial_grad_input=True)
+    y.backward(ops.shard(grad, -1))
+    _close(ops.all_reduce(x_r.grad, "sum"), ref_x.grad, dtype, "summed partial grad_x")
+    _close(w_r.grad, ops.shard(ref_w.grad, 0), dtype, "grad_weight")
+    with pytest.raises(RuntimeError, match="partial_grad_input=True does not combine with gather_dim"):
+        torch.ops.torch_tp.column_parallel_linear(
+            _param(ops.shard(x, 1)), w_r, None, _group(), 1, 5, partial_grad_input=True).sum().backward()
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_column_partial_grad_input(ranks, world_size):
+    ranks(world_size).run(_check_column_partial_grad_input)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_column_parallel_linear(ranks, world_size):
     pool = ranks(world_size)

@@ -26,6 +26,16 @@
 // runs it on its own stream, ordered after the current stream by an event,
 // and wait() makes the current stream wait for it, so the GEMM overlaps.
 //
+// NOTE [partial grad_x]
+// Several column-parallel layers often read one replicated input that was
+// all-gathered from sequence shards (q, k, v after PrepareModuleInput). Each
+// all-reducing its own grad_x costs one full-size all-reduce per layer; the
+// sum of their partial grad_x needs only one reduce-scatter, back through the
+// gather. With partial_grad_input=True the op leaves grad_x partial; the
+// Python layer uses it where the input is a DTensor, whose gradient DTensor
+// then carries a Partial placement and is reduced once where it meets the
+// gather, exactly as DTensor's own linear would be.
+//
 // NOTE [no partial gradients]
 // Every gradient these ops return is complete on every rank: the column
 // layer's bias is sharded like its output, and the row layer's replicated bias
@@ -146,8 +156,10 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_kernel(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre_activation,
     bool bias_defined, c10::string_view group_name, std::optional<int64_t> gather_dim,
-    std::optional<int64_t> full_size, c10::string_view activation) {
+    std::optional<int64_t> full_size, c10::string_view activation, bool partial_grad_input) {
   constexpr const char* op = "torch_tp::column_parallel_linear backward";
+  TORCH_CHECK(!(partial_grad_input && gather_dim), op,
+              ": partial_grad_input=True does not combine with gather_dim (its backward reduce-scatters grad_x)");
   const auto group = resolve_group(op, group_name);
   const bool sequence_parallel = gather_dim.has_value();
   const int64_t dim = sequence_parallel ? (*gather_dim < 0 ? *gather_dim + x.dim() : *gather_dim) : 0;
@@ -164,6 +176,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
   const at::Tensor x_full = x_gather ? x_gather->wait() : x;
 
   at::Tensor grad_x_rows = grad_x_full.view(x_full.sizes());
+  if (partial_grad_input) {
+    // The caller reduces this rank's partial sum later (see NOTE [partial grad_x]).
+    return {grad_x_rows, grad2d.t().mm(rows2d(x_full)),
+            bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options())};
+  }
   PendingCollective grad_x_comm = sequence_parallel
       ? start_reduce_scatter(op, group, grad_x_rows, dim, Reduction::Sum)
       : start_all_reduce_(op, group, grad_x_rows, Reduction::Sum);
@@ -209,7 +226,7 @@ struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnPar
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const std::string& group_name,
                             std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                            const std::string& activation) {
+                            const std::string& activation, bool partial_grad_input) {
     static const auto forward_op =
         find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                    const std::optional<at::Tensor>&, c10::string_view,
@@ -228,6 +245,7 @@ struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnPar
     ctx->saved_data["gather_dim"] = gather_dim;
     ctx->saved_data["full_size"] = full_size;
     ctx->saved_data["activation"] = activation;
+    ctx->saved_data["partial_grad_input"] = partial_grad_input;
     return out;
   }
 
@@ -235,19 +253,22 @@ struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnPar
     static const auto backward_op =
         find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, c10::string_view,
-            std::optional<int64_t>, std::optional<int64_t>, c10::string_view)>(
+            std::optional<int64_t>, std::optional<int64_t>, c10::string_view, bool)>(
             "torch_tp::_column_parallel_linear_backward");
     const auto saved = ctx->get_saved_variables();
     const bool bias_defined = ctx->saved_data["bias_defined"].toBool();
     if (!grads[0].defined()) {
-      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return variable_list(8);
     }
     auto [grad_x, grad_weight, grad_bias] = backward_op.call(
         grads[0], saved[0], saved[1], saved[2], bias_defined, ctx->saved_data["group_name"].toStringRef(),
         optional_int(ctx->saved_data["gather_dim"]), optional_int(ctx->saved_data["full_size"]),
-        ctx->saved_data["activation"].toStringRef());
-    return {grad_x,        grad_weight,  bias_defined ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["partial_grad_input"].toBool());
+    variable_list grads_in(8);
+    grads_in[0] = grad_x;
+    grads_in[1] = grad_weight;
+    grads_in[2] = bias_defined ? grad_bias : at::Tensor();
+    return grads_in;
   }
 };
 
@@ -291,9 +312,9 @@ struct RowParallelLinearFunction : public torch::autograd::Function<RowParallelL
 at::Tensor column_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                                            const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                            std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                           c10::string_view activation) {
-  return ColumnParallelLinearFunction::apply(x, weight, bias, std::string(group_name),
-                                             gather_dim, full_size, std::string(activation));
+                                           c10::string_view activation, bool partial_grad_input) {
+  return ColumnParallelLinearFunction::apply(x, weight, bias, std::string(group_name), gather_dim, full_size,
+                                             std::string(activation), partial_grad_input);
 }
 
 at::Tensor row_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& weight,

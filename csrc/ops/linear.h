@@ -48,11 +48,12 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
 
 // The forward kernels, one instantiation per device GEMM (linear.cpp: ATen,
 // linear_cuda.cpp: cuBLASLt).
+// partial_grad_input only changes the backward (see linear.cpp).
 template <LinearGemm Gemm>
 at::Tensor column_parallel_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                          std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                         c10::string_view activation) {
+                                         c10::string_view activation, bool /*partial_grad_input*/) {
   return std::get<0>(
       column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, Gemm));
 }

@@ -104,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_meta(
 at::Tensor column_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                        std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                       c10::string_view activation) {
+                                       c10::string_view activation, bool /*partial_grad_input*/) {
   return std::get<0>(
       column_parallel_linear_forward_meta(x, weight, bias, group_name, gather_dim, full_size, activation));
 }
@@ -139,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads_meta(const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& /*pre_activation*/,
     bool bias_defined, c10::string_view /*group_name*/, std::optional<int64_t> /*gather_dim*/,
-    std::optional<int64_t> /*full_size*/, c10::string_view /*activation*/) {
+    std::optional<int64_t> /*full_size*/, c10::string_view /*activation*/, bool /*partial_grad_input*/) {
   return linear_grads_meta(grad_out, x, weight, bias_defined);
 }
 

@@ -51,12 +51,12 @@ at::Tensor reduce_from_tp_region(const at::Tensor& x, c10::string_view group_nam
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                   std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                  c10::string_view activation) {
+                                  c10::string_view activation, bool partial_grad_input) {
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
-                         std::optional<int64_t>, std::optional<int64_t>, c10::string_view)>(
+                         std::optional<int64_t>, std::optional<int64_t>, c10::string_view, bool)>(
           "torch_tp::column_parallel_linear");
-  return op.call(x, weight, bias, group_name, gather_dim, full_size, activation);
+  return op.call(x, weight, bias, group_name, gather_dim, full_size, activation, partial_grad_input);
 }
 
 at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

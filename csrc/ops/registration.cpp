@@ -30,7 +30,7 @@ TORCH_LIBRARY(torch_tp, m) {
   // full_size is the gathered length when the shards are uneven (torch.chunk).
   m.def(
       "column_parallel_linear(Tensor x, Tensor weight, Tensor? bias, str group_name, int? gather_dim=None, "
-      "int? full_size=None, str activation=\"none\") -> Tensor");
+      "int? full_size=None, str activation=\"none\", bool partial_grad_input=False) -> Tensor");
   m.def("row_parallel_linear(Tensor x, Tensor weight, Tensor? bias, str group_name, int? scatter_dim=None) -> Tensor");
   m.def(
       "vocab_parallel_embedding(Tensor ids, Tensor weight, str group_name, int vocab_size, int? padding_idx=None, "
@@ -47,7 +47,8 @@ TORCH_LIBRARY(torch_tp, m) {
       "int? full_size, str activation) -> (Tensor, Tensor)");
   m.def(
       "_column_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor pre_activation, "
-      "bool bias_defined, str group_name, int? gather_dim, int? full_size, str activation) "
+      "bool bias_defined, str group_name, int? gather_dim, int? full_size, str activation, "
+      "bool partial_grad_input) "
       "-> (Tensor, Tensor, Tensor)");
   m.def(
       "_row_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, bool bias_defined, str group_name, "

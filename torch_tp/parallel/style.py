@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle as _TorchParallelStyle
 
 from ..ops import shard
@@ -262,6 +262,14 @@ def _gather_dim(self, x_layout: Placement, ndim: int) -> Optional[int]:
 
 
 def _colwise_linear_forward(self, x):
+    if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], Replicate):
+        # The input's gradient may stay partial: DTensor reduces the sum of its
+        # consumers' partial gradients once, where it meets the gather that made
+        # x replicated (see NOTE [partial grad_x] in linear.cpp).
+        local = x.to_local(grad_placements=(Partial(),))
+        out = torch.ops.torch_tp.column_parallel_linear(local, self.weight, self.bias, self._tp_group_name,
+                                                         partial_grad_input=True)
+        return _output_sharded_on_last(self, out, self.out_features)
     local, layout, global_shape = from_dtensor(x, self._tp_input_layout)
     dim = _gather_dim(self, layout, local.dim())
     full = None if dim is None or global_shape is None else global_shape[dim]
@@ -395,17 +403,17 @@ def _prepare(value, mesh: DeviceMesh, layout: Optional[Placement], desired: Opti
     if layout is None:
         return value
     local, actual, global_shape = from_dtensor(value, layout)
-    group_name = _group_name(mesh)
     target = actual if desired is None else normalize(desired, local.dim())
-    if target != actual:
-        local = convert(local, actual, target, group_name, global_shape)
     if use_local_output:
-        return local
+        return local if target == actual else convert(local, actual, target, _group_name(mesh), global_shape)
+    # A DTensor goes on: let DTensor move it, so that the gradients of what
+    # consumes it (partial or not) are reduced as torch reduces them.
     if global_shape is None:
         global_shape = list(local.shape)
         if isinstance(actual, Shard):
             global_shape[actual.dim] *= mesh.size()
-    return to_dtensor(local, mesh, target, global_shape)
+    dt = value if isinstance(value, DTensor) else to_dtensor(local, mesh, actual, global_shape)
+    return dt if target == actual else dt.redistribute(mesh, (target,))
 
 
 class PrepareModuleInput(ParallelStyle):

@@ -38,12 +38,14 @@ at::Tensor reduce_from_tp_region(const at::Tensor& x, c10::string_view group_nam
 // x [.., K] is replicated, or with gather_dim a shard along that dim, gathered
 // first (sequence parallelism; full_size for uneven shards). Returns
 // activation(x @ weight^T + bias) [.., N/p]; activation "none" or "gelu_tanh".
-// Backward all-reduces (or reduce-scatters) grad_x, overlapped with grad_weight.
+// Backward all-reduces (or reduce-scatters) grad_x, overlapped with grad_weight;
+// with partial_grad_input it leaves grad_x as this rank's partial sum instead,
+// for a caller that reduces it later (a DTensor input whose gradient is Partial).
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                   std::optional<int64_t> gather_dim = std::nullopt,
                                   std::optional<int64_t> full_size = std::nullopt,
-                                  c10::string_view activation = "none");
+                                  c10::string_view activation = "none", bool partial_grad_input = false);
 
 // Row-parallel linear: weight is this rank's column shard [N, K/p], x [.., K/p].
 // Returns sum_r(x_r @ weight_r^T) + bias [.., N], all-reduced, or with
