@@ -1,0 +1,892 @@
+#!/usr/bin/env python3
+r"""Benchmark tensor-parallel training steps of the example Llama: torch_tp vs DTensor TP, same plan.
+
+Launch with ``torchrun``, one process per rank, on a gloo process group (CPU
+tensors, float32, one intra-op thread per rank)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_tp_block.py [--quick] [--out-dir DIR]
+
+The model and the plan are examples/llama_model.py's: torchtitan's Llama module
+tree and its tensor-parallel plan with sequence parallelism
+(``tp_plan(api)``; vocab-parallel embedding, SequenceParallel norms,
+PrepareModuleInput all-gathers, column-parallel wq/wk/wv/w1/w3, row-parallel
+wo/w2 with a reduce-scatter back to sequence shards, column-parallel output
+with vocab-sharded logits for ``loss_parallel``). Two implementations apply the
+same plan to deep copies of one unsharded model (same weights):
+
+* ``torch_tp``: ``torch_tp.parallelize_module`` with ``tp_plan("torch_tp")``
+  (torch_tp's styles) and ``torch_tp.loss_parallel``;
+* ``DTensor``: ``torch.distributed.tensor.parallel.parallelize_module`` with
+  ``tp_plan("torch")`` and torch's ``loss_parallel``.
+
+Configurations (each a fixed batch, timed forward + backward):
+
+* ``block``: one ``TransformerBlock`` of the example model at its default size,
+  parallelized with the plan's per-layer entries (the ``layers.*.`` keys, prefix
+  cut, as torchtitan parallelizes each block). Its input is this rank's
+  sequence shard ``x [b, s/p, d]`` (what the vocab-parallel embedding hands the
+  first block), requiring grad; the loss is this rank's part of
+  ``sum(out**2) / out.numel()`` over the full output, so the ranks' losses add
+  up to the global one and each rank's ``loss.backward()`` gives exactly its
+  gradients.
+* ``model``: the whole example model at its default config (``LlamaConfig()``:
+  vocab 256, dim 128, 4 layers, 4 heads; batch 8, sequence 128: the defaults of
+  examples/train_llama.py): ``loss = cross_entropy(model(inputs), targets)``
+  and ``loss.backward()`` inside the implementation's ``loss_parallel()``, as
+  the example does.
+* ``block-large`` and ``model-large``: the same at dim 512, 8 heads, sequence
+  256 (batch 8 for the block; batch 2 for the 4-layer model, to keep the run
+  short): GEMM-bound steps, to check that torch_tp is no slower where the math
+  dominates.
+
+NOTE [same computation]: before timing, every configuration runs one step of
+each implementation and of the unsharded model (plain autograd, on each rank
+alone) and checks (``torch.testing.assert_close``, rtol 1e-4, atol 1e-5 times
+each reference tensor's largest magnitude) that the losses agree and that every
+parameter's full gradient agrees: DTensor's as ``grad.full_tensor()``,
+torch_tp's gathered from its ``torch.chunk`` pieces with ``dist.all_gather``
+(its replicated parameters' gradients must also agree across ranks); for the
+block also the gathered output and input gradient. Any mismatch on any rank
+stops the run on every rank.
+
+NOTE [method]: as in bench_linear.py. Every repeat runs one step of each
+implementation, the order alternating from repeat to repeat; gradients are set
+to None untimed before each step, and each timed step is preceded by
+``dist.barrier()``. A step is forward, loss and ``loss.backward()``, and ends
+when every parameter holds its complete gradient (NOTE [complete gradients]:
+DTensor leaves the SequenceParallel norm weights' gradients as ``Partial(sum)``
+pending reductions, which the step reduces with ``redistribute`` to the
+parameter's placement, as an optimizer step would need; torch_tp reduces them
+during backward; AsyncCollectiveTensors are waited; the same loop runs over
+both). DTensor's time until ``backward()`` returned is reported beside it
+(json: ``until_backward_returned_median_ms``). Each rank times its own steps
+(perf_counter); after the run the times are gathered and a repeat's time is
+the slowest rank's. Reported: median, p10, p90 over
+repeats; DTensor / torch_tp is the ratio of the medians; the paired difference
+is the median of the per-repeat differences. Cyclic GC is off while timing.
+One more untimed step of each, under torch.profiler, counts the c10d
+collectives a step issues (``c10d::*`` events, by kind), which explains most
+of the differences on a gloo group, where a collective costs ~0.5-1 ms.
+
+Targets (from the issue), printed PASS/MISS:
+
+* ``model`` (the example model at its default config): DTensor / torch_tp >= 1.5;
+* ``block-large``, ``model-large``: torch_tp no slower, DTensor / torch_tp >= 1.
+
+Rank 0 writes ``tp_block.json`` (all figures, per-repeat times, machine),
+``tp_block.png`` and the ``bench_tp_block`` section of ``RESULTS.md`` (text
+outside its markers is kept) into ``--out-dir``, and prints the table.
+"""
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import torch_tp  # noqa: F401  (the package under test; load_tp_api("torch_tp") imports it too)
+from torch_tp.parallel._shard import get_shard_info
+from _common import command_line, machine_info, quantile, stats_us, update_results_md
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
+
+
+def import_example():
+    """examples/llama_model.py's model, plan and loss helpers."""
+    if EXAMPLES_DIR not in sys.path:
+        sys.path.insert(0, EXAMPLES_DIR)
+    try:
+        import llama_model
+    except Exception as e:
+        raise RuntimeError(
+            f"bench_tp_block: cannot import examples/llama_model.py ({type(e).__name__}: {e}); "
+            "the benchmark takes its model and TP plan from there"
+        ) from e
+    return llama_model
+
+
+# ---------------------------------------------------------------------------
+# configurations
+
+
+@dataclass
+class Config:
+    name: str
+    kind: str  # "block" or "model"
+    model: Dict[str, Any]  # LlamaConfig keyword arguments (the rest: its defaults)
+    batch: int
+    seq: int
+    repeats: int  # full run
+    quick_repeats: int
+    warmup: int  # untimed steps per implementation after the check (which is one more)
+    quick_warmup: int
+    target: Optional[str] = None  # "example" (>= EXAMPLE_TARGET) or "large" (>= LARGE_TARGET)
+    note: str = ""
+
+
+# The example's defaults: LlamaConfig() and examples/train_llama.py's --batch 8 --seq 128.
+EXAMPLE_MODEL: Dict[str, Any] = {}
+EXAMPLE_BATCH, EXAMPLE_SEQ = 8, 128
+LARGE_MODEL: Dict[str, Any] = {"dim": 512, "n_heads": 8}
+LARGE_BATCH, LARGE_SEQ = 8, 256
+
+# Repeats sized for a full run of about 4 minutes on 2 cores, 2 ranks (setup and
+# checks included); --quick is a ~40 s smoke run.
+CONFIGS: List[Config] = [
+    Config("block", "block", EXAMPLE_MODEL, EXAMPLE_BATCH, EXAMPLE_SEQ, 300, 30, 10, 3,
+           note="one layer of the example model, per-layer plan"),
+    Config("model", "model", EXAMPLE_MODEL, EXAMPLE_BATCH, EXAMPLE_SEQ, 120, 20, 5, 2, target="example",
+           note="the example model at its default config, loss_parallel"),
+    Config("block-large", "block", LARGE_MODEL, LARGE_BATCH, LARGE_SEQ, 40, 6, 2, 1, target="large",
+           note="one layer, dim 512, 8 heads, seq 256"),
+    Config("model-large", "model", {**LARGE_MODEL, "n_layers": 4}, 2, LARGE_SEQ, 20, 5, 1, 0, target="large",
+           note="4 layers, dim 512, 8 heads, batch 2, seq 256, loss_parallel"),
+]
+CONFIG_NAMES = [c.name for c in CONFIGS]
+
+IMPLS = ["torch_tp", "dtensor"]
+IMPL_LABELS = {
+    "torch_tp": "torch_tp (torch_tp.parallelize_module + torch_tp styles, torch_tp.loss_parallel)",
+    "dtensor": "DTensor TP (torch.distributed.tensor.parallel, same plan, torch's loss_parallel)",
+}
+ORDERS = [("torch_tp", "dtensor"), ("dtensor", "torch_tp")]
+
+RTOL = 1e-4  # fp32
+ATOL_SCALE = 1e-5  # atol = this * max |reference| (per tensor)
+EXAMPLE_TARGET = 1.5  # DTensor / torch_tp on the example model
+LARGE_TARGET = 1.0  # DTensor / torch_tp at the large sizes ("no slower")
+
+SECTION_BEGIN = "<!-- bench_tp_block:begin -->"
+SECTION_END = "<!-- bench_tp_block:end -->"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench_tp_block.py",
+        description=(
+            "Time forward+backward steps of examples/llama_model.py's Llama (one transformer block, and the "
+            "whole model) under its sequence-parallel TP plan, applied by torch_tp and by torch's DTensor "
+            "tensor parallelism, side by side in one torchrun job (gloo, CPU, float32)."
+        ),
+    )
+    p.add_argument("--out-dir", default="benchmarks",
+                   help="directory for tp_block.json, tp_block.png and RESULTS.md (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke run (~40 s): every configuration, a few repeats")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated subset of " + ",".join(CONFIG_NAMES) + " (default: all)")
+    p.add_argument("--repeat-scale", type=float, default=1.0,
+                   help="multiply each configuration's number of timed repeats by this factor (default: %(default)s)")
+    p.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still writes json, png)")
+    args = p.parse_args(argv)
+    if args.configs:
+        names = [n.strip() for n in args.configs.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CONFIG_NAMES]
+        if unknown or not names:
+            p.error(f"--configs: unknown {unknown}; choose from {CONFIG_NAMES}")
+        args.configs = [c for c in CONFIGS if c.name in names]
+    else:
+        args.configs = list(CONFIGS)
+    return args
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def materialize(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Wait for an eager functional collective's result (AsyncCollectiveTensor), also inside a DTensor."""
+    if isinstance(t, DTensor):
+        if isinstance(t._local_tensor, funcol.AsyncCollectiveTensor):
+            t._local_tensor.wait()
+        return t
+    if isinstance(t, funcol.AsyncCollectiveTensor):
+        return t.wait()
+    return t
+
+
+def chunk_lengths(n: int, world: int) -> List[int]:
+    """The lengths of torch.chunk(range(n), world)'s pieces, padded with zeros to world pieces."""
+    size = -(-n // world)
+    return [max(0, min(size, n - r * size)) for r in range(world)]
+
+
+def gather_pieces(local: torch.Tensor, dim: int, full_len: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's torch.chunk piece along ``dim`` (plain dist.all_gather, padded)."""
+    world = group.size()
+    lengths = chunk_lengths(full_len, world)
+    size = -(-full_len // world)
+    if local.size(dim) != lengths[group.rank()]:
+        raise AssertionError(f"piece of length {local.size(dim)} on dim {dim}, expected {lengths[group.rank()]}")
+    shape = list(local.shape)
+    shape[dim] = size
+    buf = local.new_zeros(shape)
+    buf.narrow(dim, 0, local.size(dim)).copy_(local)
+    outs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(outs, buf, group=group)
+    return torch.cat([o.narrow(dim, 0, n) for o, n in zip(outs, lengths)], dim=dim)
+
+
+def all_ranks(t: torch.Tensor, group: dist.ProcessGroup) -> List[torch.Tensor]:
+    outs = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(outs, t.contiguous(), group=group)
+    return outs
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, what: str) -> float:
+    """assert_close with the benchmark's tolerances; returns the max relative difference (to max |ref|)."""
+    got, ref = got.detach().float(), ref.detach().float()
+    # atol relative to the tensor's own scale, never an absolute floor: some gradients here are ~1e-6
+    # (the norm weights' under a mean loss), which a fixed atol of 1e-5 would let through however wrong.
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    torch.testing.assert_close(
+        got, ref, rtol=RTOL, atol=ATOL_SCALE * max(scale, 1e-30),
+        msg=lambda m: f"{what}: {m}",
+    )
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------
+# one configuration: the unsharded model and the two parallelized copies
+
+
+class Case:
+    """One configuration on one mesh: ``steps[impl]()`` runs one timed step and returns its loss;
+    ``resets[impl]()`` sets the gradients to None (untimed); ``check()`` is NOTE [same computation]."""
+
+    def __init__(self, cfg: Config, lm, mesh: DeviceMesh) -> None:
+        self.cfg = cfg
+        self.lm = lm
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        world, rank = self.group.size(), self.group.rank()
+        self.llama_config = lm.LlamaConfig(**{**cfg.model, "max_seq_len": max(cfg.seq, 512)})
+        lm.check_tp_degree(self.llama_config, world)
+        if cfg.seq % world:
+            raise ValueError(f"{cfg.name}: sequence length {cfg.seq} must be a multiple of the world size {world}")
+        self.apis = {"torch_tp": lm.load_tp_api("torch_tp"), "dtensor": lm.load_tp_api("torch")}
+
+        torch.manual_seed(1234)  # the same unsharded weights on every rank
+        gen = torch.Generator().manual_seed(4321)  # the same batch on every rank
+        c = self.llama_config
+        if cfg.kind == "model":
+            self.reference: nn.Module = lm.Llama(c)
+            tokens = torch.randint(0, c.vocab_size, (cfg.batch, cfg.seq + 1), generator=gen)
+            self.inputs, self.targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        else:
+            # A block of the model, with the model's initialisation (layer 0).
+            self.reference = lm.Llama(lm.LlamaConfig(**{**c.to_dict(), "n_layers": 1})).layers["0"]
+            self.rope = lm.precompute_rope(c.head_dim, c.max_seq_len, c.rope_theta)
+            # Inputs of the scale of an embedding's output (unit normal, as tok_embeddings' init).
+            self.x_full = torch.randn(cfg.batch, cfg.seq, c.dim, generator=gen)
+            self.x_local = self.x_full.chunk(world, dim=1)[rank].contiguous()
+
+        self.models: Dict[str, nn.Module] = {}
+        self.xs: Dict[str, torch.Tensor] = {}
+        for impl, api in self.apis.items():
+            m = copy.deepcopy(self.reference)
+            plan = lm.tp_plan(api)
+            if cfg.kind == "block":
+                prefix = "layers.*."
+                plan = {k[len(prefix):]: v for k, v in plan.items() if k.startswith(prefix)}
+            api.parallelize_module(m, mesh, plan)
+            self.models[impl] = m
+            if cfg.kind == "block":
+                self.xs[impl] = self.x_local.clone().requires_grad_()
+        self.plan_keys = sorted(plan)
+        names = {impl: [n for n, _ in m.named_parameters()] for impl, m in self.models.items()}
+        ref_names = [n for n, _ in self.reference.named_parameters()]
+        for impl, n in names.items():
+            if n != ref_names:
+                raise AssertionError(f"{cfg.name}: {impl}'s parameter names differ from the unsharded model's: "
+                                     f"{n} vs {ref_names}")
+        self.param_names = ref_names
+        self.n_params = sum(p.numel() for p in self.reference.parameters())
+        self.outputs: Dict[str, torch.Tensor] = {}  # block: the last step's output, for the check
+        self.backward_done: Dict[str, float] = {}  # perf_counter when loss.backward() returned, last step
+        self.steps: Dict[str, Callable[[], torch.Tensor]] = {impl: self._make_step(impl) for impl in IMPLS}
+        self.resets: Dict[str, Callable[[], None]] = {impl: self._make_reset(impl) for impl in IMPLS}
+
+    # -- the timed step
+
+    def _make_step(self, impl: str) -> Callable[[], torch.Tensor]:
+        model, api, lm = self.models[impl], self.apis[impl], self.lm
+        params = list(model.parameters())
+        outputs, backward_done = self.outputs, self.backward_done
+        perf_counter = time.perf_counter
+
+        def finish() -> None:
+            """NOTE [complete gradients]: the step ends when every parameter holds its gradient.
+
+            torch_tp's gradients are complete when backward returns (SequenceParallel's
+            hook all-reduces the norm weights' partial gradients during backward).
+            DTensor leaves those as ``Partial(sum)`` DTensors: pending sums over the
+            ranks, which the optimizer (or clip_grad_norm_) would reduce before using
+            them. Reduce them here, as DTensor itself does (``redistribute`` to the
+            parameter's placements), and wait for any AsyncCollectiveTensor."""
+            for p in params:
+                g = p.grad
+                if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                    p.grad = g = g.redistribute(p.device_mesh, p.placements)
+                materialize(g)
+
+        if self.cfg.kind == "model":
+            inputs, targets = self.inputs, self.targets
+
+            def step() -> torch.Tensor:
+                with api.loss_parallel():
+                    loss = lm.cross_entropy_loss(model(inputs), targets)
+                    loss.backward()
+                backward_done[impl] = perf_counter()
+                finish()
+                return loss
+
+            return step
+
+        x, rope = self.xs[impl], self.rope
+        numel = self.x_full.numel()
+
+        def step() -> torch.Tensor:
+            out = model(x, rope)  # this rank's sequence shard [b, s/p, d], a plain tensor
+            loss = out.square().sum() / numel  # this rank's part of the global mean square
+            loss.backward()
+            backward_done[impl] = perf_counter()
+            finish()
+            materialize(x.grad)
+            outputs[impl] = out
+            return loss
+
+        return step
+
+    def _make_reset(self, impl: str) -> Callable[[], None]:
+        model, x = self.models[impl], self.xs.get(impl)
+
+        def reset() -> None:
+            model.zero_grad(set_to_none=True)
+            if x is not None:
+                x.grad = None
+
+        return reset
+
+    # -- NOTE [same computation]
+
+    def _full_grads_torch_tp(self) -> Dict[str, torch.Tensor]:
+        """Every parameter's full gradient. The collectives all run first (the same on every rank), the
+        comparisons after, so a rank that fails one does not leave the other waiting in a collective."""
+        out, replicas = {}, {}
+        params = list(self.models["torch_tp"].named_parameters())
+        missing = [name for name, p in params if p.grad is None]
+        if missing:  # the same parameters on every rank: every rank raises
+            raise AssertionError(f"torch_tp: no gradient for {missing}")
+        for name, p in params:
+            info = get_shard_info(p)
+            if info is None:
+                # Replicated: torch_tp's gradient is complete and the same on every rank (checked below).
+                replicas[name] = all_ranks(p.grad.detach(), self.group)
+                out[name] = p.grad.detach().clone()
+            else:
+                if info.group_name != self.group.group_name:
+                    raise AssertionError(f"torch_tp: {name} is sharded over group {info.group_name}, "
+                                         f"not the mesh's {self.group.group_name}")
+                out[name] = gather_pieces(p.grad.detach(), info.dim, info.full_shape[info.dim], self.group)
+        for name, p in params:
+            info = get_shard_info(p)
+            if info is not None and out[name].shape != info.full_shape:
+                raise AssertionError(f"torch_tp: {name}'s gathered gradient {tuple(out[name].shape)} "
+                                     f"vs {tuple(info.full_shape)}")
+            for r, g in enumerate(replicas.get(name, [])):
+                close(g, out[name], f"torch_tp: replicated {name}'s gradient on rank {r} vs this rank's")
+        return out
+
+    def _full_grads_dtensor(self) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.models["dtensor"].named_parameters():
+            g = materialize(p.grad)
+            if g is None:
+                raise AssertionError(f"DTensor: {name} has no gradient")
+            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        return out
+
+    def _reference_step(self) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        ref = self.reference
+        ref.zero_grad(set_to_none=True)
+        extra: Dict[str, torch.Tensor] = {}
+        if self.cfg.kind == "model":
+            loss = self.lm.cross_entropy_loss(ref(self.inputs), self.targets)
+            loss.backward()
+        else:
+            x = self.x_full.clone().requires_grad_()
+            out = ref(x, self.rope)
+            loss = out.square().sum() / out.numel()
+            loss.backward()
+            extra = {"output": out.detach(), "x.grad": x.grad}
+        grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        return loss.detach(), grads, extra
+
+    def check(self) -> Dict[str, float]:
+        """Run one step of each and compare; returns the largest relative difference per pair."""
+        losses, grads, extras = {}, {}, {}
+        for impl in IMPLS:
+            self.resets[impl]()
+            loss = self.steps[impl]()
+            loss_full = lm_to_full(loss).detach().clone()
+            if self.cfg.kind == "block":  # per-rank parts of the global loss
+                dist.all_reduce(loss_full, group=self.group)
+                out = materialize(self.outputs[impl]).detach()
+                extras[impl] = {
+                    "output": gather_pieces(out, 1, self.cfg.seq, self.group),
+                    "x.grad": gather_pieces(materialize(self.xs[impl].grad).detach(), 1, self.cfg.seq, self.group),
+                }
+            losses[impl] = loss_full
+            grads[impl] = self._full_grads_torch_tp() if impl == "torch_tp" else self._full_grads_dtensor()
+            self.resets[impl]()
+        ref_loss, ref_grads, ref_extra = self._reference_step()
+        losses["reference"], grads["reference"], extras["reference"] = ref_loss, ref_grads, ref_extra
+        worst = {}
+        for a, b in [("torch_tp", "dtensor"), ("torch_tp", "reference"), ("dtensor", "reference")]:
+            what = f"{self.cfg.name}: {a} vs {b}"
+            rel = close(losses[a], losses[b], f"{what}: loss")
+            if set(grads[a]) != set(grads[b]):
+                raise AssertionError(f"{what}: gradient names differ: {sorted(grads[a])} vs {sorted(grads[b])}")
+            for name in grads[b]:
+                rel = max(rel, close(grads[a][name], grads[b][name], f"{what}: grad of {name}"))
+            for name in extras.get(b, {}):
+                rel = max(rel, close(extras[a][name], extras[b][name], f"{what}: {name}"))
+            worst[f"{a} vs {b}"] = rel
+        self.loss_value = float(losses["reference"])
+        self.outputs.clear()
+        return worst
+
+
+def collective_kind(op: str) -> str:
+    """``c10d::_reduce_scatter_base_``, ``c10d::reduce_scatter_tensor_coalesced_`` -> ``reduce_scatter``, etc."""
+    squeezed = op.replace("_", "")
+    for kind in ("reduce_scatter", "all_gather", "all_reduce"):
+        if kind.replace("_", "") in squeezed:
+            return kind
+    return op.strip("_")
+
+
+def count_collectives(case: Case, impl: str) -> Dict[str, int]:
+    """The c10d collectives one step of ``impl`` issues on this rank, by kind (untimed; torch.profiler's
+    ``c10d::*`` events, which every ProcessGroup call records, whoever calls it: torch_tp's C++ kernels or
+    DTensor's functional collectives)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case.resets[impl]()
+    dist.barrier(group=case.group)
+    # Kineto prints start/stop lines (and, without a GPU, an error about it) on fd 2: hide them.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            case.steps[impl]()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    case.resets[impl]()
+    case.outputs.clear()
+    counts: Dict[str, int] = {}
+    for e in prof.events():
+        if not e.name.startswith("c10d::") or "barrier" in e.name:
+            continue
+        kind = collective_kind(e.name[len("c10d::"):])
+        counts[kind] = counts.get(kind, 0) + 1
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def fmt_counts(c: Dict[str, int]) -> str:
+    parts = [f"{v} {k.replace('_', '-')}" for k, v in sorted(c.items()) if k != "total"]
+    return f"{c['total']} ({', '.join(parts)})"
+
+
+def lm_to_full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a loss: DTensor (torch's loss_parallel: Replicate) or plain (torch_tp's)."""
+    t = materialize(t)
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def check_everywhere(case: Case, group: dist.ProcessGroup) -> Dict[str, float]:
+    """Run the check on every rank; if any rank fails, every rank raises (no rank is left in a barrier)."""
+    err = ""
+    worst: Dict[str, float] = {}
+    try:
+        worst = case.check()
+    except Exception as e:  # reported below, on every rank
+        err = f"{type(e).__name__}: {e}"
+    flag = torch.tensor([1 if err else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        raise RuntimeError(
+            f"bench_tp_block: torch_tp, DTensor and the unsharded model disagree on {case.cfg.name} "
+            f"(rank {dist.get_rank()}: {err or 'ok here, failed on another rank'}); "
+            "refusing to time different computations"
+        )
+    vals = torch.tensor([worst[k] for k in sorted(worst)], dtype=torch.float64)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(sorted(worst), vals.tolist()))
+
+
+# ---------------------------------------------------------------------------
+# measurement
+
+
+def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int) -> List[Dict]:
+    group = mesh.get_group()
+    records = []
+    for cfg in args.configs:
+        t_cfg = time.perf_counter()
+        case = Case(cfg, lm, mesh)
+        agreement = check_everywhere(case, group)  # also the first (untimed) step of each
+        collectives = {impl: count_collectives(case, impl) for impl in IMPLS}  # rank 0's go in the json
+        t_checked = time.perf_counter()
+        repeats = max(3, round((cfg.quick_repeats if args.quick else cfg.repeats) * args.repeat_scale))
+        warmup = cfg.quick_warmup if args.quick else cfg.warmup
+        for _ in range(warmup):
+            for impl in IMPLS:
+                case.resets[impl]()
+                dist.barrier(group=group)
+                case.steps[impl]()
+        case.outputs.clear()
+
+        local = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # seconds, this rank
+        local_bwd = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # until loss.backward() returned
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for r in range(repeats):
+                for impl in ORDERS[r % len(ORDERS)]:
+                    step = case.steps[impl]
+                    case.resets[impl]()
+                    dist.barrier(group=group)
+                    t0 = time.perf_counter()
+                    loss = step()
+                    t1 = time.perf_counter()
+                    local[IMPLS.index(impl), r] = t1 - t0
+                    local_bwd[IMPLS.index(impl), r] = case.backward_done[impl] - t0
+                    del loss
+                case.outputs.clear()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=group)
+        maxed = torch.stack(gathered).max(dim=0).values  # a repeat's time: the slowest rank's
+        gathered_bwd = [torch.empty_like(local_bwd) for _ in range(world)]
+        dist.all_gather(gathered_bwd, local_bwd, group=group)
+        maxed_bwd = torch.stack(gathered_bwd).max(dim=0).values
+        elapsed = time.perf_counter() - t_cfg
+
+        c = case.llama_config
+        rec: Dict[str, Any] = {
+            "config": cfg.name,
+            "kind": cfg.kind,
+            "note": cfg.note,
+            "target": cfg.target,
+            "model_config": c.to_dict() if cfg.kind == "model" else {**c.to_dict(), "n_layers": 1},
+            "ffn_hidden_dim": c.ffn_hidden_dim,
+            "batch": cfg.batch,
+            "seq": cfg.seq,
+            "params": case.n_params,
+            "plan_keys": case.plan_keys,
+            "loss": case.loss_value,
+            "repeats": repeats,
+            "warmup": warmup,
+            "check_max_rel_diff": agreement,
+            "collectives_per_step": collectives,
+            "setup_and_check_s": t_checked - t_cfg,
+            "elapsed_s": elapsed,
+            "impls": {},
+        }
+        for ii, impl in enumerate(IMPLS):
+            times = maxed[ii].tolist()
+            st = {k.replace("_us", "_ms"): v / 1e3 for k, v in stats_us(times).items()}
+            st["per_rank_median_ms"] = [quantile(sorted(g[ii].tolist()), 0.5) * 1e3 for g in gathered]
+            st["tokens_per_s"] = cfg.batch * cfg.seq / (st["median_ms"] / 1e3)
+            st["times_ms"] = [t * 1e3 for t in times]
+            # Until loss.backward() returned, before NOTE [complete gradients] (DTensor: norm grads Partial).
+            st["until_backward_returned_median_ms"] = quantile(sorted(maxed_bwd[ii].tolist()), 0.5) * 1e3
+            rec["impls"][impl] = st
+        med = {k: rec["impls"][k]["median_ms"] for k in IMPLS}
+        rec["dtensor_over_torch_tp"] = med["dtensor"] / med["torch_tp"]
+        diffs = sorted(((maxed[IMPLS.index("dtensor")] - maxed[IMPLS.index("torch_tp")]) * 1e3).tolist())
+        rec["dtensor_minus_torch_tp_ms"] = quantile(diffs, 0.5)
+        rec["dtensor_minus_torch_tp_p10_p90_ms"] = [quantile(diffs, 0.1), quantile(diffs, 0.9)]
+        records.append(rec)
+        if rank == 0:
+            print(
+                f"[bench_tp_block] {cfg.name:>11}: checked (max rel. diff {max(agreement.values()):.1e}), "
+                f"{repeats} repeats x {len(IMPLS)} impls in {elapsed:.1f} s; "
+                + ", ".join(f"{k} {med[k]:.2f} ms" for k in IMPLS)
+                + f"; DTensor / torch_tp {rec['dtensor_over_torch_tp']:.2f}",
+                flush=True,
+            )
+        del case
+        gc.collect()
+    return records
+
+
+# ---------------------------------------------------------------------------
+# reporting
+
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def describe(rec: Dict) -> str:
+    m = rec["model_config"]
+    what = "1 block" if rec["kind"] == "block" else f"{m['n_layers']} layers, vocab {m['vocab_size']}"
+    return (f"{what}, dim {m['dim']}, {m['n_heads']} heads, ffn {rec['ffn_hidden_dim']}; "
+            f"batch {rec['batch']} x seq {rec['seq']}")
+
+
+def markdown_table(records: List[Dict]) -> str:
+    lines = [
+        "| config | shape | torch_tp ms (p10-p90) | DTensor ms (p10-p90) | DTensor / torch_tp "
+        "| DTensor - torch_tp ms (paired) | DTensor ms until backward() returns | repeats |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        im = rec["impls"]
+        cells = [
+            f"{fmt_ms(im[k]['median_ms'])} ({fmt_ms(im[k]['p10_ms'])}-{fmt_ms(im[k]['p90_ms'])})" for k in IMPLS
+        ]
+        lines.append(
+            f"| {rec['config']} | {describe(rec)} | {cells[0]} | {cells[1]} | "
+            f"**{rec['dtensor_over_torch_tp']:.2f}** | {rec['dtensor_minus_torch_tp_ms']:+.2f} | "
+            f"{fmt_ms(im['dtensor']['until_backward_returned_median_ms'])} | {rec['repeats']} |"
+        )
+    return "\n".join(lines)
+
+
+def collectives_lines(records: List[Dict]) -> List[str]:
+    return [
+        f"- {rec['config']}: torch_tp {fmt_counts(rec['collectives_per_step']['torch_tp'])}; "
+        f"DTensor {fmt_counts(rec['collectives_per_step']['dtensor'])}"
+        for rec in records
+    ]
+
+
+def evaluate_targets(records: List[Dict]) -> List[Dict]:
+    targets = []
+    for rec in records:
+        ratio = rec["dtensor_over_torch_tp"]
+        im = rec["impls"]
+        value = (f"torch_tp {fmt_ms(im['torch_tp']['median_ms'])} ms vs DTensor "
+                 f"{fmt_ms(im['dtensor']['median_ms'])} ms per step: DTensor / torch_tp = {ratio:.2f}")
+        if rec["target"] == "example":
+            targets.append({
+                "config": rec["config"],
+                "target": f"{rec['config']} (the example model, default config): torch_tp at least "
+                f"{EXAMPLE_TARGET:g}x faster per step",
+                "value": value,
+                "pass": ratio >= EXAMPLE_TARGET,
+            })
+        elif rec["target"] == "large":
+            targets.append({
+                "config": rec["config"],
+                "target": f"{rec['config']} ({describe(rec)}): torch_tp no slower than DTensor",
+                "value": value,
+                "pass": ratio >= LARGE_TARGET,
+            })
+    return targets
+
+
+def targets_lines(targets: List[Dict]) -> List[str]:
+    return [f"- **{'PASS' if t['pass'] else 'MISS'}** {t['target']}: {t['value']}" for t in targets]
+
+
+def plot(records: List[Dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(records)
+    fig, axes = plt.subplots(1, n, figsize=(3.3 * n, 3.9), squeeze=False)
+    colors = {"torch_tp": "C0", "dtensor": "C1"}
+    short = {"torch_tp": "torch_tp", "dtensor": "DTensor"}
+    for ax, rec in zip(axes.flat, records):
+        im = rec["impls"]
+        xs = range(len(IMPLS))
+        med = [im[k]["median_ms"] for k in IMPLS]
+        err = [[m - im[k]["p10_ms"] for m, k in zip(med, IMPLS)], [im[k]["p90_ms"] - m for m, k in zip(med, IMPLS)]]
+        ax.bar(xs, med, yerr=err, capsize=3, color=[colors[k] for k in IMPLS])
+        for x, m in zip(xs, med):
+            ax.text(x, m / 2, f"{m:.0f}" if m >= 100 else f"{m:.3g}", ha="center", va="center", fontsize=8,
+                    color="white", fontweight="bold")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([short[k] for k in IMPLS], fontsize=8)
+        ax.set_title(f"{rec['config']}: DTensor / torch_tp = {rec['dtensor_over_torch_tp']:.2f}\n"
+                     f"dim {rec['model_config']['dim']}, b{rec['batch']} x s{rec['seq']}", fontsize=8)
+        ax.set_ylabel("fwd+bwd step, ms (median; p10-p90)", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str:
+    m = meta["machine"]
+    return "\n".join([
+        SECTION_BEGIN,
+        "## The example Llama under its TP plan: torch_tp vs DTensor TP, one block and the whole model",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable cores ({m['cpu_count']} online), "
+        f"torch {m['torch_version']}, torch_tp {m['torch_tp_version']}, Python {m['python_version']}, "
+        f"backend {m['backend']}, world size {m['world_size']}, "
+        f"{m['torch_num_threads']} intra-op thread(s) per rank (`torch.set_num_threads(1)`).",
+        "",
+        f"Date: {meta['date']}" + (" (quick smoke run: few repeats, not for conclusions)" if meta["quick"] else ""),
+        "",
+        "Method: CPU float32. The model and plan are `examples/llama_model.py`'s (torchtitan's Llama and its "
+        "sequence-parallel TP plan, `tp_plan(api)`), applied to deep copies of one unsharded model (same weights) "
+        "by **torch_tp** (`torch_tp.parallelize_module`, torch_tp's styles, `torch_tp.loss_parallel`) and by "
+        "**DTensor** (`torch.distributed.tensor.parallel.parallelize_module`, torch's styles and `loss_parallel`) on "
+        f"`init_device_mesh(\"cpu\", ({m['world_size']},))`. A step is forward, loss and `loss.backward()` on a fixed "
+        "batch, and ends when every parameter holds its complete gradient: DTensor leaves the SequenceParallel "
+        "norm weights' gradients `Partial(sum)` (pending all-reduces an optimizer step would do); the step "
+        "`redistribute`s them to the parameters' `Replicate()` (torch_tp all-reduces them during backward); "
+        "the table also gives DTensor's time until `backward()` returns, before that. "
+        "`model*`: `cross_entropy(model(inputs), targets)` inside `loss_parallel()` (vocab-sharded logits), as the example trains. `block*`: one `TransformerBlock` "
+        "parallelized with the plan's `layers.*.` entries, fed this rank's sequence shard `x [b, s/p, d]` "
+        "(requires grad), loss the rank's part of `mean(out**2)`. Before timing, every configuration checks "
+        f"(`assert_close`, rtol {RTOL:.0e}, atol {ATOL_SCALE:.0e} x each tensor's max|ref|) that torch_tp, DTensor and the "
+        "unsharded model (plain autograd) give the same loss and the same full gradient of every parameter "
+        "(DTensor: `full_tensor()`; torch_tp: its pieces all-gathered; block: also output and input gradient). "
+        "Per repeat, one step of each implementation, the order alternating; gradients reset untimed; "
+        "`dist.barrier()` before each timed step; the per-repeat time is the max over ranks; figures are medians "
+        "over repeats (p10-p90 in brackets), DTensor / torch_tp the ratio of medians, the paired difference the "
+        "median of per-repeat differences. GC off while timing.",
+        "",
+        markdown_table(records),
+        "",
+        "Collectives per step (one untimed step, rank 0, counted from torch.profiler's `c10d::*` events; "
+        "DTensor's include the reductions of its Partial gradients):",
+        "",
+        *collectives_lines(records),
+        "",
+        "Targets (DTensor / torch_tp is how many times faster torch_tp's step is):",
+        "",
+        *targets_lines(targets),
+        "",
+        "![step time per configuration](tp_block.png)",
+        "",
+        "Raw figures, per-repeat times, per-rank medians and check differences: [tp_block.json](tp_block.json).",
+        SECTION_END,
+    ])
+
+
+# ---------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print(
+            "bench_tp_block.py: launch with torchrun, e.g.\n"
+            "  torchrun --nproc-per-node 2 benchmarks/bench_tp_block.py --quick",
+            file=sys.stderr,
+        )
+        return 2
+    torch.set_num_threads(1)  # one intra-op thread per rank: 2 ranks on 2 cores
+    lm = import_example()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        meta = {
+            "benchmark": "bench_tp_block",
+            "command": command_line(),
+            "argv": sys.argv,
+            "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
+            "quick": args.quick,
+            "machine": machine_info(world),
+            "dtype": "float32",
+            "device": "cpu",
+            "model_source": "examples/llama_model.py: Llama, LlamaConfig, tp_plan, cross_entropy_loss",
+            "impls": IMPL_LABELS,
+            "targets_rule": {
+                "example": f"model (default config): DTensor / torch_tp >= {EXAMPLE_TARGET:g}",
+                "large": f"block-large, model-large: DTensor / torch_tp >= {LARGE_TARGET:g}",
+            },
+            "method": {
+                "check": f"assert_close rtol {RTOL:g}, atol {ATOL_SCALE:g} * max|ref| (per tensor): loss and every "
+                "parameter's full gradient, torch_tp vs DTensor vs the unsharded model (plain autograd); block: "
+                "also gathered output and input gradient; torch_tp's replicated gradients equal across ranks",
+                "step": "forward + loss + loss.backward(); model: inside loss_parallel(); ends when every "
+                "parameter holds its complete gradient: DTensor's Partial(sum) gradients (SequenceParallel norm "
+                "weights) redistributed to the parameter's placements, AsyncCollectiveTensors waited",
+                "until_backward_returned": "the same step's time until loss.backward() returned (max over ranks, "
+                "median): for DTensor, before its Partial gradients are reduced",
+                "interleaved": "one step of each impl per repeat, order alternating",
+                "barrier_before_each_step": True,
+                "grad_reset": "zero_grad(set_to_none=True) before each step, untimed",
+                "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
+                "stat": "median over repeats; p10/p90 reported",
+                "ratio": "DTensor median / torch_tp median",
+                "paired_difference": "median over repeats of DTensor - torch_tp",
+                "gc": "cyclic GC disabled during the timed steps",
+            },
+        }
+        records = bench(args, lm, mesh, rank, world)
+        meta["elapsed_s"] = time.perf_counter() - start
+        if rank == 0:
+            targets = evaluate_targets(records)
+            os.makedirs(args.out_dir, exist_ok=True)
+            json_path = os.path.join(args.out_dir, "tp_block.json")
+            with open(json_path, "w") as f:
+                json.dump({**meta, "results": records, "targets": targets}, f, indent=1)
+            png_path = os.path.join(args.out_dir, "tp_block.png")
+            m = meta["machine"]
+            plot(
+                records,
+                png_path,
+                f"Llama TP step (fwd+bwd), {m['backend']}, world size {world}, {m['cpu_model']} "
+                f"({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch {m['torch_version']}"
+                + (" [quick]" if args.quick else ""),
+            )
+            print()
+            print(markdown_table(records))
+            print()
+            print("Collectives per step (one untimed step, rank 0):")
+            print("\n".join(collectives_lines(records)))
+            print()
+            print("Targets:")
+            print("\n".join(targets_lines(targets)))
+            print()
+            written = [json_path, png_path]
+            if not args.no_results_md:
+                md_path = os.path.join(args.out_dir, "RESULTS.md")
+                update_results_md(md_path, results_section(meta, records, targets), SECTION_BEGIN, SECTION_END)
+                written.append(md_path)
+            print(f"[bench_tp_block] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
