@@ -22,6 +22,15 @@ RESULTS_MD_HEADER = (
 )
 
 
+def require_torchrun(script: str) -> bool:
+    """True under torchrun; otherwise say how to launch ``script`` and return False."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    print(f"{script}: launch with torchrun, e.g.\n  torchrun --nproc-per-node 2 benchmarks/{script} --quick",
+          file=sys.stderr)
+    return False
+
+
 def command_line() -> str:
     """The command as the user would type it (torchrun re-executes us as plain python)."""
     script = sys.argv[0]

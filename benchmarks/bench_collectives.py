@@ -79,7 +79,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
-from _common import command_line, machine_info, make_noop_group, quantile, stats_us, update_results_md
+from _common import (
+    command_line,
+    machine_info,
+    make_noop_group,
+    quantile,
+    require_torchrun,
+    stats_us,
+    update_results_md,
+)
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -717,12 +725,7 @@ def results_section(meta: Dict, table: str, overhead: Optional[Dict] = None) -> 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(
-            "bench_collectives.py: launch with torchrun, e.g.\n"
-            "  torchrun --nproc-per-node 2 benchmarks/bench_collectives.py --quick",
-            file=sys.stderr,
-        )
+    if not require_torchrun("bench_collectives.py"):
         return 2
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

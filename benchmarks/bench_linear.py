@@ -100,7 +100,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
-from _common import command_line, machine_info, make_noop_group, quantile, stats_us, update_results_md
+from _common import (
+    command_line,
+    machine_info,
+    make_noop_group,
+    quantile,
+    require_torchrun,
+    stats_us,
+    update_results_md,
+)
 
 Size = Tuple[int, int]  # (batch, hidden)
 
@@ -889,12 +897,7 @@ def results_section(meta: Dict, records: List[Dict], overhead: Optional[Dict], t
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(
-            "bench_linear.py: launch with torchrun, e.g.\n"
-            "  torchrun --nproc-per-node 2 benchmarks/bench_linear.py --quick",
-            file=sys.stderr,
-        )
+    if not require_torchrun("bench_linear.py"):
         return 2
     # One intra-op thread per rank: 2 ranks on 2 cores, no oversubscription.
     torch.set_num_threads(1)

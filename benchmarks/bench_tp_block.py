@@ -98,7 +98,7 @@ from torch.distributed.tensor import DTensor
 
 import torch_tp  # noqa: F401  (the package under test; load_tp_api("torch_tp") imports it too)
 from torch_tp.parallel._shard import get_shard_info
-from _common import command_line, machine_info, quantile, stats_us, update_results_md
+from _common import command_line, machine_info, quantile, require_torchrun, stats_us, update_results_md
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
@@ -802,12 +802,7 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print(
-            "bench_tp_block.py: launch with torchrun, e.g.\n"
-            "  torchrun --nproc-per-node 2 benchmarks/bench_tp_block.py --quick",
-            file=sys.stderr,
-        )
+    if not require_torchrun("bench_tp_block.py"):
         return 2
     torch.set_num_threads(1)  # one intra-op thread per rank: 2 ranks on 2 cores
     lm = import_example()
