@@ -47,8 +47,11 @@ class RankTimeout(AssertionError):
     """A run did not finish in time; the pool was killed."""
 
 
-def _worker_main(rank: int, world_size: int, backend: str, init_method: str,
+def _worker_main(rank: int, world_size: int, backend: str, init_method: str, scratch_dir: str,
                  tasks: "mp.SimpleQueue", results: "mp.Queue") -> None:
+    # torch.compile's caches start empty for every pool: a graph compiled
+    # against an op schema from an earlier build must not be replayed.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch_dir, "inductor")
     import torch
     import torch.distributed as dist
 
@@ -89,7 +92,8 @@ class RankPool:
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True, name=f"rank{rank}",
-                        args=(rank, world_size, backend, init_method, self._tasks[rank], self._results))
+                        args=(rank, world_size, backend, init_method, self._tmpdir, self._tasks[rank],
+                              self._results))
             for rank in range(world_size)
         ]
         for proc in self._procs:
