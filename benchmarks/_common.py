@@ -9,7 +9,7 @@ import platform
 import shlex
 import socket
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,31 @@ def require_torchrun(script: str) -> bool:
     print(f"{script}: launch with torchrun, e.g.\n  torchrun --nproc-per-node 2 benchmarks/{script} --quick",
           file=sys.stderr)
     return False
+
+
+def check_everywhere(
+    check: Callable[[], Dict[str, float]], what: str, group: dist.ProcessGroup
+) -> Dict[str, float]:
+    """Run ``check`` (worst relative difference per compared tensor) on every
+    rank; if it fails on any rank, every rank raises (none is left waiting in a
+    barrier). Returns the worst differences, maxed over the ranks. ``what``
+    names the disagreement in the error."""
+    err = ""
+    worst: Dict[str, float] = {}
+    try:
+        worst = check()
+    except Exception as e:  # reported below, on every rank
+        err = f"{type(e).__name__}: {e}"
+    flag = torch.tensor([1 if err else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        raise RuntimeError(
+            f"{what} (rank {dist.get_rank()}: {err or 'ok here, failed on another rank'}); "
+            "refusing to time different computations"
+        )
+    vals = torch.tensor([worst[k] for k in sorted(worst)], dtype=torch.float64)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(sorted(worst), vals.tolist()))
 
 
 def command_line() -> str:

@@ -104,6 +104,7 @@ from _common import (
     command_line,
     machine_info,
     make_noop_group,
+    check_everywhere,
     quantile,
     require_torchrun,
     stats_us,
@@ -461,26 +462,6 @@ class Case:
         return worst
 
 
-def check_everywhere(case: Case, group: dist.ProcessGroup) -> Dict[str, float]:
-    """Run the check on every rank; if any rank fails, every rank raises (no rank is left in a barrier)."""
-    err = ""
-    worst: Dict[str, float] = {}
-    try:
-        worst = case.check()
-    except Exception as e:  # reported below, on every rank
-        err = f"{type(e).__name__}: {e}"
-    flag = torch.tensor([1 if err else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item():
-        raise RuntimeError(
-            f"bench_linear: the implementations disagree at {fmt_size(case.size)} (rank {dist.get_rank()}: "
-            f"{err or 'ok here, failed on another rank'}); refusing to time different computations"
-        )
-    vals = torch.tensor([worst[k] for k in sorted(worst)], dtype=torch.float64)
-    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(sorted(worst), vals.tolist()))
-
-
 # ---------------------------------------------------------------------------
 # measurement
 
@@ -498,7 +479,9 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
     for size in args.sizes:
         t_size = time.perf_counter()
         case = Case(size, group, mesh)
-        agreement = check_everywhere(case, group)  # also the first (untimed) step of each
+        # also the first (untimed) step of each
+        agreement = check_everywhere(
+            case.check, f"bench_linear: the implementations disagree at {fmt_size(case.size)}", group)
         repeats = max(3, round(nearest(QUICK_REPEATS if args.quick else FULL_REPEATS, size) * args.repeat_scale))
         warmup = nearest(QUICK_WARMUP if args.quick else FULL_WARMUP, size)
         for _ in range(warmup):

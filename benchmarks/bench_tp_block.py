@@ -98,7 +98,15 @@ from torch.distributed.tensor import DTensor
 
 import torch_tp  # noqa: F401  (the package under test; load_tp_api("torch_tp") imports it too)
 from torch_tp.parallel._shard import get_shard_info
-from _common import command_line, machine_info, quantile, require_torchrun, stats_us, update_results_md
+from _common import (
+    check_everywhere,
+    command_line,
+    machine_info,
+    quantile,
+    require_torchrun,
+    stats_us,
+    update_results_md,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
@@ -521,27 +529,6 @@ def lm_to_full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def check_everywhere(case: Case, group: dist.ProcessGroup) -> Dict[str, float]:
-    """Run the check on every rank; if any rank fails, every rank raises (no rank is left in a barrier)."""
-    err = ""
-    worst: Dict[str, float] = {}
-    try:
-        worst = case.check()
-    except Exception as e:  # reported below, on every rank
-        err = f"{type(e).__name__}: {e}"
-    flag = torch.tensor([1 if err else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item():
-        raise RuntimeError(
-            f"bench_tp_block: torch_tp, DTensor and the unsharded model disagree on {case.cfg.name} "
-            f"(rank {dist.get_rank()}: {err or 'ok here, failed on another rank'}); "
-            "refusing to time different computations"
-        )
-    vals = torch.tensor([worst[k] for k in sorted(worst)], dtype=torch.float64)
-    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(sorted(worst), vals.tolist()))
-
-
 # ---------------------------------------------------------------------------
 # measurement
 
@@ -552,7 +539,12 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
     for cfg in args.configs:
         t_cfg = time.perf_counter()
         case = Case(cfg, lm, mesh)
-        agreement = check_everywhere(case, group)  # also the first (untimed) step of each
+        # also the first (untimed) step of each
+        agreement = check_everywhere(
+            case.check,
+            f"bench_tp_block: torch_tp, DTensor and the unsharded model disagree on {case.cfg.name}",
+            group,
+        )
         collectives = {impl: count_collectives(case, impl) for impl in IMPLS}  # rank 0's go in the json
         t_checked = time.perf_counter()
         repeats = max(3, round((cfg.quick_repeats if args.quick else cfg.repeats) * args.repeat_scale))
