@@ -4,12 +4,19 @@
 // "torch_tp::all_gather: dim=3 is out of range for x of 2 dimensions".
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/string_view.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <string>
 
 namespace torch_tp {
+
+// The typed dispatcher handle of a torch_tp op (look it up once, in a static).
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
 
 // The reductions the ops accept, spelled as torch's functional collectives spell them.
 enum class Reduction { Sum, Avg, Min, Max, Product };

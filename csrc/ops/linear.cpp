@@ -50,7 +50,6 @@
 #include "ops/common.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -97,11 +96,8 @@ std::optional<int64_t> check_linear_args(const char* op, const at::Tensor& x, co
   if (!dim) {
     return std::nullopt;
   }
-  const int64_t ndim = x.dim();
-  TORCH_CHECK(*dim >= -ndim && *dim < ndim, op, ": ", dim_name, "=", *dim, " is out of range for x of ", ndim,
-              " dimensions (expected -", ndim, " <= ", dim_name, " < ", ndim, ")");
-  const int64_t wrapped = *dim < 0 ? *dim + ndim : *dim;
-  TORCH_CHECK(wrapped != ndim - 1, op, ": ", dim_name, "=", *dim,
+  const int64_t wrapped = wrap_dim(op, *dim, x.dim(), dim_name);
+  TORCH_CHECK(wrapped != x.dim() - 1, op, ": ", dim_name, "=", *dim,
               " is the feature dimension; it must name a sequence or batch dimension");
   return wrapped;
 }
@@ -210,10 +206,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kern
 
 // ---------------------------------------------------------------- autograd
 
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;

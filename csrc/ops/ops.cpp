@@ -2,17 +2,9 @@
 
 #include <torch_tp/ops.h>
 
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "ops/common.h"
 
 namespace torch_tp {
-namespace {
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-} // namespace
 
 at::Tensor all_reduce(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
   static const auto op =
