@@ -392,8 +392,7 @@ def _check_dtensor_inputs_and_src_rank():
     as_dtensor = model(DTensor.from_local(x, mesh, [Replicate()], run_check=False))
     _close(as_dtensor, plain, "DTensor Replicate input")
     seq = DTensor.from_local(torch_tp.shard(x, 1), mesh, [Shard(1)], run_check=False)
-    sp_model = copy.deepcopy(model)
-    sp_model.w1._tp_input_layout = Shard(1)  # the DTensor's own placement decides, not the declared one
+    # model.w1 declares a Replicate input; a Shard(1) DTensor is read by its own placement.
     _close(torch_tp.ops.all_gather(torch_tp.shard(model(x), 1), 1), plain, "round trip")
     _close(model.w1(seq), model.w1(x), "DTensor Shard(1) input is gathered")
 

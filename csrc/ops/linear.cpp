@@ -206,7 +206,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kern
 
 // ---------------------------------------------------------------- autograd
 
-
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
