@@ -2,7 +2,8 @@
 
 ``import torch_tp`` loads the native library, which registers the ops as
 ``torch.ops.torch_tp.*``; :mod:`torch_tp.ops` holds typed wrappers that accept a
-ProcessGroup, a 1-D DeviceMesh or a group name.
+ProcessGroup, a 1-D DeviceMesh or a group name. :class:`DistributedDataParallel`
+is torch's DDP with torch_tp's C++ gradient reducer.
 """
 
 import torch
@@ -26,6 +27,7 @@ from .ops import (  # noqa: E402
     shard,
 )
 
+from .ddp import DistributedDataParallel  # noqa: E402
 from .parallel import (  # noqa: E402
     ColwiseParallel,
     ParallelStyle,
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColwiseParallel",
+    "DistributedDataParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",

@@ -1,10 +1,14 @@
 // torch_tp._C: importing it loads libtorch_tp.so (a link dependency), whose
 // static initialisers register the torch_tp ops with the dispatcher. The module
-// itself carries the facts of the build that `import torch_tp` checks: a
-// library built against another torch fails with a clear message instead of
-// an undefined symbol.
+// carries the facts of the build that `import torch_tp` checks (a library
+// built against another torch fails with a clear message instead of an
+// undefined symbol) and the bindings of the DDP reducer (ddp.cpp).
 
 #include <pybind11/pybind11.h>
+
+namespace torch_tp::python {
+void init_ddp(pybind11::module_& m);
+} // namespace torch_tp::python
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*";
@@ -14,4 +18,5 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("built_with_cuda") = false;
 #endif
+  torch_tp::python::init_ddp(m);
 }
