@@ -211,6 +211,22 @@ class ThreadBackend : public c10d::Backend {
     return c10::make_intrusive<CompletedWork>(rank_, c10d::OpType::ALLREDUCE, tensors);
   }
 
+  // Every rank's tensor becomes rank opts.rootRank's (the DDP reducer's bucket rebuild uses it).
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override {
+    TORCH_CHECK(tensors.size() == 1, "threads backend: broadcast takes one tensor, got ", tensors.size());
+    at::Tensor& tensor = tensors[0];
+    check_dense("broadcast", tensor);
+    const std::string signature = c10::str("broadcast(", opts.rootRank, ", ", tensor.scalar_type(), ", ",
+                                           tensor.sizes(), ")");
+    at::NoGradGuard no_grad;
+    const int64_t root = opts.rootRank;
+    const at::Tensor value = state_->collective(rank_, tensor, signature,
+                                                [&](const std::vector<at::Tensor>& in) { return in[root].clone(); });
+    tensor.copy_(value);
+    return c10::make_intrusive<CompletedWork>(rank_, c10d::OpType::BROADCAST, tensors);
+  }
+
   // output [W * n] (flat) holds rank r's input [n] (flat) at r*n..(r+1)*n.
   // torch >= 2.13 routes all_gather_single here; older torch calls this directly.
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,

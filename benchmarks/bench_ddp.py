@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+r"""Benchmark data-parallel training steps: torch_tp.DistributedDataParallel vs torch's DDP, same backend.
+
+Launch with ``torchrun``, one process per rank (CPU tensors, float32, one
+intra-op thread per rank)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py [--backend gloo|torch_tp] [--quick] [--out-dir DIR]
+
+The model is an MLP of ``--layers`` Linear(d, d) + GELU layers (default 8 x
+1536: 18.9 M parameters, 75 MB of fp32 gradients), batch ``--batch`` rows. Both
+wrappers get deep copies of one model and the same inputs, at each bucket cap
+of ``--bucket-mb`` (default 1, 5, 25, 100 MiB).
+
+Per bucket cap and implementation, three times are measured:
+
+* ``step``: forward, loss, ``loss.backward()``; ends when every ``.grad`` holds
+  the average over the ranks (both reducers wait for their buckets inside backward);
+* ``compute``: the same step under ``no_sync()`` (no communication at all);
+* ``comm`` (one figure per bucket cap, shared): all-reducing a flat fp32
+  gradient of the model's size in buckets of the cap, started back to back and
+  then waited: the communication alone.
+
+``hidden = (compute + comm - step) / comm`` is the share of the all-reduce time
+that the step hides behind backward (1: all of it; 0: none; negative: the
+step costs more than compute and communication one after the other).
+
+NOTE [same computation]: before timing, one step of each implementation is
+checked: the averaged gradients must be bitwise equal between torch_tp and
+torch DDP (same backend, buckets and inputs) on every rank.
+
+NOTE [method]: two untimed warm-up steps (the buckets are rebuilt after the
+first). Every repeat then runs one step of each implementation, the order
+alternating between repeats, then one compute-only step of each and one
+communication-only round; ``dist.barrier()`` precedes each; gradients are set
+to None untimed. A repeat's time is the slowest rank's. Reported: median over
+repeats, p10/p90; torch / torch_tp is the ratio of the step medians. Cyclic GC
+is off while timing.
+
+Target (from the issue), printed PASS/MISS: torch_tp no slower than torch DDP
+on the same backend: torch / torch_tp >= 1 at every bucket cap, within
+``NOISE`` (the figures of two identical runs differ by about that much here).
+
+Rank 0 writes ``ddp.json`` (``ddp_<backend>.json`` for a backend other than
+gloo), the matching ``.png`` and the ``bench_ddp`` section of ``RESULTS.md``.
+"""
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _common import command_line, machine_info, quantile, require_torchrun, update_results_md
+
+import torch_tp
+
+IMPLS = ("torch_tp", "torch")
+NOISE = 0.03
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench_ddp.py",
+        description=(
+            "Time data-parallel training steps of a ~20M-parameter MLP with torch_tp.DistributedDataParallel "
+            "and torch.nn.parallel.DistributedDataParallel side by side in one torchrun job, over a sweep of "
+            "bucket caps, with the compute-only step (no_sync) and the communication alone."
+        ),
+    )
+    p.add_argument("--backend", default="gloo", choices=["gloo", "torch_tp"],
+                   help="process-group backend for both wrappers (default: %(default)s)")
+    p.add_argument("--out-dir", default="benchmarks",
+                   help="directory for ddp.json, ddp.png and RESULTS.md (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke run: small model, few repeats")
+    p.add_argument("--bucket-mb", default="1,5,25,100", help="comma-separated bucket caps in MiB (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=8, help="Linear layers (default: %(default)s)")
+    p.add_argument("--dim", type=int, default=1536, help="layer width (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=32, help="rows per rank (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=9, help="timed repeats per bucket cap (default: %(default)s)")
+    p.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still writes json, png)")
+    args = p.parse_args(argv)
+    args.bucket_mb = [float(v) for v in args.bucket_mb.split(",") if v.strip()]
+    if args.quick:
+        args.layers, args.dim, args.repeats = 4, 512, 3
+    return args
+
+
+class MLP(nn.Module):
+    def __init__(self, layers: int, dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return x
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return slowest(time.perf_counter() - start)
+
+
+def summary(times: List[float]) -> Dict[str, float]:
+    v = sorted(t * 1e3 for t in times)
+    return {"median_ms": quantile(v, 0.5), "p10_ms": quantile(v, 0.1), "p90_ms": quantile(v, 0.9)}
+
+
+def bench(args: argparse.Namespace, rank: int) -> List[Dict]:
+    torch.manual_seed(0)
+    model = MLP(args.layers, args.dim)
+    numel = sum(p.numel() for p in model.parameters())
+    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+    records = []
+    for cap in args.bucket_mb:
+        wrapped = {
+            "torch_tp": torch_tp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap),
+            "torch": torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap),
+        }
+
+        def step(ddp, sync=True):
+            for p in ddp.parameters():
+                p.grad = None
+            if sync:
+                ddp(x).square().mean().backward()
+            else:
+                with ddp.no_sync():
+                    ddp(x).square().mean().backward()
+
+        for ddp in wrapped.values():  # warm-up; the buckets are rebuilt after the first
+            step(ddp)
+            step(ddp)
+        # NOTE [same computation]
+        same = all(torch.equal(p.grad, q.grad)
+                   for p, q in zip(wrapped["torch_tp"].parameters(), wrapped["torch"].parameters()))
+        flag = torch.tensor([0 if same else 1])
+        dist.all_reduce(flag)
+        if flag.item():
+            raise RuntimeError(f"bucket {cap} MiB: torch_tp and torch DDP gradients differ; refusing to time")
+
+        flat = torch.zeros(numel)
+        chunk = max(1, int(cap * 1024 * 1024) // 4)
+        buckets = list(flat.split(chunk))
+
+        def comm():
+            works = [dist.all_reduce(b, async_op=True) for b in buckets]
+            for w in works:
+                w.wait()
+
+        times = {f"{impl}_{kind}": [] for impl in IMPLS for kind in ("step", "compute")}
+        times["comm"] = []
+        gc.disable()
+        try:
+            for r in range(args.repeats):
+                order = IMPLS if r % 2 == 0 else IMPLS[::-1]
+                for impl in order:
+                    times[f"{impl}_step"].append(timed(lambda: step(wrapped[impl])))
+                for impl in order:
+                    times[f"{impl}_compute"].append(timed(lambda: step(wrapped[impl], sync=False)))
+                times["comm"].append(timed(comm))
+        finally:
+            gc.enable()
+        record = {"bucket_mb": cap, "params": numel, "buckets": len(wrapped["torch_tp"].reducer.bucket_indices())}
+        for key, values in times.items():
+            record[key] = summary(values)
+            record[key]["all_ms"] = [t * 1e3 for t in values]
+        c = record["comm"]["median_ms"]
+        for impl in IMPLS:
+            s, k = record[f"{impl}_step"]["median_ms"], record[f"{impl}_compute"]["median_ms"]
+            record[f"{impl}_hidden"] = (k + c - s) / c if c > 0 else float("nan")
+        record["ratio"] = record["torch_step"]["median_ms"] / record["torch_tp_step"]["median_ms"]
+        records.append(record)
+        if rank == 0:
+            print(f"[bench_ddp] {cap:g} MiB: torch_tp {record['torch_tp_step']['median_ms']:.1f} ms, "
+                  f"torch {record['torch_step']['median_ms']:.1f} ms, ratio {record['ratio']:.3f}", flush=True)
+        del wrapped
+    return records
+
+
+def markdown_table(records: List[Dict]) -> str:
+    lines = [
+        "| bucket cap | buckets | torch_tp step ms | torch step ms | torch / torch_tp | compute-only ms (torch_tp / torch) "
+        "| comm-only ms | hidden: torch_tp / torch |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['bucket_mb']:g} MiB | {r['buckets']} | {r['torch_tp_step']['median_ms']:.1f} "
+            f"({r['torch_tp_step']['p10_ms']:.1f}-{r['torch_tp_step']['p90_ms']:.1f}) "
+            f"| {r['torch_step']['median_ms']:.1f} ({r['torch_step']['p10_ms']:.1f}-{r['torch_step']['p90_ms']:.1f}) "
+            f"| {r['ratio']:.3f} | {r['torch_tp_compute']['median_ms']:.1f} / {r['torch_compute']['median_ms']:.1f} "
+            f"| {r['comm']['median_ms']:.1f} | {r['torch_tp_hidden']:.0%} / {r['torch_hidden']:.0%} |")
+    return "\n".join(lines)
+
+
+def targets(records: List[Dict]) -> List[str]:
+    out = []
+    for r in records:
+        verdict = "PASS" if r["ratio"] >= 1.0 else ("PASS (within noise)" if r["ratio"] >= 1.0 - NOISE else "MISS")
+        out.append(f"- {r['bucket_mb']:g} MiB: torch / torch_tp = {r['ratio']:.3f} (target >= 1): {verdict}")
+    return out
+
+
+def plot(records: List[Dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['bucket_mb']:g} MiB" for r in records]
+    xs = range(len(records))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.2
+    series = [("torch_tp step", "torch_tp_step"), ("torch DDP step", "torch_step"),
+              ("compute only (torch_tp, no_sync)", "torch_tp_compute"), ("all-reduce only", "comm")]
+    for i, (label, key) in enumerate(series):
+        ax.bar([x + (i - 1.5) * width for x in xs], [r[key]["median_ms"] for r in records], width, label=label)
+    ax.set_xticks(list(xs), labels)
+    ax.set_xlabel("bucket cap")
+    ax.set_ylabel("median ms")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def results_section(meta: Dict, records: List[Dict], begin: str, end: str) -> str:
+    m = meta["machine"]
+    return "\n".join([
+        begin,
+        f"## Data parallel: torch_tp.DistributedDataParallel vs torch DDP ({meta['backend']})",
+        "",
+        f"`{meta['command']}` — {meta['date']}, {m['cpu_model']} ({m['cpus_usable']} usable cores), "
+        f"torch {m['torch_version']}, world size {m['world_size']}, 1 thread/rank"
+        + (" **[quick]**" if meta["quick"] else ""),
+        "",
+        f"Model: MLP of {meta['layers']} x Linear({meta['dim']}, {meta['dim']}) + GELU, "
+        f"{records[0]['params'] / 1e6:.1f} M fp32 parameters, batch {meta['batch']} per rank. Gradients checked "
+        "bitwise equal to torch DDP's before timing. Median over repeats (p10-p90); a repeat is the slowest rank. "
+        "compute-only: the same step under no_sync(); comm-only: the model's gradient size all-reduced in buckets of "
+        "the cap; hidden = (compute + comm - step) / comm.",
+        "",
+        markdown_table(records),
+        "",
+        "Target: torch_tp no slower than torch DDP on the same backend.",
+        "",
+        *targets(records),
+        end,
+    ])
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if not require_torchrun("bench_ddp.py"):
+        return 2
+    torch.set_num_threads(1)
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
+    try:
+        meta = {
+            "benchmark": "bench_ddp",
+            "command": command_line(),
+            "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
+            "quick": args.quick,
+            "backend": args.backend,
+            "machine": machine_info(world),
+            "layers": args.layers,
+            "dim": args.dim,
+            "batch": args.batch,
+            "repeats": args.repeats,
+        }
+        records = bench(args, rank)
+        meta["elapsed_s"] = time.perf_counter() - start
+        if rank == 0:
+            suffix = "" if args.backend == "gloo" else f"_{args.backend}"
+            os.makedirs(args.out_dir, exist_ok=True)
+            json_path = os.path.join(args.out_dir, f"ddp{suffix}.json")
+            with open(json_path, "w") as f:
+                json.dump({**meta, "results": records}, f, indent=1)
+            png_path = os.path.join(args.out_dir, f"ddp{suffix}.png")
+            plot(records, png_path, f"DDP step, {args.backend}, world size {world}, torch {meta['machine']['torch_version']}"
+                 + (" [quick]" if args.quick else ""))
+            print()
+            print(markdown_table(records))
+            print()
+            print("\n".join(targets(records)))
+            written = [json_path, png_path]
+            if not args.no_results_md:
+                begin, end = f"<!-- bench_ddp{suffix}:begin -->", f"<!-- bench_ddp{suffix}:end -->"
+                md_path = os.path.join(args.out_dir, "RESULTS.md")
+                update_results_md(md_path, results_section(meta, records, begin, end), begin, end)
+                written.append(md_path)
+            print(f"[bench_ddp] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
