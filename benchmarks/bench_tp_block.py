@@ -6,6 +6,10 @@ tensors, float32, one intra-op thread per rank)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_tp_block.py [--quick] [--out-dir DIR]
 
+``--backend torch_tp`` runs both implementations on torch_tp's shared-memory
+backend instead; its figures go to ``tp_block_torch_tp.{json,png}`` and a
+RESULTS.md section of their own.
+
 The model and the plan are examples/llama_model.py's: torchtitan's Llama module
 tree and its tensor-parallel plan with sequence parallelism
 (``tp_plan(api)``; vocab-parallel embedding, SequenceParallel norms,
@@ -177,8 +181,13 @@ ATOL_SCALE = 1e-5  # atol = this * max |reference| (per tensor)
 EXAMPLE_TARGET = 1.5  # DTensor / torch_tp on the example model
 LARGE_TARGET = 1.0  # DTensor / torch_tp at the large sizes ("no slower")
 
-SECTION_BEGIN = "<!-- bench_tp_block:begin -->"
-SECTION_END = "<!-- bench_tp_block:end -->"
+def section_markers(backend: str) -> Tuple[str, str]:
+    tag = "bench_tp_block" if backend == "gloo" else f"bench_tp_block backend={backend}"
+    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+
+
+def output_stem(backend: str) -> str:
+    return "tp_block" if backend == "gloo" else f"tp_block_{backend}"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -187,7 +196,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description=(
             "Time forward+backward steps of examples/llama_model.py's Llama (one transformer block, and the "
             "whole model) under its sequence-parallel TP plan, applied by torch_tp and by torch's DTensor "
-            "tensor parallelism, side by side in one torchrun job (gloo, CPU, float32)."
+            "tensor parallelism, side by side in one torchrun job (gloo by default, CPU, float32)."
         ),
     )
     p.add_argument("--out-dir", default="benchmarks",
@@ -198,6 +207,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeat-scale", type=float, default=1.0,
                    help="multiply each configuration's number of timed repeats by this factor (default: %(default)s)")
     p.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still writes json, png)")
+    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="gloo",
+                   help="process-group backend for both implementations (default: %(default)s; torch_tp writes "
+                   "tp_block_torch_tp.* and its own RESULTS.md section)")
     args = p.parse_args(argv)
     if args.configs:
         names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -738,9 +750,12 @@ def plot(records: List[Dict], path: str, title: str) -> None:
 
 def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str:
     m = meta["machine"]
+    begin, end = section_markers(m["backend"])
+    stem = output_stem(m["backend"])
+    on = "" if m["backend"] == "gloo" else f", both on the {m['backend']} backend"
     return "\n".join([
-        SECTION_BEGIN,
-        "## The example Llama under its TP plan: torch_tp vs DTensor TP, one block and the whole model",
+        begin,
+        f"## The example Llama under its TP plan: torch_tp vs DTensor TP, one block and the whole model{on}",
         "",
         f"Command: `{meta['command']}`",
         "",
@@ -782,10 +797,10 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         "",
         *targets_lines(targets),
         "",
-        "![step time per configuration](tp_block.png)",
+        f"![step time per configuration]({stem}.png)",
         "",
-        "Raw figures, per-repeat times, per-rank medians and check differences: [tp_block.json](tp_block.json).",
-        SECTION_END,
+        f"Raw figures, per-repeat times, per-rank medians and check differences: [{stem}.json]({stem}.json).",
+        end,
     ])
 
 
@@ -798,7 +813,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     torch.set_num_threads(1)  # one intra-op thread per rank: 2 ranks on 2 cores
     lm = import_example()
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     start = time.perf_counter()
     try:
@@ -842,10 +857,10 @@ def main(argv: Sequence[str]) -> int:
         if rank == 0:
             targets = evaluate_targets(records)
             os.makedirs(args.out_dir, exist_ok=True)
-            json_path = os.path.join(args.out_dir, "tp_block.json")
+            json_path = os.path.join(args.out_dir, f"{output_stem(args.backend)}.json")
             with open(json_path, "w") as f:
                 json.dump({**meta, "results": records, "targets": targets}, f, indent=1)
-            png_path = os.path.join(args.out_dir, "tp_block.png")
+            png_path = os.path.join(args.out_dir, f"{output_stem(args.backend)}.png")
             m = meta["machine"]
             plot(
                 records,
@@ -866,7 +881,7 @@ def main(argv: Sequence[str]) -> int:
             written = [json_path, png_path]
             if not args.no_results_md:
                 md_path = os.path.join(args.out_dir, "RESULTS.md")
-                update_results_md(md_path, results_section(meta, records, targets), SECTION_BEGIN, SECTION_END)
+                update_results_md(md_path, results_section(meta, records, targets), *section_markers(args.backend))
                 written.append(md_path)
             print(f"[bench_tp_block] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
         dist.barrier()
