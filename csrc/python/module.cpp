@@ -1,17 +1,51 @@
 // torch_tp._C: importing it loads libtorch_tp.so (a link dependency), whose
 // static initialisers register the torch_tp ops with the dispatcher. The module
-// itself carries the facts of the build that `import torch_tp` checks: a
-// library built against another torch fails with a clear message instead of
-// an undefined symbol.
+// carries the facts of the build that `import torch_tp` checks (a library
+// built against another torch fails with a clear message instead of an
+// undefined symbol), and the constructor of the "torch_tp" process-group
+// backend, which torch_tp/backend.py registers with torch.distributed.
+//
+// c10d's Python types (Store, Backend) are registered by torch with
+// c10::intrusive_ptr holders; torch_tp/__init__.py imports torch.distributed
+// before this module, so they exist when ProcessGroupShm names Backend as its base.
 
+#include "backend/process_group_shm.h"
+
+#include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, c10::intrusive_ptr<T>, true)
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*";
+  m.doc() = "torch_tp native library: registers torch.ops.torch_tp.* and the torch_tp backend";
   m.attr("built_with_torch") = TORCH_TP_TORCH_VERSION;
 #ifdef TORCH_TP_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else
   m.attr("built_with_cuda") = false;
 #endif
+
+  using torch_tp::backend::ProcessGroupShm;
+  py::class_<ProcessGroupShm, c10d::Backend, c10::intrusive_ptr<ProcessGroupShm>>(m, "ProcessGroupShm")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::vector<std::string> host_keys,
+                       std::optional<size_t> buffer_bytes, c10::intrusive_ptr<c10d::Backend> gloo_all,
+                       c10::intrusive_ptr<c10d::Backend> gloo_leaders) {
+             ProcessGroupShm::Options options;
+             options.timeout = timeout;
+             options.buffer_bytes = buffer_bytes ? *buffer_bytes : torch_tp::backend::buffer_bytes_from_env();
+             options.host_keys = std::move(host_keys);
+             options.gloo_all = std::move(gloo_all);
+             options.gloo_leaders = std::move(gloo_leaders);
+             return c10::make_intrusive<ProcessGroupShm>(store, rank, size, std::move(options));
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("host_keys"),
+           py::arg("buffer_bytes") = py::none(), py::arg("gloo_all") = py::none(),
+           py::arg("gloo_leaders") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_nodes", &ProcessGroupShm::num_nodes);
+  m.def("shm_buffer_bytes", &torch_tp::backend::buffer_bytes_from_env,
+        "The per-rank shared buffer size the backend uses: TORCH_TP_SHM_BUFFER_BYTES or the default");
 }
