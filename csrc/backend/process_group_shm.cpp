@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <sys/prctl.h>
 
 namespace torch_tp::backend {
 namespace {
@@ -144,7 +145,13 @@ size_t buffer_bytes_from_env() {
 // (they fail fast once the transport is aborted) and joins the thread.
 class ProcessGroupShm::Queue {
  public:
-  Queue() : thread_([this] { loop(); }) {}
+  Queue()
+      : thread_([this] {
+          // A waiting rank naps for tens of microseconds (NOTE [waiting]);
+          // the default 50 us timer slack would more than double each nap.
+          ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+          loop();
+        }) {}
   ~Queue() {
     stop();
   }

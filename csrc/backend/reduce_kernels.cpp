@@ -1,7 +1,6 @@
 #include "backend/reduce_kernels.h"
 
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <bit>
@@ -36,14 +35,37 @@ struct BF16Codec {
   }
 };
 
+// float16 <-> float32 in bit arithmetic with selects instead of branches
+// (c10::Half's conversions branch per element and stay scalar).
 struct HalfCodec {
-  using Storage = c10::Half;
+  using Storage = uint16_t;
   using Acc = float;
-  static float load(c10::Half h) {
-    return static_cast<float>(h);
+  static float load(uint16_t bits) {
+    const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+    const uint32_t rest = bits & 0x7fffu;  // exponent and mantissa
+    // Shifted into float32's fields, the exponent is 112 too small; one
+    // multiplication by 2^112 fixes it for normal and subnormal halfs alike.
+    const float scaled = std::bit_cast<float>(rest << 13) * 0x1p112f;
+    // Inf and NaN keep an all-ones exponent (and NaN its payload).
+    const uint32_t special = (rest << 13) | 0x7f800000u;
+    const uint32_t magnitude = rest >= 0x7c00u ? special : std::bit_cast<uint32_t>(scaled);
+    return std::bit_cast<float>(magnitude | sign);
   }
-  static c10::Half store(float value) {
-    return c10::Half(value);
+  static uint16_t store(float value) {
+    const uint32_t u = std::bit_cast<uint32_t>(value);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const uint32_t mag = u & 0x7fffffffu;
+    // >= 65520 rounds to inf; NaN stays a quiet NaN.
+    const uint32_t overflow = mag > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    // Below 2^-14 the result is subnormal: adding 0.5 (exponent 126) lets the
+    // float adder round the mantissa to nearest even at the right place.
+    const float sub_sum = std::bit_cast<float>(mag) + 0.5f;
+    const uint32_t subnormal = std::bit_cast<uint32_t>(sub_sum) - 0x3f000000u;
+    // Normal: rebias the exponent by -112 and round the 13 dropped bits to
+    // nearest even (add 0xfff plus the lowest kept bit, then truncate).
+    const uint32_t normal = (mag - (112u << 23) + 0xfffu + ((mag >> 13) & 1u)) >> 13;
+    const uint32_t result = mag >= (143u << 23) ? overflow : (mag < (113u << 23) ? subnormal : normal);
+    return static_cast<uint16_t>(result | sign);
   }
 };
 

@@ -10,9 +10,6 @@
 namespace torch_tp::backend {
 namespace {
 
-// The chunk of the pipelined all-reduce: W inputs of this size, the output
-// and the next slot stay in L2 between the copy-in and the reduction.
-constexpr size_t kPipelineChunkBytes = 256 * 1024;
 constexpr size_t kLine = 64;
 
 // memcpy that accepts the null data pointer of an empty tensor.
@@ -65,7 +62,7 @@ void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t nume
     return;
   }
 
-  const size_t chunk_items = std::max<size_t>(1, std::min(t.slot_bytes(), kPipelineChunkBytes) / item);
+  const size_t chunk_items = std::max<size_t>(1, t.slot_bytes() / item);
   const size_t count = static_cast<size_t>(numel);
   bool first = true;
   for (size_t base = 0; base < count; base += chunk_items) {

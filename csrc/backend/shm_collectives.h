@@ -9,8 +9,10 @@
 // NOTE [all-reduce algorithms]
 // Up to kOneShotBytes, all-reduce is one step: every rank copies its tensor
 // into its slot and reduces all W slots itself (rank order), which costs one
-// synchronisation. Above, it goes chunk by chunk (a slot at a time, a chunk
-// small enough to stay in cache): step 1 copies the chunk in and each rank
+// synchronisation. Above, it goes chunk by chunk, a slot at a time (the
+// default 1 MiB slot keeps a chunk in cache from the copy-in to the copy-out
+// while needing few synchronisations, which dominate when ranks share a
+// core): step 1 copies the chunk in and each rank
 // reduces its 1/W portion of it (reduce-scatter), writing the result to its
 // next slot; step 2 every rank copies the other portions out (all-gather).
 // Per byte a rank then reads W/W + 1 slots' worth instead of W, and the work
@@ -26,7 +28,7 @@
 
 namespace torch_tp::backend {
 
-constexpr size_t kOneShotBytes = 32 * 1024;
+constexpr size_t kOneShotBytes = 128 * 1024;
 
 // data[numel] (in place) = reduction over the local ranks of their data.
 void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,

@@ -1,5 +1,7 @@
 #include "backend/shm_transport.h"
 
+#include "backend/reduce_kernels.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -31,7 +33,7 @@ namespace {
 constexpr size_t kPage = 4096;
 // Busy polls before a waiter starts yielding the core, and how long it keeps
 // yielding before it naps.
-constexpr int kSpins = 2000;
+constexpr int kSpins = 1000;
 constexpr auto kYieldFor = std::chrono::microseconds(500);
 constexpr auto kNap = std::chrono::microseconds(20);
 // How often a waiter checks that the peer's process still runs.
@@ -83,7 +85,7 @@ std::string describe(const CallHeader& h) {
     out += c10::str(", root=", h.root);
   }
   if (h.reduce >= 0) {
-    out += c10::str(", reduce_op=", h.reduce);
+    out += c10::str(", reduce_op=", reduce_kind_name(static_cast<ReduceKind>(h.reduce)));
   }
   return out + ")";
 }
