@@ -234,12 +234,13 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
       local_ranks_.push_back(r);
     }
   }
-  local_root_ = local_ranks_.front();
+  const bool leader = local_ranks_.front() == rank;
   if (num_nodes_ > 1) {
     TORCH_CHECK(options_.gloo_all, "torch_tp backend: init: the group spans ", num_nodes_,
                 " nodes but no gloo group over all ranks was given");
-    TORCH_CHECK(rank != local_root_ || options_.gloo_leaders, "torch_tp backend: init: rank ", rank,
-                " leads its node but no gloo group of node leaders was given");
+    TORCH_CHECK(leader == static_cast<bool>(options_.gloo_leaders), "torch_tp backend: init: rank ", rank,
+                (leader ? " leads its node but was given no gloo group of node leaders"
+                        : " does not lead its node but was given a gloo group of node leaders"));
   }
 
   // The token keeps the segment names of concurrent groups (and jobs) apart.
@@ -328,9 +329,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
     dense.emplace_back(t);
   }
   const int size = size_;
-  const bool leader = rank_ == local_root_;
   auto* transport = transport_.get();
-  auto leaders = options_.gloo_leaders;
+  auto leaders = options_.gloo_leaders;  // null except on node leaders
   const bool hierarchical = num_nodes_ > 1;
   return collective(c10d::OpType::ALLREDUCE, tensors, [=](uint64_t seq) {
     for (const auto i : c10::irange(dense.size())) {
@@ -340,7 +340,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
       CallHeader header = make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
       shm_all_reduce(*transport, header, t.data_ptr(), t.numel(), t.scalar_type(), kind, size);
       if (hierarchical) {
-        if (leader) {
+        if (leaders) {
           std::vector<at::Tensor> one{t};
           c10d::AllreduceOptions across;
           across.reduceOp = kinds[i] == ReduceKind::Avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp;
@@ -412,15 +412,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& /*opts*/) {
   auto* transport = transport_.get();
-  const bool leader = rank_ == local_root_;
-  auto leaders = num_nodes_ > 1 ? options_.gloo_leaders : c10::intrusive_ptr<c10d::Backend>();
+  const bool hierarchical = num_nodes_ > 1;
+  auto leaders = options_.gloo_leaders;  // null except on node leaders
   return collective(c10d::OpType::BARRIER, {}, [=](uint64_t seq) {
     CallHeader header;
     header.seq = seq;
     header.op = static_cast<int32_t>(OpCode::Barrier);
     shm_barrier(*transport, header);
-    if (leaders) {
-      if (leader) {
+    if (hierarchical) {
+      // Every node has arrived once its leader passed the leaders' barrier.
+      if (leaders) {
         leaders->barrier()->wait();
       }
       shm_barrier(*transport, header);

@@ -125,7 +125,6 @@ class ProcessGroupShm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
   int num_nodes_ = 1;
-  int local_root_ = 0;  // group rank of this node's first rank (its leader)
   std::vector<int> local_ranks_;
   std::unique_ptr<ShmTransport> transport_;
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
