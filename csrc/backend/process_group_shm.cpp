@@ -133,11 +133,11 @@ size_t buffer_bytes_from_env() {
   char* end = nullptr;
   errno = 0;
   const unsigned long long value = std::strtoull(text, &end, 10);
-  TORCH_CHECK(errno == 0 && *end == '\0' && text[0] != '-' && value >= kMinBufferBytes &&
-                  value <= (1ULL << 40),
+  // No upper bound here: the /dev/shm free-space check says what fits.
+  TORCH_CHECK(errno == 0 && *end == '\0' && text[0] != '-' && value >= kMinBufferBytes,
               "torch_tp backend: TORCH_TP_SHM_BUFFER_BYTES=", text,
-              " is not a valid size: it must be a whole number of bytes between ", kMinBufferBytes,
-              " and 2^40 (default ", kDefaultBufferBytes, ")");
+              " is not a valid size: it must be a whole number of bytes, at least ", kMinBufferBytes,
+              " (default ", kDefaultBufferBytes, ")");
   return static_cast<size_t>(value);
 }
 
@@ -267,7 +267,9 @@ ProcessGroupShm::~ProcessGroupShm() {
 
 void ProcessGroupShm::stop(const std::string& why) {
   // Calls still queued run out first (a normal shutdown waits for them, as
-  // gloo's does); after an abort they fail at their first wait.
+  // gloo's does); after an abort they fail at their first wait. Then nothing
+  // uses the transport any more: unmap the segments now, since Python may keep
+  // this object alive after destroy_process_group has shut it down.
   if (collectives_) {
     collectives_->stop();
   }
@@ -276,6 +278,7 @@ void ProcessGroupShm::stop(const std::string& why) {
   }
   if (transport_) {
     transport_->abort(why);
+    transport_.reset();
   }
 }
 
@@ -284,6 +287,7 @@ void ProcessGroupShm::shutdown() {
 }
 
 void ProcessGroupShm::abort() {
+  // Fail the waits in progress first, so that stop() does not wait them out.
   if (transport_) {
     transport_->abort("the process group was aborted");
   }
