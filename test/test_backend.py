@@ -598,8 +598,11 @@ def _check_torch_tp_ops():
         out = torch.ops.torch_tp.row_parallel_linear(h, b, None, group.group_name, None)
         out.square().sum().backward()
         results[label] = (out.detach(), a.grad, b.grad)
+    # The MLP's values are sums of 6 to 8p products whose size grows with the
+    # loss: float32 roundoff relative to the largest element of each tensor.
     for name, ours, theirs in zip(["output", "grad w1", "grad w2"], results["torch_tp"], results["gloo"]):
-        failures.append(close(ours, theirs, tol, f"mlp {name}"))
+        scale = theirs.abs().max().item()
+        failures.append(close(ours, theirs, dict(rtol=1e-5, atol=1e-5 * scale), f"mlp {name}"))
     return [f for f in failures if f], {}
 
 
@@ -613,7 +616,8 @@ def test_torch_tp_ops_on_backend(ranks, world_size):
 
 def _check_bad_input():
     cases = [
-        ("all_reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.complex64))),
+        # (complex tensors are fine: torch hands the backend their view_as_real)
+        ("all_reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint32))),
         ("all_gather", lambda: dist.all_gather([torch.empty(3)], torch.ones(3))),  # a list of 1 for 2 ranks
     ]
     messages = []
@@ -631,7 +635,7 @@ def test_bad_input_is_refused_clearly(ranks):
     for messages in backend_pool(ranks, 2).run(_check_bad_input):
         for op, message in messages:
             assert message is not None, f"{op}: bad input accepted"
-            assert "torch_tp" in message and (op in message or op.replace("_", "") in message), message
+            assert "torch_tp" in message and op in message, message
 
 
 def _check_non_contiguous():

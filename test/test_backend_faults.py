@@ -52,6 +52,7 @@ def _rank_main(rank, world_size, init_file, scenario, env, events):
     import torch_tp  # noqa: F401  (registers the backend)
 
     torch.set_num_threads(1)
+    events.put((rank, "started", None, 0.0))  # starts the queue's feeder thread before the count
     threads_before = len(os.listdir("/proc/self/task"))
     try:
         dist.init_process_group("torch_tp", init_method="file://" + init_file, rank=rank,
@@ -59,9 +60,9 @@ def _rank_main(rank, world_size, init_file, scenario, env, events):
     except Exception as e:  # noqa: BLE001  (reported to the test)
         events.put((rank, "init_error", str(e), 0.0))
         return
-    events.put((rank, "ready", shm_segments(), 0.0))
     x = torch.ones(1000)
-    dist.all_reduce(x)  # every rank is up and has mapped every segment
+    dist.all_reduce(x)  # every rank has finished init: mapped and unlinked every segment
+    events.put((rank, "ready", shm_segments(), 0.0))
     start = time.monotonic()
     try:
         if scenario == "killed_mid_collective":
@@ -111,6 +112,7 @@ class Job:
         self.tmp = tempfile.mkdtemp(prefix="torch_tp_faults_")
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
+        self.history = {}
         env = {**SMALL_BUFFER_ENV, **(env or {})}
         self.procs = [ctx.Process(target=_rank_main, daemon=True,
                                   args=(r, world_size, os.path.join(self.tmp, "store"), scenario, env, self.events))
@@ -119,19 +121,25 @@ class Job:
             proc.start()
 
     def wait_for(self, kinds, count, timeout):
-        """Collect events until ``count`` of ``kinds`` arrived; {rank: (kind, payload, seconds)}."""
-        got = {}
+        """Until ``count`` ranks have reported one of ``kinds``: {rank: (kind, payload, seconds)},
+        each rank's latest event of those kinds (earlier and other events stay in ``self.history``)."""
         deadline = time.monotonic() + timeout
-        while sum(1 for kind, _, _ in got.values() if kind in kinds) < count:
+        while True:
+            found = {}
+            for rank, history in self.history.items():
+                matching = [event for event in history if event[0] in kinds]
+                if matching:
+                    found[rank] = matching[-1]
+            if len(found) >= count:
+                return found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"waited {timeout:.0f} s for {count} x {kinds}; got {got}")
+                raise AssertionError(f"waited {timeout:.0f} s for {count} x {kinds}; got {self.history}")
             try:
                 rank, kind, payload, seconds = self.events.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 continue
-            got[rank] = (kind, payload, seconds)
-        return got
+            self.history.setdefault(rank, []).append((kind, payload, seconds))
 
     def join(self, timeout):
         """Every process must exit on its own within ``timeout`` (no hang in teardown)."""
@@ -160,7 +168,7 @@ def test_rank_killed_mid_collective(world_size):
     job = Job(world_size, "killed_mid_collective")
     ready = job.wait_for({"ready"}, world_size, STARTUP_S)
     for rank, (_, segments, _) in ready.items():
-        assert segments == [], f"rank {rank}: segments still named in /dev/shm after init: {segments}"
+        assert segments == [], f"rank {rank}: segments still named in /dev/shm once the group is up: {segments}"
     job.wait_for({"entered"}, world_size - 1, STARTUP_S)  # all but the late rank are inside
     time.sleep(0.5)
     job.kill(1)
@@ -217,11 +225,11 @@ def test_clean_shutdown_leaves_nothing():
 
 
 def test_too_little_shm_is_refused():
-    job = Job(2, "clean_shutdown", env={"TORCH_TP_SHM_BUFFER_BYTES": str(1 << 45)})  # 32 TiB per rank
+    job = Job(2, "clean_shutdown", env={"TORCH_TP_SHM_BUFFER_BYTES": str(1 << 39)})  # 512 GiB per rank
     events = job.wait_for({"init_error", "ok"}, 2, STARTUP_S)
     for rank in range(2):
         kind, message, _ = events[rank]
-        assert kind == "init_error", f"rank {rank} started with 32 TiB of shared memory per rank"
+        assert kind == "init_error", f"rank {rank} started with 512 GiB of shared memory per rank"
         assert "/dev/shm" in message, message
     job.join(30)
 
