@@ -9,7 +9,8 @@
 // NOTE [portable vectorisation]
 // The wheel must run on any x86-64 (or aarch64), so there is no -march=native
 // and no intrinsics: the loops below are written so that the compiler's
-// auto-vectoriser (this file is built with -O3) turns them into SSE2/NEON code.
+// auto-vectoriser (this file is built with -O3 -fno-trapping-math) turns them
+// into SSE2/NEON code (and AVX2, NOTE [runtime ISA dispatch]).
 // The fold works on blocks of kBlock elements held in a local accumulator
 // array: the accumulator cannot alias the inputs, so each inner loop is a
 // plain streaming loop over two arrays, and the block stays in L1 while the
@@ -154,6 +155,18 @@ void reduce_typed(ReduceKind kind, void* out, const void* const* inputs, int n, 
 
 } // namespace
 
+// NOTE [runtime ISA dispatch]
+// On x86-64 the entry point is compiled twice, for the baseline (SSE2) and
+// for AVX2, with everything it calls inlined into each copy (flatten); the
+// loader picks the copy the CPU supports (GNU ifunc). The wheel thus stays
+// portable while the bf16/fp16 conversions, which are compute-bound at SSE2
+// width, get 8-wide vectors where the CPU has them.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TORCH_TP_REDUCE_CLONES __attribute__((target_clones("avx2", "default"), flatten))
+#else
+#define TORCH_TP_REDUCE_CLONES
+#endif
+
 const char* reduce_kind_name(ReduceKind kind) {
   switch (kind) {
     case ReduceKind::Sum: return "sum";
@@ -189,6 +202,7 @@ bool reduction_supported(ReduceKind kind, c10::ScalarType dtype, const char** wh
   }
 }
 
+TORCH_TP_REDUCE_CLONES
 void reduce_inputs(ReduceKind kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n_inputs,
                    int64_t numel, int64_t avg_divisor) {
   TORCH_INTERNAL_ASSERT(n_inputs >= 1 && avg_divisor >= 1);
