@@ -339,22 +339,34 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
   return collective(c10d::OpType::ALLREDUCE, tensors, [=](uint64_t seq) {
     for (const auto i : c10::irange(dense.size())) {
       const at::Tensor& t = dense[i].work;
-      // Across nodes, avg is a sum everywhere and one division at the end.
-      const ReduceKind kind = hierarchical && kinds[i] == ReduceKind::Avg ? ReduceKind::Sum : kinds[i];
+      if (!hierarchical) {
+        const CallHeader header =
+            make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
+        shm_all_reduce(*transport, header, t.data_ptr(), t.numel(), t.scalar_type(), kinds[i], size);
+        dense[i].finish();
+        continue;
+      }
+      // Across nodes: bf16/fp16 go through all three stages in float32 and
+      // are rounded once at the end (NOTE [reduction precision]); avg is a
+      // sum everywhere and one division at the end.
+      const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+      const at::Tensor acc = widen ? t.to(at::kFloat) : t;
+      const ReduceKind kind = kinds[i] == ReduceKind::Avg ? ReduceKind::Sum : kinds[i];
       CallHeader header = make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
-      shm_all_reduce(*transport, header, t.data_ptr(), t.numel(), t.scalar_type(), kind, size);
-      if (hierarchical) {
-        if (leaders) {
-          std::vector<at::Tensor> one{t};
-          c10d::AllreduceOptions across;
-          across.reduceOp = kinds[i] == ReduceKind::Avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp;
-          leaders->allreduce(one, across)->wait();
-        }
-        header.op = static_cast<int32_t>(OpCode::Broadcast);
-        shm_broadcast(*transport, header, t.data_ptr(), t.nbytes(), 0);
-        if (kinds[i] == ReduceKind::Avg) {
-          t.div_(size);
-        }
+      shm_all_reduce(*transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), kind, size);
+      if (leaders) {
+        std::vector<at::Tensor> one{acc};
+        c10d::AllreduceOptions across;
+        across.reduceOp = kinds[i] == ReduceKind::Avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp;
+        leaders->allreduce(one, across)->wait();
+      }
+      header.op = static_cast<int32_t>(OpCode::Broadcast);
+      shm_broadcast(*transport, header, acc.data_ptr(), acc.nbytes(), 0);
+      if (kinds[i] == ReduceKind::Avg) {
+        acc.div_(size);
+      }
+      if (widen) {
+        t.copy_(acc);
       }
       dense[i].finish();
     }
