@@ -6,6 +6,8 @@ both end here. Environment:
                              when torch is a CUDA build and nvcc is found)
   TORCH_TP_BUILD_TESTS=1     also build the GoogleTest executables
   TORCH_TP_BUILD_DIR=DIR     the CMake build directory (default build/cmake)
+  TORCH_TP_SANITIZE=address  build with that sanitizer (give it its own
+                             TORCH_TP_BUILD_DIR; see CMakeLists.txt)
   MAX_JOBS=N                 parallel compile jobs (default: all cores)
 """
 
@@ -36,6 +38,7 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DTORCH_TP_CUDA={cuda}",
             f"-DTORCH_TP_BUILD_TESTS={tests}",
+            f"-DTORCH_TP_SANITIZE={os.environ.get('TORCH_TP_SANITIZE', '')}",
         ]
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(configure)

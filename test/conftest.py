@@ -11,5 +11,6 @@ def _shutdown_pools():
 
 @pytest.fixture
 def ranks():
-    """``ranks(world_size)`` -> the shared gloo :class:`multirank.RankPool` of that size."""
+    """``ranks(world_size, backend=None, env=None)`` -> the shared :class:`multirank.RankPool` (gloo unless
+    ``$TORCH_TP_TEST_BACKEND`` names another backend)."""
     return get_pool

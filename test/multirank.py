@@ -47,8 +47,9 @@ class RankTimeout(AssertionError):
     """A run did not finish in time; the pool was killed."""
 
 
-def _worker_main(rank: int, world_size: int, backend: str, init_method: str, scratch_dir: str,
-                 tasks: "mp.SimpleQueue", results: "mp.Queue") -> None:
+def _worker_main(rank: int, world_size: int, backend: str, env: Dict[str, str], init_method: str,
+                 scratch_dir: str, tasks: "mp.SimpleQueue", results: "mp.Queue") -> None:
+    os.environ.update(env)
     # torch.compile's caches start empty for every pool: a graph compiled
     # against an op schema from an earlier build must not be replayed.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch_dir, "inductor")
@@ -80,9 +81,10 @@ class RankPool:
     Args:
         world_size: number of ranks.
         backend: the torch.distributed backend every rank initialises.
+        env: environment variables set in every rank before it imports torch.
     """
 
-    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+    def __init__(self, world_size: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None) -> None:
         self.world_size = world_size
         self.backend = backend
         self._tmpdir = tempfile.mkdtemp(prefix="torch_tp_pool_")
@@ -92,8 +94,8 @@ class RankPool:
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True, name=f"rank{rank}",
-                        args=(rank, world_size, backend, init_method, self._tmpdir, self._tasks[rank],
-                              self._results))
+                        args=(rank, world_size, backend, dict(env or {}), init_method, self._tmpdir,
+                              self._tasks[rank], self._results))
             for rank in range(world_size)
         ]
         for proc in self._procs:
@@ -172,15 +174,20 @@ class RankPool:
         self.kill()
 
 
-_POOLS: Dict[Tuple[int, str], RankPool] = {}
+_POOLS: Dict[Tuple[int, str, Tuple[Tuple[str, str], ...]], RankPool] = {}
 
 
-def get_pool(world_size: int, backend: str = "gloo") -> RankPool:
-    """The shared pool for ``(world_size, backend)``, started on first use or after a kill."""
-    key = (world_size, backend)
+def get_pool(world_size: int, backend: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> RankPool:
+    """The shared pool for ``(world_size, backend, env)``, started on first use or after a kill.
+
+    ``backend`` defaults to ``$TORCH_TP_TEST_BACKEND`` or gloo, so the whole
+    suite can run on another backend (``TORCH_TP_TEST_BACKEND=torch_tp``).
+    """
+    backend = backend or os.environ.get("TORCH_TP_TEST_BACKEND", "gloo")
+    key = (world_size, backend, tuple(sorted((env or {}).items())))
     pool: Optional[RankPool] = _POOLS.get(key)
     if pool is None or not pool.alive:
-        pool = _POOLS[key] = RankPool(world_size, backend)
+        pool = _POOLS[key] = RankPool(world_size, backend, env)
     return pool
 
 

@@ -492,7 +492,7 @@ def _check_backend_dtype_error():
 
 @pytest.mark.parametrize("world_size", [2])
 def test_backend_error_names_the_op(ranks, world_size):
-    ranks(world_size).run(_check_backend_dtype_error)
+    ranks(world_size, "gloo").run(_check_backend_dtype_error)  # the message names gloo
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

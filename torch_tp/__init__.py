@@ -3,10 +3,13 @@
 ``import torch_tp`` loads the native library, which registers the ops as
 ``torch.ops.torch_tp.*``; :mod:`torch_tp.ops` holds typed wrappers that accept a
 ProcessGroup, a 1-D DeviceMesh or a group name. :class:`DistributedDataParallel`
-is torch's DDP with torch_tp's C++ gradient reducer.
+is torch's DDP with torch_tp's C++ gradient reducer. Importing torch_tp also
+registers the ``"torch_tp"`` process-group backend for CPU tensors
+(:mod:`torch_tp.backend`).
 """
 
 import torch
+import torch.distributed  # noqa: F401  (c10d's Python types, which _C's backend class derives from)
 
 from . import _C
 
@@ -16,7 +19,7 @@ if _C.built_with_torch.split("+")[0] != torch.__version__.split("+")[0]:
         "is installed; rebuild it with `pip install --no-build-isolation .`"
     )
 
-from . import ops  # noqa: E402
+from . import backend, ops  # noqa: E402
 from .ops import (  # noqa: E402
     all_gather,
     all_reduce,

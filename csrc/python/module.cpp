@@ -2,16 +2,18 @@
 // static initialisers register the torch_tp ops with the dispatcher. The module
 // carries the facts of the build that `import torch_tp` checks (a library
 // built against another torch fails with a clear message instead of an
-// undefined symbol) and the bindings of the DDP reducer (ddp.cpp).
+// undefined symbol), the bindings of the DDP reducer (ddp.cpp) and the
+// constructor of the "torch_tp" process-group backend (backend.cpp).
 
 #include <pybind11/pybind11.h>
 
 namespace torch_tp::python {
 void init_ddp(pybind11::module_& m);
+void init_backend(pybind11::module_& m);
 } // namespace torch_tp::python
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*";
+  m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*, the DDP reducer and the torch_tp backend";
   m.attr("built_with_torch") = TORCH_TP_TORCH_VERSION;
 #ifdef TORCH_TP_WITH_CUDA
   m.attr("built_with_cuda") = true;
@@ -19,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_cuda") = false;
 #endif
   torch_tp::python::init_ddp(m);
+  torch_tp::python::init_backend(m);
 }

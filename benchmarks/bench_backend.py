@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+r"""Benchmark the torch_tp process-group backend against gloo on one machine.
+
+Launch with ``torchrun``, one process per rank::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_backend.py [--out-dir benchmarks] [--quick]
+    torchrun --nproc-per-node 4 benchmarks/bench_backend.py
+
+Both backends run in one job: the default group is gloo and a second group over
+the same ranks is ``dist.new_group(backend="torch_tp")``. For all_reduce,
+all_gather (into one tensor) and reduce_scatter (from one tensor), float32 and
+bfloat16, and sizes from 4 KiB to 64 MiB, each repeat times the same call on
+both groups, in an order alternating from repeat to repeat, so drift hits both.
+
+NOTE [sizes and bandwidth]: sizes follow the nccl-tests convention: S is the
+all_reduce tensor, the all_gather output and the reduce_scatter input (the full
+tensor; each rank holds S/p of the latter two). Algorithm bandwidth is
+``algbw = S / t``; bus bandwidth, the figure comparable across world sizes and
+with a link's speed, is ``busbw = algbw * 2(p-1)/p`` for all_reduce and
+``algbw * (p-1)/p`` for all_gather and reduce_scatter. At 2 ranks all_reduce's
+busbw equals algbw: the time to reduce S bytes.
+
+NOTE [method]: before timing, each (op, dtype) is checked on a 1 MiB tensor:
+torch_tp's result equals gloo's (exactly for all_gather; within 1e-6 relative
+for float32 sums, within bf16's rounding 2^-7 relative for bfloat16, since gloo
+adds in bfloat16 and torch_tp in float32). A timed sample is a batch of
+back-to-back calls (``batch_calls(S)``: more for small S, so the clock
+resolves them), preceded by a barrier on the group being timed; per-call time
+is the batch time over its length. Each rank records its own times; afterwards
+they are all-reduced with MAX, so a sample is the slowest rank's (a collective
+is done when it is done everywhere). Reported: medians over the repeats
+(p10/p90 in the json) and the ratio gloo / torch_tp of the medians.
+
+The physical limit is measured in the same run: single-core memcpy bandwidth,
+``dst.copy_(src)`` of 16 MiB with one intra-op thread on rank 0 while the other
+ranks wait (bytes copied per second, the median of 20 copies after warm-up).
+
+Rank 0 writes ``backend_ws<p>.json`` (every figure, per-repeat times, machine),
+``backend_ws<p>.png`` (latency and bus bandwidth against size) and the
+``bench_backend ws=<p>`` section of ``RESULTS.md`` into ``--out-dir``. The
+targets (world size 2): torch_tp's 64 KiB all_reduce at least 10x faster than
+gloo's; at 16 MiB, all_reduce bus bandwidth at least 20x gloo's and at least
+half the memcpy bandwidth.
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+import torch_tp  # noqa: F401  (registers the torch_tp backend)
+from _common import command_line, machine_info, quantile, require_torchrun, update_results_md
+
+KIB, MIB = 1 << 10, 1 << 20
+SIZES = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB]
+QUICK_SIZES = [4 * KIB, 64 * KIB, MIB, 16 * MIB]
+OPS = ["all_reduce", "all_gather", "reduce_scatter"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BACKENDS = ["gloo", "torch_tp"]
+MEMCPY_BYTES = 16 * MIB
+
+
+def batch_calls(size: int) -> int:
+    """Calls per timed sample: enough that a sample lasts well above the clock's and barrier's jitter."""
+    return 20 if size <= 64 * KIB else 5 if size <= MIB else 1
+
+
+def repeats(size: int, quick: bool) -> int:
+    if quick:
+        return 3
+    return 30 if size <= MIB else 15 if size <= 16 * MIB else 7
+
+
+def bus_factor(op: str, p: int) -> float:
+    return 2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p
+
+
+class Collective:
+    """One op on one group with preallocated buffers: ``call()`` runs it once."""
+
+    def __init__(self, op: str, dtype: torch.dtype, size: int, group, p: int, rank: int):
+        numel = size // torch.tensor([], dtype=dtype).element_size()
+        numel -= numel % p  # S must split into p equal pieces for all_gather / reduce_scatter
+        gen = torch.Generator().manual_seed(1234 + rank)
+        self.op, self.group = op, group
+        if op == "all_reduce":
+            self.input = torch.randn(numel, generator=gen).to(dtype)
+            self.work = self.input.clone()
+        elif op == "all_gather":
+            self.input = torch.randn(numel // p, generator=gen).to(dtype)
+            self.work = torch.empty(numel, dtype=dtype)
+        else:
+            self.input = torch.randn(numel, generator=gen).to(dtype)
+            self.work = torch.empty(numel // p, dtype=dtype)
+
+    def call(self) -> None:
+        if self.op == "all_reduce":
+            # In place, on the same buffer every time: values grow by p per call
+            # (times only; check() starts from a fresh copy).
+            dist.all_reduce(self.work, group=self.group)
+        elif self.op == "all_gather":
+            dist.all_gather_into_tensor(self.work, self.input, group=self.group)
+        else:
+            dist.reduce_scatter_tensor(self.work, self.input, group=self.group)
+
+    def result(self) -> torch.Tensor:
+        if self.op == "all_reduce":
+            self.work.copy_(self.input)
+        self.call()
+        return self.work.clone()
+
+
+def check(groups: Dict[str, object], op: str, dtype: torch.dtype, p: int, rank: int) -> float:
+    """torch_tp's result against gloo's on a 1 MiB tensor; the worst relative difference."""
+    ours = Collective(op, dtype, MIB, groups["torch_tp"], p, rank).result().double()
+    theirs = Collective(op, dtype, MIB, groups["gloo"], p, rank).result().double()
+    if op == "all_gather":
+        tol = 0.0
+    else:
+        tol = 1e-6 if dtype == torch.float32 else 2.0**-7
+    worst = ((ours - theirs).abs() / theirs.abs().clamp_min(1e-3)).max().item()
+    flag = torch.tensor([1.0 if worst > tol else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise RuntimeError(f"bench_backend: {op} {dtype}: torch_tp differs from gloo by {worst:.3g} relative "
+                           f"on rank {rank} (tolerance {tol:g}); refusing to time different computations")
+    return worst
+
+
+def memcpy_bandwidth(rank: int) -> float:
+    """Single-core memcpy, bytes copied per second (rank 0 measures while the others wait)."""
+    value = torch.zeros(1, dtype=torch.float64)
+    if rank == 0:
+        src = torch.randn(MEMCPY_BYTES // 4)
+        dst = torch.empty_like(src)
+        for _ in range(5):
+            dst.copy_(src)
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        value[0] = MEMCPY_BYTES / quantile(sorted(times), 0.5)
+    dist.broadcast(value, src=0)
+    return value.item()
+
+
+def time_pair(pair: Dict[str, Collective], size: int, n_repeats: int) -> Dict[str, List[float]]:
+    """Per-call seconds of each backend, per repeat, maxed over ranks."""
+    calls = batch_calls(size)
+    local = {name: [] for name in BACKENDS}
+    for name in BACKENDS:  # warm-up: first-touch pages, lazy buffers
+        for _ in range(2):
+            pair[name].call()
+    for rep in range(n_repeats):
+        order = BACKENDS if rep % 2 == 0 else list(reversed(BACKENDS))
+        for name in order:
+            dist.barrier(group=pair[name].group)
+            start = time.perf_counter()
+            for _ in range(calls):
+                pair[name].call()
+            local[name].append((time.perf_counter() - start) / calls)
+    out = {}
+    for name in BACKENDS:
+        t = torch.tensor(local[name], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = t.tolist()
+    return out
+
+
+def summarize(op: str, dtype_name: str, size: int, p: int, times: Dict[str, List[float]], memcpy: float) -> Dict:
+    record = {"op": op, "dtype": dtype_name, "bytes": size, "backends": {}}
+    for name, samples in times.items():
+        s = sorted(samples)
+        median = quantile(s, 0.5)
+        algbw = size / median
+        record["backends"][name] = {
+            "median_us": median * 1e6, "p10_us": quantile(s, 0.1) * 1e6, "p90_us": quantile(s, 0.9) * 1e6,
+            "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(op, p) / 1e9, "samples_s": samples,
+        }
+    gloo, ours = record["backends"]["gloo"], record["backends"]["torch_tp"]
+    record["speedup"] = gloo["median_us"] / ours["median_us"]
+    record["busbw_over_memcpy"] = ours["busbw_GBps"] * 1e9 / memcpy
+    return record
+
+
+def human(size: int) -> str:
+    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+def find(records: List[Dict], op: str, dtype: str, size: int) -> Dict:
+    return next(r for r in records if r["op"] == op and r["dtype"] == dtype and r["bytes"] == size)
+
+
+def targets(records: List[Dict], p: int) -> List[Dict]:
+    if p != 2:
+        return []
+    out = []
+    sizes = {r["bytes"] for r in records}
+    if 64 * KIB in sizes:
+        r = find(records, "all_reduce", "float32", 64 * KIB)
+        out.append({"target": "all_reduce 64 KiB float32: gloo / torch_tp latency >= 10",
+                    "value": f"{r['speedup']:.1f}x ({r['backends']['gloo']['median_us']:.0f} us vs "
+                             f"{r['backends']['torch_tp']['median_us']:.1f} us)", "pass": r["speedup"] >= 10})
+    if 16 * MIB in sizes:
+        r = find(records, "all_reduce", "float32", 16 * MIB)
+        ours, gloo = r["backends"]["torch_tp"]["busbw_GBps"], r["backends"]["gloo"]["busbw_GBps"]
+        out.append({"target": "all_reduce 16 MiB float32: torch_tp busbw >= 20x gloo's",
+                    "value": f"{ours / gloo:.1f}x ({ours:.2f} vs {gloo:.2f} GB/s)", "pass": ours / gloo >= 20})
+        out.append({"target": "all_reduce 16 MiB float32: torch_tp busbw >= 0.5 x single-core memcpy",
+                    "value": f"{r['busbw_over_memcpy']:.2f} x memcpy", "pass": r["busbw_over_memcpy"] >= 0.5})
+    return out
+
+
+def plot(records: List[Dict], p: int, memcpy: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(OPS), figsize=(4.2 * len(OPS), 7), squeeze=False)
+    for col, op in enumerate(OPS):
+        for dtype_name, style in (("float32", "-"), ("bfloat16", "--")):
+            rows = sorted((r for r in records if r["op"] == op and r["dtype"] == dtype_name), key=lambda r: r["bytes"])
+            if not rows:
+                continue
+            x = [r["bytes"] for r in rows]
+            for name, color in (("gloo", "C1"), ("torch_tp", "C0")):
+                axes[0][col].plot(x, [r["backends"][name]["median_us"] for r in rows], style, color=color,
+                                  marker="o", ms=3, label=f"{name} {dtype_name}")
+                axes[1][col].plot(x, [r["backends"][name]["busbw_GBps"] for r in rows], style, color=color,
+                                  marker="o", ms=3, label=f"{name} {dtype_name}")
+        axes[1][col].axhline(memcpy / 1e9, color="gray", lw=0.8, ls=":", label="1-core memcpy")
+        axes[0][col].set_title(f"{op}, {p} ranks", fontsize=9)
+        axes[0][col].set_ylabel("latency, us (median)", fontsize=8)
+        axes[1][col].set_ylabel("bus bandwidth, GB/s", fontsize=8)
+        for row in range(2):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("size S, bytes", fontsize=8)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def results_section(meta: Dict, records: List[Dict], target_list: List[Dict], p: int) -> str:
+    m = meta["machine"]
+    lines = [
+        f"<!-- bench_backend ws={p}:begin -->",
+        f"## The torch_tp backend against gloo, {p} ranks on one machine",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable cores, torch {m['torch_version']}, "
+        f"Python {m['python_version']}, one intra-op thread per rank. Date: {meta['date']}"
+        + (" (quick smoke run, few repeats)" if meta["quick"] else ""),
+        "",
+        f"Single-core memcpy bandwidth, same run: **{meta['memcpy_GBps']:.2f} GB/s** (16 MiB `copy_`, median).",
+        "",
+        "Method: see the docstring of benchmarks/bench_backend.py (sizes and bus bandwidth as nccl-tests "
+        "define them; medians over repeats of the slowest rank; both backends alternate within each repeat; "
+        "results checked against gloo first).",
+        "",
+        "| op | dtype | size | gloo us | torch_tp us | gloo / torch_tp | gloo busbw GB/s | torch_tp busbw GB/s "
+        "| torch_tp busbw / memcpy |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in records:
+        g, t = r["backends"]["gloo"], r["backends"]["torch_tp"]
+        lines.append(f"| {r['op']} | {r['dtype']} | {human(r['bytes'])} | {g['median_us']:.1f} | "
+                     f"{t['median_us']:.1f} | {r['speedup']:.1f} | {g['busbw_GBps']:.3f} | {t['busbw_GBps']:.3f} | "
+                     f"{r['busbw_over_memcpy']:.2f} |")
+    if target_list:
+        lines += ["", "Targets:", ""]
+        lines += [f"- **{'PASS' if t['pass'] else 'MISS'}** {t['target']}: {t['value']}" for t in target_list]
+    lines += ["", f"![latency and bus bandwidth](backend_ws{p}.png)", "",
+              f"Raw figures and per-repeat times: [backend_ws{p}.json](backend_ws{p}.json).",
+              f"<!-- bench_backend ws={p}:end -->"]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="torch_tp backend vs gloo: all_reduce, all_gather, reduce_scatter latency and bus bandwidth "
+                    "(launch with torchrun --nproc-per-node 2 or 4)")
+    parser.add_argument("--out-dir", default="benchmarks", help="where the json, png and RESULTS.md go")
+    parser.add_argument("--quick", action="store_true", help="smoke run: four sizes, three repeats")
+    parser.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still json, png)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if not require_torchrun("bench_backend.py"):
+        return 2
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    groups = {"gloo": dist.group.WORLD, "torch_tp": dist.new_group(backend="torch_tp")}
+    try:
+        memcpy = memcpy_bandwidth(rank)
+        checks = {f"{op} {dt}": check(groups, op, DTYPES[dt], p, rank) for op in OPS for dt in DTYPES}
+        records = []
+        gc.disable()
+        for size in (QUICK_SIZES if args.quick else SIZES):
+            for op in OPS:
+                for dtype_name, dtype in DTYPES.items():
+                    pair = {name: Collective(op, dtype, size, groups[name], p, rank) for name in BACKENDS}
+                    times = time_pair(pair, size, repeats(size, args.quick))
+                    records.append(summarize(op, dtype_name, size, p, times, memcpy))
+                    del pair
+                    if rank == 0:
+                        r = records[-1]
+                        print(f"{op:>14} {dtype_name:>8} {human(size):>7}: gloo "
+                              f"{r['backends']['gloo']['median_us']:9.1f} us  torch_tp "
+                              f"{r['backends']['torch_tp']['median_us']:8.1f} us  x{r['speedup']:6.1f}  "
+                              f"busbw {r['backends']['torch_tp']['busbw_GBps']:6.2f} GB/s", flush=True)
+        gc.enable()
+        if rank == 0:
+            meta = {
+                "benchmark": "bench_backend", "command": command_line(), "argv": sys.argv,
+                "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
+                "quick": args.quick, "machine": machine_info(p), "memcpy_GBps": memcpy / 1e9,
+                "buffer_bytes_env": os.environ.get("TORCH_TP_SHM_BUFFER_BYTES"), "checks_worst_rel": checks,
+            }
+            target_list = targets(records, p)
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, f"backend_ws{p}.json"), "w") as f:
+                json.dump({"meta": meta, "records": records, "targets": target_list}, f, indent=1)
+            plot(records, p, memcpy, os.path.join(args.out_dir, f"backend_ws{p}.png"))
+            if not args.no_results_md:
+                update_results_md(os.path.join(args.out_dir, "RESULTS.md"), results_section(meta, records,
+                                  target_list, p), f"<!-- bench_backend ws={p}:begin -->",
+                                  f"<!-- bench_backend ws={p}:end -->")
+            for t in target_list:
+                print(f"{'PASS' if t['pass'] else 'MISS'} {t['target']}: {t['value']}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,946 @@
+#include "backend/process_group_shm.h"
+
+#include "backend/reduce_kernels.h"
+#include "backend/shm_collectives.h"
+#include "backend/shm_transport.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sys/prctl.h>
+
+namespace torch_tp::backend {
+namespace {
+
+// Smallest buffer that still holds a cache line per rank per slot for a
+// large node; below it the chunking would degenerate.
+constexpr size_t kMinBufferBytes = 4096;
+
+class ShmWork : public c10d::Work {
+ public:
+  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  std::vector<at::Tensor> result() override {
+    return outputs_;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
+
+  void complete(std::exception_ptr error) {
+    finish(error);
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+void check_tensor(const char* op, const char* arg, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), "torch_tp backend: ", op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), "torch_tp backend: ", op, ": ", arg,
+              " must be a CPU tensor (the torch_tp backend serves CPU tensors; use e.g. "
+              "\"cpu:torch_tp,cuda:nccl\" for CUDA), got device ",
+              t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "torch_tp backend: ", op, ": ", arg, " must be a dense tensor, got layout ",
+              t.layout());
+}
+
+void check_count(const char* op, const char* arg, size_t got, size_t expected) {
+  TORCH_CHECK(got == expected, "torch_tp backend: ", op, ": ", arg, " must hold ", expected, " tensor(s), got ", got);
+}
+
+void check_like(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& ref, int64_t numel) {
+  check_tensor(op, arg, t);
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "torch_tp backend: ", op, ": ", arg, " has dtype ",
+              t.scalar_type(), " but the input has dtype ", ref.scalar_type());
+  TORCH_CHECK(t.numel() == numel, "torch_tp backend: ", op, ": ", arg, " must have ", numel, " elements, got ",
+              t.numel(), " (sizes ", t.sizes(), ")");
+}
+
+ReduceKind to_kind(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarType dtype) {
+  ReduceKind kind{};
+  switch (reduce_op.op_) {
+    case c10d::ReduceOp::SUM: kind = ReduceKind::Sum; break;
+    case c10d::ReduceOp::AVG: kind = ReduceKind::Avg; break;
+    case c10d::ReduceOp::PRODUCT: kind = ReduceKind::Product; break;
+    case c10d::ReduceOp::MIN: kind = ReduceKind::Min; break;
+    case c10d::ReduceOp::MAX: kind = ReduceKind::Max; break;
+    default:
+      TORCH_CHECK(false, "torch_tp backend: ", op, ": reduce_op ", static_cast<int>(reduce_op.op_),
+                  " is not supported (SUM, AVG, PRODUCT, MIN and MAX are)");
+  }
+  const char* why = nullptr;
+  TORCH_CHECK(reduction_supported(kind, dtype, &why), "torch_tp backend: ", op, ": reduce_op ",
+              reduce_kind_name(kind), " on dtype ", dtype, " is not supported: ", why);
+  return kind;
+}
+
+// A contiguous tensor to operate on, standing in for `target`; finish()
+// copies the result back when they differ.
+struct Dense {
+  at::Tensor target;
+  at::Tensor work;
+  explicit Dense(const at::Tensor& t) : target(t), work(t.contiguous()) {}
+  void finish() const {
+    if (!work.is_same(target)) {
+      target.copy_(work);
+    }
+  }
+};
+
+CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t numel, int64_t root = -1,
+                       int64_t reduce = -1) {
+  CallHeader header;
+  header.seq = seq;
+  header.op = static_cast<int32_t>(op);
+  header.dtype = static_cast<int32_t>(t.scalar_type());
+  header.numel = numel;
+  header.root = root;
+  header.reduce = reduce;
+  return header;
+}
+
+std::string random_token() {
+  std::random_device device;
+  const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+} // namespace
+
+size_t buffer_bytes_from_env() {
+  const char* text = std::getenv("TORCH_TP_SHM_BUFFER_BYTES");
+  if (text == nullptr || *text == '\0') {
+    return kDefaultBufferBytes;
+  }
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(text, &end, 10);
+  // No upper bound here: the /dev/shm free-space check says what fits.
+  TORCH_CHECK(errno == 0 && *end == '\0' && text[0] != '-' && value >= kMinBufferBytes,
+              "torch_tp backend: TORCH_TP_SHM_BUFFER_BYTES=", text,
+              " is not a valid size: it must be a whole number of bytes, at least ", kMinBufferBytes,
+              " (default ", kDefaultBufferBytes, ")");
+  return static_cast<size_t>(value);
+}
+
+// A FIFO of calls run by one thread. stop() lets the queued calls run out
+// (they fail fast once the transport is aborted) and joins the thread.
+class ProcessGroupShm::Queue {
+ public:
+  Queue()
+      : thread_([this] {
+          // A waiting rank naps for tens of microseconds (NOTE [waiting]);
+          // the default 50 us timer slack would more than double each nap.
+          ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+          loop();
+        }) {}
+  ~Queue() {
+    stop();
+  }
+
+  void push(c10::intrusive_ptr<ShmWork> work, std::function<void()> run) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
+      items_.push_back({std::move(work), std::move(run)});
+    }
+    cv_.notify_one();
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) {
+      thread_.join();
+    }
+  }
+
+ private:
+  struct Item {
+    c10::intrusive_ptr<ShmWork> work;
+    std::function<void()> run;
+  };
+
+  void loop() {
+    for (;;) {
+      Item item;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !items_.empty(); });
+        if (items_.empty()) {
+          return;
+        }
+        item = std::move(items_.front());
+        items_.pop_front();
+      }
+      std::exception_ptr error;
+      try {
+        item.run();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      item.run = nullptr;  // drop the captured tensors before completing
+      item.work->complete(error);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Item> items_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Options options)
+    : c10d::Backend(rank, size), store_(store), options_(std::move(options)) {
+  TORCH_CHECK(static_cast<int>(options_.host_keys.size()) == size, "torch_tp backend: init: ",
+              options_.host_keys.size(), " host keys for a group of ", size, " ranks");
+  TORCH_CHECK(options_.buffer_bytes >= kMinBufferBytes, "torch_tp backend: init: buffer_bytes=",
+              options_.buffer_bytes, " is below the minimum of ", kMinBufferBytes);
+  std::vector<std::string> nodes;
+  for (const auto& key : options_.host_keys) {
+    if (std::find(nodes.begin(), nodes.end(), key) == nodes.end()) {
+      nodes.push_back(key);
+    }
+  }
+  num_nodes_ = static_cast<int>(nodes.size());
+  int local_rank = 0;
+  for (const auto r : c10::irange(size)) {
+    if (options_.host_keys[r] == options_.host_keys[rank]) {
+      if (r == rank) {
+        local_rank = static_cast<int>(local_ranks_.size());
+      }
+      local_ranks_.push_back(r);
+    }
+  }
+  const bool leader = local_ranks_.front() == rank;
+  if (num_nodes_ > 1) {
+    TORCH_CHECK(options_.gloo_all, "torch_tp backend: init: the group spans ", num_nodes_,
+                " nodes but no gloo group over all ranks was given");
+    TORCH_CHECK(leader == static_cast<bool>(options_.gloo_leaders), "torch_tp backend: init: rank ", rank,
+                (leader ? " leads its node but was given no gloo group of node leaders"
+                        : " does not lead its node but was given a gloo group of node leaders"));
+  }
+
+  // The token keeps the segment names of concurrent groups (and jobs) apart.
+  const std::string token_key = "torch_tp/token";
+  if (rank == 0) {
+    const std::string token = random_token();
+    store_->set(token_key, std::vector<uint8_t>(token.begin(), token.end()));
+  }
+  store_->wait({token_key}, options_.timeout);
+  const std::vector<uint8_t> token = store_->get(token_key);
+
+  transport_ = std::make_unique<ShmTransport>(
+      store_, ShmTransport::Options{local_rank, local_ranks_, options_.buffer_bytes, options_.timeout,
+                                    std::string(token.begin(), token.end())});
+  sent_.assign(size, 0);
+  received_.assign(size, 0);
+  collectives_ = std::make_unique<Queue>();
+  p2p_ = std::make_unique<Queue>();
+}
+
+ProcessGroupShm::~ProcessGroupShm() {
+  stop("the process group was destroyed");
+}
+
+void ProcessGroupShm::stop(const std::string& why) {
+  // Calls still queued run out first (a normal shutdown waits for them, as
+  // gloo's does); after an abort they fail at their first wait. Then nothing
+  // uses the transport any more: unmap the segments now, since Python may keep
+  // this object alive after destroy_process_group has shut it down.
+  if (collectives_) {
+    collectives_->stop();
+  }
+  if (p2p_) {
+    p2p_->stop();
+  }
+  if (transport_) {
+    transport_->abort(why);
+    transport_.reset();
+  }
+}
+
+void ProcessGroupShm::shutdown() {
+  stop("the process group was shut down");
+}
+
+void ProcessGroupShm::abort() {
+  // Fail the waits in progress first, so that stop() does not wait them out.
+  if (transport_) {
+    transport_->abort("the process group was aborted");
+  }
+  stop("the process group was aborted");
+}
+
+uint64_t ProcessGroupShm::getSequenceNumberForGroup() {
+  return seq_;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(Queue& queue, c10d::OpType type,
+                                                        std::vector<at::Tensor> outputs, std::function<void()> run) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  queue.push(work, std::move(run));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::collective(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                           std::function<void(uint64_t seq)> run) {
+  const uint64_t seq = ++seq_;
+  return enqueue(*collectives_, type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
+}
+
+// ---- all-reduce, reduce, broadcast, barrier -------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  std::vector<at::Tensor> list = tensors;
+  c10d::AllreduceCoalescedOptions coalesced;
+  coalesced.reduceOp = opts.reduceOp;
+  check_count("all_reduce", "tensors", tensors.size(), 1);
+  return allreduce_coalesced(list, coalesced);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                    const c10d::AllreduceCoalescedOptions& opts) {
+  const char* op = "all_reduce";
+  std::vector<Dense> dense;
+  std::vector<ReduceKind> kinds;
+  for (const auto& t : tensors) {
+    check_tensor(op, "tensor", t);
+    kinds.push_back(to_kind(op, opts.reduceOp, t.scalar_type()));
+    dense.emplace_back(t);
+  }
+  const int size = size_;
+  auto* transport = transport_.get();
+  auto leaders = options_.gloo_leaders;  // null except on node leaders
+  const bool hierarchical = num_nodes_ > 1;
+  return collective(c10d::OpType::ALLREDUCE, tensors, [=](uint64_t seq) {
+    for (const auto i : c10::irange(dense.size())) {
+      const at::Tensor& t = dense[i].work;
+      if (!hierarchical) {
+        const CallHeader header =
+            make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
+        shm_all_reduce(*transport, header, t.data_ptr(), t.numel(), t.scalar_type(), kinds[i], size);
+        dense[i].finish();
+        continue;
+      }
+      // Across nodes: bf16/fp16 go through all three stages in float32 and
+      // are rounded once at the end (NOTE [reduction precision]); avg is a
+      // sum everywhere and one division at the end.
+      const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+      const at::Tensor acc = widen ? t.to(at::kFloat) : t;
+      const ReduceKind kind = kinds[i] == ReduceKind::Avg ? ReduceKind::Sum : kinds[i];
+      CallHeader header = make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
+      shm_all_reduce(*transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), kind, size);
+      if (leaders) {
+        std::vector<at::Tensor> one{acc};
+        c10d::AllreduceOptions across;
+        across.reduceOp = kinds[i] == ReduceKind::Avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp;
+        leaders->allreduce(one, across)->wait();
+      }
+      header.op = static_cast<int32_t>(OpCode::Broadcast);
+      shm_broadcast(*transport, header, acc.data_ptr(), acc.nbytes(), 0);
+      if (kinds[i] == ReduceKind::Avg) {
+        acc.div_(size);
+      }
+      if (widen) {
+        t.copy_(acc);
+      }
+      dense[i].finish();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  const char* op = "reduce";
+  check_count(op, "tensors", tensors.size(), 1);
+  check_tensor(op, "tensor", tensors[0]);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: reduce: root rank ", opts.rootRank,
+              " is outside the group of ", size_);
+  const ReduceKind kind = to_kind(op, opts.reduceOp, tensors[0].scalar_type());
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::REDUCE, tensors,
+                      [gloo, tensors, opts](uint64_t) mutable { gloo->reduce(tensors, opts)->wait(); });
+  }
+  // Only the root's tensor changes: the others reduce into a scratch copy.
+  const bool root = rank_ == opts.rootRank;
+  Dense dense(tensors[0]);
+  at::Tensor scratch = root ? dense.work : dense.work.clone();
+  auto* transport = transport_.get();
+  const int size = size_;
+  const int64_t root_rank = opts.rootRank;
+  return collective(c10d::OpType::REDUCE, tensors, [=](uint64_t seq) {
+    const CallHeader header =
+        make_header(seq, OpCode::Reduce, scratch, scratch.numel(), root_rank, static_cast<int64_t>(kind));
+    shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.numel(), scratch.scalar_type(), kind, size);
+    if (root) {
+      dense.finish();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  const char* op = "broadcast";
+  check_count(op, "tensors", tensors.size(), 1);
+  check_tensor(op, "tensor", tensors[0]);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: broadcast: root rank ", opts.rootRank,
+              " is outside the group of ", size_);
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::BROADCAST, tensors,
+                      [gloo, tensors, opts](uint64_t) mutable { gloo->broadcast(tensors, opts)->wait(); });
+  }
+  Dense dense(tensors[0]);
+  auto* transport = transport_.get();
+  const int64_t root = opts.rootRank;
+  return collective(c10d::OpType::BROADCAST, tensors, [=](uint64_t seq) {
+    const at::Tensor& t = dense.work;
+    shm_broadcast(*transport, make_header(seq, OpCode::Broadcast, t, t.numel(), root), t.data_ptr(), t.nbytes(),
+                  static_cast<int>(root));
+    dense.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& /*opts*/) {
+  auto* transport = transport_.get();
+  const bool hierarchical = num_nodes_ > 1;
+  auto leaders = options_.gloo_leaders;  // null except on node leaders
+  return collective(c10d::OpType::BARRIER, {}, [=](uint64_t seq) {
+    CallHeader header;
+    header.seq = seq;
+    header.op = static_cast<int32_t>(OpCode::Barrier);
+    shm_barrier(*transport, header);
+    if (hierarchical) {
+      // Every node has arrived once its leader passed the leaders' barrier.
+      if (leaders) {
+        leaders->barrier()->wait();
+      }
+      shm_barrier(*transport, header);
+    }
+  });
+}
+
+// ---- all-gather, gather, scatter --------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather";
+  check_count(op, "input_tensors", inputs.size(), 1);
+  check_count(op, "output_tensor_lists", outputs.size(), 1);
+  check_count(op, "output_tensor_lists[0]", outputs[0].size(), static_cast<size_t>(size_));
+  check_tensor(op, "input", inputs[0]);
+  for (const auto& out : outputs[0]) {
+    check_like(op, "output_tensor_lists[0][i]", out, inputs[0], inputs[0].numel());
+  }
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::ALLGATHER, outputs[0], [gloo, outputs, inputs, opts](uint64_t) mutable {
+      gloo->allgather(outputs, inputs, opts)->wait();
+    });
+  }
+  const at::Tensor input = inputs[0].contiguous();
+  std::vector<Dense> dense(outputs[0].begin(), outputs[0].end());
+  auto* transport = transport_.get();
+  return collective(c10d::OpType::ALLGATHER, outputs[0], [=](uint64_t seq) {
+    std::vector<void*> targets;
+    for (const auto& d : dense) {
+      targets.push_back(d.work.data_ptr());
+    }
+    shm_all_gather(*transport, make_header(seq, OpCode::AllGather, input, input.numel()), input.data_ptr(),
+                   input.nbytes(), targets.data());
+    for (const auto& d : dense) {
+      d.finish();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outputs{output};
+  std::vector<at::Tensor> inputs{input};
+  return allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                std::vector<at::Tensor>& inputs,
+                                                                                const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather_into_tensor";
+  check_count(op, "output_tensors", outputs.size(), inputs.size());
+  std::vector<at::Tensor> dense_inputs;
+  std::vector<Dense> dense_outputs;
+  for (const auto i : c10::irange(inputs.size())) {
+    check_tensor(op, "input", inputs[i]);
+    check_like(op, "output", outputs[i], inputs[i], inputs[i].numel() * size_);
+    dense_inputs.push_back(inputs[i].contiguous());
+    dense_outputs.emplace_back(outputs[i]);
+  }
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::_ALLGATHER_BASE, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+      for (const auto i : c10::irange(inputs.size())) {
+        gloo->_allgather_base(outputs[i], inputs[i], opts)->wait();
+      }
+    });
+  }
+  auto* transport = transport_.get();
+  const int size = size_;
+  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, [=](uint64_t seq) {
+    for (const auto i : c10::irange(dense_inputs.size())) {
+      const at::Tensor& in = dense_inputs[i];
+      auto* base = static_cast<char*>(dense_outputs[i].work.data_ptr());
+      std::vector<void*> targets;
+      for (const auto r : c10::irange(size)) {
+        targets.push_back(base == nullptr ? nullptr : base + r * in.nbytes());
+      }
+      shm_all_gather(*transport, make_header(seq, OpCode::AllGather, in, in.numel()), in.data_ptr(), in.nbytes(),
+                     targets.data());
+      dense_outputs[i].finish();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                    std::vector<at::Tensor>& inputs,
+                                                                    const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather_coalesced";
+  check_count(op, "output_lists", outputs.size(), static_cast<size_t>(size_));
+  // outputs[r][i] receives rank r's inputs[i]: one all_gather per input.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const auto i : c10::irange(inputs.size())) {
+    std::vector<std::vector<at::Tensor>> one(1);
+    for (const auto r : c10::irange(size_)) {
+      check_count(op, "output_lists[r]", outputs[r].size(), inputs.size());
+      one[0].push_back(outputs[r][i]);
+    }
+    std::vector<at::Tensor> in{inputs[i]};
+    works.push_back(allgather(one, in, opts));
+  }
+  // The calls run in order on one queue: the last one's completion is all of them'.
+  std::vector<at::Tensor> flat;
+  for (const auto& list : outputs) {
+    flat.insert(flat.end(), list.begin(), list.end());
+  }
+  return collective(c10d::OpType::ALLGATHER_COALESCED, flat, [works](uint64_t) {
+    for (const auto& work : works) {
+      work->wait();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::GatherOptions& opts) {
+  const char* op = "gather";
+  check_count(op, "input_tensors", inputs.size(), 1);
+  check_tensor(op, "input", inputs[0]);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: gather: root rank ", opts.rootRank,
+              " is outside the group of ", size_);
+  const bool root = rank_ == opts.rootRank;
+  if (root) {
+    check_count(op, "output_tensors", outputs.size(), 1);
+    check_count(op, "output_tensors[0]", outputs[0].size(), static_cast<size_t>(size_));
+    for (const auto& out : outputs[0]) {
+      check_like(op, "output_tensors[0][i]", out, inputs[0], inputs[0].numel());
+    }
+  } else {
+    TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "torch_tp backend: gather: rank ",
+                rank_, " is not the root and must pass no output tensors, got ", outputs.size(), " list(s)");
+  }
+  std::vector<at::Tensor> result = root ? outputs[0] : std::vector<at::Tensor>{};
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::GATHER, result, [gloo, outputs, inputs, opts](uint64_t) mutable {
+      gloo->gather(outputs, inputs, opts)->wait();
+    });
+  }
+  const at::Tensor input = inputs[0].contiguous();
+  std::vector<Dense> dense(result.begin(), result.end());
+  auto* transport = transport_.get();
+  const int size = size_;
+  const int64_t root_rank = opts.rootRank;
+  return collective(c10d::OpType::GATHER, result, [=](uint64_t seq) {
+    std::vector<const void*> send(size, nullptr);
+    std::vector<size_t> send_bytes(size, 0);
+    std::vector<void*> recv(size, nullptr);
+    std::vector<size_t> recv_bytes(size, 0);
+    send[root_rank] = input.data_ptr();
+    send_bytes[root_rank] = input.nbytes();
+    for (const auto r : c10::irange(dense.size())) {
+      recv[r] = dense[r].work.data_ptr();
+      recv_bytes[r] = input.nbytes();
+    }
+    shm_all_to_all(*transport, make_header(seq, OpCode::Gather, input, input.numel(), root_rank), send.data(),
+                   send_bytes.data(), recv.data(), recv_bytes.data());
+    for (const auto& d : dense) {
+      d.finish();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>& outputs,
+                                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                                        const c10d::ScatterOptions& opts) {
+  const char* op = "scatter";
+  check_count(op, "output_tensors", outputs.size(), 1);
+  check_tensor(op, "output", outputs[0]);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: scatter: root rank ", opts.rootRank,
+              " is outside the group of ", size_);
+  const bool root = rank_ == opts.rootRank;
+  std::vector<at::Tensor> sources;
+  if (root) {
+    check_count(op, "input_tensors", inputs.size(), 1);
+    check_count(op, "input_tensors[0]", inputs[0].size(), static_cast<size_t>(size_));
+    for (const auto& in : inputs[0]) {
+      check_like(op, "input_tensors[0][i]", in, outputs[0], outputs[0].numel());
+      sources.push_back(in.contiguous());
+    }
+  } else {
+    TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "torch_tp backend: scatter: rank ",
+                rank_, " is not the root and must pass no input tensors, got ", inputs.size(), " list(s)");
+  }
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::SCATTER, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+      gloo->scatter(outputs, inputs, opts)->wait();
+    });
+  }
+  Dense dense(outputs[0]);
+  auto* transport = transport_.get();
+  const int size = size_;
+  const int64_t root_rank = opts.rootRank;
+  return collective(c10d::OpType::SCATTER, outputs, [=](uint64_t seq) {
+    const at::Tensor& out = dense.work;
+    std::vector<const void*> send(size, nullptr);
+    std::vector<size_t> send_bytes(size, 0);
+    std::vector<void*> recv(size, nullptr);
+    std::vector<size_t> recv_bytes(size, 0);
+    for (const auto r : c10::irange(sources.size())) {
+      send[r] = sources[r].data_ptr();
+      send_bytes[r] = out.nbytes();
+    }
+    recv[root_rank] = out.data_ptr();
+    recv_bytes[root_rank] = out.nbytes();
+    shm_all_to_all(*transport, make_header(seq, OpCode::Scatter, out, out.numel(), root_rank), send.data(),
+                   send_bytes.data(), recv.data(), recv_bytes.data());
+    dense.finish();
+  });
+}
+
+// ---- reduce-scatter ---------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                               std::vector<std::vector<at::Tensor>>& inputs,
+                                                               const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter";
+  check_count(op, "output_tensors", outputs.size(), 1);
+  check_count(op, "input_lists", inputs.size(), 1);
+  check_count(op, "input_lists[0]", inputs[0].size(), static_cast<size_t>(size_));
+  check_tensor(op, "output", outputs[0]);
+  const ReduceKind kind = to_kind(op, opts.reduceOp, outputs[0].scalar_type());
+  std::vector<at::Tensor> sources;
+  for (const auto& in : inputs[0]) {
+    check_like(op, "input_lists[0][i]", in, outputs[0], outputs[0].numel());
+    sources.push_back(in.contiguous());
+  }
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::REDUCE_SCATTER, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+      gloo->reduce_scatter(outputs, inputs, opts)->wait();
+    });
+  }
+  Dense dense(outputs[0]);
+  auto* transport = transport_.get();
+  const int size = size_;
+  return collective(c10d::OpType::REDUCE_SCATTER, outputs, [=](uint64_t seq) {
+    const at::Tensor& out = dense.work;
+    std::vector<const void*> pointers;
+    for (const auto& s : sources) {
+      pointers.push_back(s.data_ptr());
+    }
+    shm_reduce_scatter(*transport,
+                       make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)),
+                       pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kind, size);
+    dense.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                     const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outputs{output};
+  std::vector<at::Tensor> inputs{input};
+  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter_tensor";
+  check_count(op, "output_tensors", outputs.size(), inputs.size());
+  std::vector<at::Tensor> sources;
+  std::vector<Dense> targets;
+  std::vector<ReduceKind> kinds;
+  for (const auto i : c10::irange(inputs.size())) {
+    check_tensor(op, "output", outputs[i]);
+    check_like(op, "input", inputs[i], outputs[i], outputs[i].numel() * size_);
+    kinds.push_back(to_kind(op, opts.reduceOp, outputs[i].scalar_type()));
+    sources.push_back(inputs[i].contiguous());
+    targets.emplace_back(outputs[i]);
+  }
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+      for (const auto i : c10::irange(inputs.size())) {
+        gloo->_reduce_scatter_base(outputs[i], inputs[i], opts)->wait();
+      }
+    });
+  }
+  auto* transport = transport_.get();
+  const int size = size_;
+  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, [=](uint64_t seq) {
+    for (const auto i : c10::irange(sources.size())) {
+      const at::Tensor& out = targets[i].work;
+      const auto* base = static_cast<const char*>(sources[i].data_ptr());
+      std::vector<const void*> pointers;
+      for (const auto r : c10::irange(size)) {
+        pointers.push_back(base == nullptr ? nullptr : base + r * out.nbytes());
+      }
+      shm_reduce_scatter(*transport,
+                         make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
+                         pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kinds[i], size);
+      targets[i].finish();
+    }
+  });
+}
+
+// ---- all-to-all ---------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                              std::vector<int64_t>& output_split_sizes,
+                                                              std::vector<int64_t>& input_split_sizes,
+                                                              const c10d::AllToAllOptions& opts) {
+  const char* op = "all_to_all_single";
+  check_tensor(op, "input", input);
+  check_tensor(op, "output", output);
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "torch_tp backend: ", op, ": output has dtype ",
+              output.scalar_type(), " but input has dtype ", input.scalar_type());
+  // Rows along dim 0, split as given, or evenly when no splits are given.
+  auto splits = [&](const char* arg, const at::Tensor& t, const std::vector<int64_t>& given) {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    if (given.empty()) {
+      TORCH_CHECK(rows % size_ == 0, "torch_tp backend: ", op, ": ", arg, ".size(0)=", rows,
+                  " must divide evenly over ", size_, " ranks when no split sizes are given");
+      return std::vector<int64_t>(size_, rows / size_);
+    }
+    check_count(op, arg == std::string("input") ? "input_split_sizes" : "output_split_sizes", given.size(),
+                static_cast<size_t>(size_));
+    int64_t total = 0;
+    for (const auto s : given) {
+      TORCH_CHECK(s >= 0, "torch_tp backend: ", op, ": split sizes must be >= 0, got ", given);
+      total += s;
+    }
+    TORCH_CHECK(total == rows, "torch_tp backend: ", op, ": ", arg, " split sizes ", given, " sum to ", total,
+                " but ", arg, ".size(0)=", rows);
+    return given;
+  };
+  const std::vector<int64_t> in_splits = splits("input", input, input_split_sizes);
+  const std::vector<int64_t> out_splits = splits("output", output, output_split_sizes);
+  const int64_t in_row = input.dim() == 0 || input.size(0) == 0 ? 0 : input.numel() / input.size(0);
+  const int64_t out_row = output.dim() == 0 || output.size(0) == 0 ? 0 : output.numel() / output.size(0);
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    std::vector<at::Tensor> result{output};
+    return collective(c10d::OpType::ALLTOALL_BASE, result,
+                      [gloo, output, input, output_split_sizes, input_split_sizes, opts](uint64_t) mutable {
+                        gloo->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)->wait();
+                      });
+  }
+  const at::Tensor source = input.contiguous();
+  Dense dense(output);
+  auto* transport = transport_.get();
+  const int size = size_;
+  return collective(c10d::OpType::ALLTOALL_BASE, {output}, [=](uint64_t seq) {
+    const size_t item = source.element_size();
+    std::vector<const void*> send(size);
+    std::vector<size_t> send_bytes(size);
+    std::vector<void*> recv(size);
+    std::vector<size_t> recv_bytes(size);
+    size_t in_offset = 0;
+    size_t out_offset = 0;
+    for (const auto r : c10::irange(size)) {
+      send_bytes[r] = static_cast<size_t>(in_splits[r] * in_row) * item;
+      recv_bytes[r] = static_cast<size_t>(out_splits[r] * out_row) * item;
+      send[r] = static_cast<const char*>(source.data_ptr()) + in_offset;
+      recv[r] = static_cast<char*>(dense.work.data_ptr()) + out_offset;
+      in_offset += send_bytes[r];
+      out_offset += recv_bytes[r];
+    }
+    shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, source, -1), send.data(), send_bytes.data(),
+                   recv.data(), recv_bytes.data());
+    dense.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  const char* op = "all_to_all";
+  check_count(op, "output_tensors", outputs.size(), static_cast<size_t>(size_));
+  check_count(op, "input_tensors", inputs.size(), static_cast<size_t>(size_));
+  std::vector<at::Tensor> sources;
+  std::vector<Dense> targets;
+  for (const auto r : c10::irange(size_)) {
+    check_tensor(op, "input_tensors[i]", inputs[r]);
+    check_tensor(op, "output_tensors[i]", outputs[r]);
+    TORCH_CHECK(inputs[r].scalar_type() == inputs[0].scalar_type() &&
+                    outputs[r].scalar_type() == inputs[0].scalar_type(),
+                "torch_tp backend: ", op, ": every input and output tensor must have dtype ",
+                inputs[0].scalar_type(), ", got input ", inputs[r].scalar_type(), " and output ",
+                outputs[r].scalar_type(), " at index ", r);
+    sources.push_back(inputs[r].contiguous());
+    targets.emplace_back(outputs[r]);
+  }
+  if (num_nodes_ > 1) {
+    auto gloo = options_.gloo_all;
+    return collective(c10d::OpType::ALLTOALL, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+      gloo->alltoall(outputs, inputs, opts)->wait();
+    });
+  }
+  auto* transport = transport_.get();
+  const int size = size_;
+  return collective(c10d::OpType::ALLTOALL, outputs, [=](uint64_t seq) {
+    std::vector<const void*> send(size);
+    std::vector<size_t> send_bytes(size);
+    std::vector<void*> recv(size);
+    std::vector<size_t> recv_bytes(size);
+    for (const auto r : c10::irange(size)) {
+      send[r] = sources[r].data_ptr();
+      send_bytes[r] = sources[r].nbytes();
+      recv[r] = targets[r].work.data_ptr();
+      recv_bytes[r] = targets[r].work.nbytes();
+    }
+    shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, sources[0], -1), send.data(), send_bytes.data(),
+                   recv.data(), recv_bytes.data());
+    for (const auto& t : targets) {
+      t.finish();
+    }
+  });
+}
+
+// ---- send / recv --------------------------------------------------------------
+//
+// NOTE [send and recv]
+// A message goes through the group's store: send writes key
+// torch_tp/p2p/<src>-<dst>/<n> (the n-th message on that pair) holding a small
+// header and the bytes, and completes once the store has it; recv waits for
+// that key, checks the header, copies the bytes out and deletes the key. The
+// store buffers the message as gloo's transport does, so two ranks that both
+// send before they receive cannot deadlock, and it works across nodes. It is
+// not the shared-memory fast path: tensor-parallel and data-parallel training
+// use collectives; point-to-point is here for completeness and pipelining
+// experiments, and moves at the store's speed.
+
+namespace {
+
+struct P2PHeader {
+  int32_t tag;
+  int32_t dtype;
+  int64_t numel;
+};
+
+std::string p2p_key(int src, int dst, uint64_t n) {
+  return c10::str("torch_tp/p2p/", src, "-", dst, "/", n);
+}
+
+} // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  const char* op = "send";
+  check_count(op, "tensors", tensors.size(), 1);
+  check_tensor(op, "tensor", tensors[0]);
+  TORCH_CHECK(dst_rank >= 0 && dst_rank < size_ && dst_rank != rank_, "torch_tp backend: send: dst rank ", dst_rank,
+              " must be another rank of the group of ", size_);
+  const at::Tensor t = tensors[0].contiguous();
+  const P2PHeader header{tag, static_cast<int32_t>(t.scalar_type()), t.numel()};
+  std::vector<uint8_t> message(sizeof(header) + t.nbytes());
+  std::memcpy(message.data(), &header, sizeof(header));
+  if (t.nbytes() > 0) {
+    std::memcpy(message.data() + sizeof(header), t.data_ptr(), t.nbytes());
+  }
+  store_->set(p2p_key(rank_, dst_rank, sent_[dst_rank]++), message);
+  auto work = c10::make_intrusive<ShmWork>(rank_, c10d::OpType::SEND, tensors);
+  work->complete(nullptr);
+  return work;
+}
+
+void ProcessGroupShm::wait_p2p(const std::string& key, const char* op, int peer) {
+  // Polls with short naps: the store's own blocking wait would hold its
+  // client lock for the whole wait, stalling this rank's sends.
+  const auto start = std::chrono::steady_clock::now();
+  auto nap = std::chrono::microseconds(20);
+  while (!store_->check({key})) {
+    transport_->check_usable(op);  // fails at once after an abort
+    if (std::chrono::steady_clock::now() - start >= options_.timeout) {
+      C10_THROW_ERROR(DistBackendError,
+                      c10::str("torch_tp backend: ", op, ": timed out after ", options_.timeout.count(),
+                               " ms waiting for rank ", peer, " to send (rank ", rank_,
+                               " waits for it); rank ", peer, " did not call send or is stuck"));
+    }
+    std::this_thread::sleep_for(nap);
+    nap = std::min(nap * 2, std::chrono::microseconds(2000));
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  const char* op = "recv";
+  check_count(op, "tensors", tensors.size(), 1);
+  check_tensor(op, "tensor", tensors[0]);
+  TORCH_CHECK(src_rank >= 0 && src_rank < size_ && src_rank != rank_, "torch_tp backend: recv: src rank ", src_rank,
+              " must be another rank of the group of ", size_);
+  const std::string key = p2p_key(src_rank, rank_, received_[src_rank]++);
+  Dense dense(tensors[0]);
+  return enqueue(*p2p_, c10d::OpType::RECV, tensors, [this, key, dense, src_rank, tag, op] {
+    wait_p2p(key, op, src_rank);
+    const std::vector<uint8_t> message = store_->get(key);
+    store_->deleteKey(key);
+    const at::Tensor& t = dense.work;
+    P2PHeader header{};
+    TORCH_INTERNAL_ASSERT(message.size() >= sizeof(header));
+    std::memcpy(&header, message.data(), sizeof(header));
+    TORCH_CHECK(header.tag == tag && header.dtype == static_cast<int32_t>(t.scalar_type()) &&
+                    header.numel == t.numel(),
+                "torch_tp backend: recv: mismatch between ranks: rank ", src_rank, " sent (tag=", header.tag,
+                ", dtype=", static_cast<at::ScalarType>(header.dtype), ", numel=", header.numel, ") but rank ",
+                rank_, " receives (tag=", tag, ", dtype=", t.scalar_type(), ", numel=", t.numel(), ")");
+    if (t.nbytes() > 0) {
+      std::memcpy(t.data_ptr(), message.data() + sizeof(header), t.nbytes());
+    }
+    dense.finish();
+  });
+}
+
+} // namespace torch_tp::backend

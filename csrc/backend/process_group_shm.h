@@ -1,0 +1,137 @@
+#pragma once
+// ProcessGroupShm: torch_tp's c10d backend for CPU tensors ("torch_tp").
+//
+// Ranks on one node talk through POSIX shared memory (ShmTransport, the
+// algorithms in shm_collectives.h). Ranks are placed on nodes by a host key
+// per rank (the hostname, or TORCH_TP_HOST_KEY), which the Python factory
+// exchanges through the store. When the group spans several nodes, all-reduce
+// and barrier are hierarchical: shared memory inside each node, then a gloo
+// group of one leader per node, then shared memory again; every other
+// collective then runs on a gloo group of all the ranks. The gloo groups are
+// built in Python (the torch wheel ships no gloo headers) and passed in.
+//
+// NOTE [one worker thread]
+// Every call is checked on the caller's thread (bad input raises at once) and
+// then queued to one worker thread that runs the calls in issue order and
+// completes their Work and future. The caller can thus overlap compute with a
+// collective (async_op=True, torch_tp's PendingCollective), and the calls of
+// all ranks reach the transport in the same order, as its lockstep needs.
+// Point-to-point calls go to a second queue of their own, so a recv waiting
+// for a late send never holds up the collectives (see NOTE [send and recv]).
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace torch_tp::backend {
+
+class ShmTransport;
+
+// The default per-rank shared data buffer: two slots of 1 MiB.
+constexpr size_t kDefaultBufferBytes = 2 * 1024 * 1024;
+
+// TORCH_TP_SHM_BUFFER_BYTES, validated, or the default.
+size_t buffer_bytes_from_env();
+
+class ProcessGroupShm : public c10d::Backend {
+ public:
+  struct Options {
+    std::chrono::milliseconds timeout;
+    size_t buffer_bytes = kDefaultBufferBytes;
+    std::vector<std::string> host_keys;  // by group rank; equal keys share a node
+    // Required when host_keys name more than one node: gloo over all the
+    // group's ranks, and (on each node's first rank only) gloo over the node
+    // leaders, ordered by node.
+    c10::intrusive_ptr<c10d::Backend> gloo_all;
+    c10::intrusive_ptr<c10d::Backend> gloo_leaders;
+  };
+
+  ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Options options);
+  ~ProcessGroupShm() override;
+
+  const std::string getBackendName() const override {
+    return "torch_tp";
+  }
+  uint64_t getSequenceNumberForGroup() override;
+  int num_nodes() const {
+    return num_nodes_;
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+
+  // Fails what is queued or running (with `why`) and stops the worker threads.
+  void shutdown() override;
+  void abort() override;
+
+ private:
+  class Queue;
+  c10::intrusive_ptr<c10d::Work> enqueue(Queue& queue, c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         std::function<void()> run);
+  c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                            std::function<void(uint64_t seq)> run);
+  void stop(const std::string& why);
+  void wait_p2p(const std::string& key, const char* op, int peer);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  Options options_;
+  int num_nodes_ = 1;
+  std::vector<int> local_ranks_;
+  std::unique_ptr<ShmTransport> transport_;
+  uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
+  std::vector<uint64_t> sent_;      // messages sent to each rank so far
+  std::vector<uint64_t> received_;  // messages received from each rank so far
+  std::unique_ptr<Queue> collectives_;
+  std::unique_ptr<Queue> p2p_;
+};
+
+} // namespace torch_tp::backend

@@ -1,0 +1,210 @@
+#include "backend/shm_collectives.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace torch_tp::backend {
+namespace {
+
+constexpr size_t kLine = 64;
+
+// memcpy that accepts the null data pointer of an empty tensor.
+void copy_bytes(void* dst, const void* src, size_t len) {
+  if (len > 0) {
+    std::memcpy(dst, src, len);
+  }
+}
+
+size_t ceil_div(size_t a, size_t b) {
+  return (a + b - 1) / b;
+}
+
+const char* name_of(const CallHeader& header) {
+  return op_code_name(static_cast<OpCode>(header.op));
+}
+
+// [lo, hi) of `count` items that local rank `rank` of `n` owns: pieces of a
+// whole number of cache lines, so that no two ranks write one line.
+struct Span {
+  size_t lo, hi;
+};
+Span portion(size_t count, size_t item_bytes, int n, int rank) {
+  const size_t per_line = std::max<size_t>(1, kLine / item_bytes);
+  const size_t piece = ceil_div(ceil_div(count, static_cast<size_t>(n)), per_line) * per_line;
+  const size_t lo = std::min(count, piece * static_cast<size_t>(rank));
+  return {lo, std::min(count, lo + piece)};
+}
+
+} // namespace
+
+void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,
+                    ReduceKind kind, int64_t avg_divisor) {
+  const char* op = name_of(header);
+  const int n = t.local_size();
+  const int me = t.local_rank();
+  const size_t item = c10::elementSize(dtype);
+  const size_t total = static_cast<size_t>(numel) * item;
+  auto* bytes = static_cast<char*>(data);
+  std::vector<const void*> inputs(n);
+
+  if (total <= std::min(kOneShotBytes, t.slot_bytes())) {
+    const uint64_t step = t.next_step();
+    copy_bytes(t.my_slot(step), bytes, total);
+    t.arrive(op, &header);
+    for (const auto r : c10::irange(n)) {
+      inputs[r] = t.peer_slot(r, step);
+    }
+    reduce_inputs(kind, dtype, data, inputs.data(), n, numel, avg_divisor);
+    return;
+  }
+
+  const size_t chunk_items = std::max<size_t>(1, t.slot_bytes() / item);
+  const size_t count = static_cast<size_t>(numel);
+  bool first = true;
+  for (size_t base = 0; base < count; base += chunk_items) {
+    const size_t len = std::min(chunk_items, count - base);
+    char* chunk = bytes + base * item;
+    // Step 1: copy in; reduce this rank's portion into the output and the next slot.
+    const uint64_t in_step = t.next_step();
+    copy_bytes(t.my_slot(in_step), chunk, len * item);
+    t.arrive(op, first ? &header : nullptr);
+    first = false;
+    const Span mine = portion(len, item, n, me);
+    for (const auto r : c10::irange(n)) {
+      inputs[r] = t.peer_slot(r, in_step) + mine.lo * item;
+    }
+    reduce_inputs(kind, dtype, chunk + mine.lo * item, inputs.data(), n, static_cast<int64_t>(mine.hi - mine.lo),
+                  avg_divisor);
+    const uint64_t out_step = t.next_step();
+    copy_bytes(t.my_slot(out_step) + mine.lo * item, chunk + mine.lo * item, (mine.hi - mine.lo) * item);
+    // Step 2: copy the other ranks' reduced portions out.
+    t.arrive(op);
+    for (const auto r : c10::irange(n)) {
+      if (r != me) {
+        const Span theirs = portion(len, item, n, r);
+        copy_bytes(chunk + theirs.lo * item, t.peer_slot(r, out_step) + theirs.lo * item,
+                    (theirs.hi - theirs.lo) * item);
+      }
+    }
+  }
+}
+
+void shm_broadcast(ShmTransport& t, CallHeader header, void* data, size_t bytes, int root_local) {
+  const char* op = name_of(header);
+  const size_t chunk = t.slot_bytes();
+  const bool root = t.local_rank() == root_local;
+  auto* out = static_cast<char*>(data);
+  size_t base = 0;
+  do {
+    const size_t len = std::min(chunk, bytes - base);
+    const uint64_t step = t.next_step();
+    if (root) {
+      copy_bytes(t.my_slot(step), out + base, len);
+    }
+    t.arrive(op, base == 0 ? &header : nullptr);
+    if (!root) {
+      copy_bytes(out + base, t.peer_slot(root_local, step), len);
+    }
+    base += len;
+  } while (base < bytes);
+}
+
+void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_t bytes, void* const* outputs) {
+  const char* op = name_of(header);
+  const int n = t.local_size();
+  const size_t chunk = t.slot_bytes();
+  const auto* in = static_cast<const char*>(input);
+  size_t base = 0;
+  do {
+    const size_t len = std::min(chunk, bytes - base);
+    const uint64_t step = t.next_step();
+    copy_bytes(t.my_slot(step), in + base, len);
+    t.arrive(op, base == 0 ? &header : nullptr);
+    for (const auto r : c10::irange(n)) {
+      copy_bytes(static_cast<char*>(outputs[r]) + base, t.peer_slot(r, step), len);
+    }
+    base += len;
+  } while (base < bytes);
+}
+
+void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* inputs, void* output, int64_t numel,
+                        c10::ScalarType dtype, ReduceKind kind, int64_t avg_divisor) {
+  const char* op = name_of(header);
+  const int n = t.local_size();
+  const int me = t.local_rank();
+  const size_t item = c10::elementSize(dtype);
+  // The slot holds one block per destination rank, each a whole number of lines.
+  const size_t block_bytes = t.slot_bytes() / static_cast<size_t>(n) / kLine * kLine;
+  const size_t block_items = std::max<size_t>(1, block_bytes / item);
+  TORCH_CHECK(block_items * item <= block_bytes, "torch_tp backend: ", op, ": the shared buffer of ",
+              t.slot_bytes(), " bytes per slot is too small for ", n, " ranks of ", item, "-byte elements");
+  const size_t count = static_cast<size_t>(numel);
+  std::vector<const void*> sources(n);
+  size_t base = 0;
+  do {
+    const size_t len = std::min(block_items, count - base);
+    const uint64_t step = t.next_step();
+    char* slot = t.my_slot(step);
+    for (const auto r : c10::irange(n)) {
+      copy_bytes(slot + r * block_bytes, static_cast<const char*>(inputs[r]) + base * item, len * item);
+    }
+    t.arrive(op, base == 0 ? &header : nullptr);
+    for (const auto r : c10::irange(n)) {
+      sources[r] = t.peer_slot(r, step) + me * block_bytes;
+    }
+    reduce_inputs(kind, dtype, static_cast<char*>(output) + base * item, sources.data(), n,
+                  static_cast<int64_t>(len), avg_divisor);
+    base += len;
+  } while (base < count);
+}
+
+void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* inputs, const size_t* send_bytes,
+                    void* const* outputs, const size_t* recv_bytes) {
+  const char* op = name_of(header);
+  const int n = t.local_size();
+  const int me = t.local_rank();
+  const size_t block = t.slot_bytes() / static_cast<size_t>(n) / kLine * kLine;
+  TORCH_CHECK(block > 0, "torch_tp backend: ", op, ": the shared buffer of ", t.slot_bytes(),
+              " bytes per slot is too small for ", n, " ranks");
+  // Every rank needs as many steps as the largest piece any rank sends: each
+  // contributes its own need through the header's `extra`, read in step 1.
+  size_t need = 1;
+  for (const auto r : c10::irange(n)) {
+    need = std::max({need, ceil_div(send_bytes[r], block), ceil_div(recv_bytes[r], block)});
+  }
+  header.extra = static_cast<int64_t>(need);
+  size_t steps = 1;
+  for (size_t s = 0; s < steps; ++s) {
+    const size_t base = s * block;
+    const uint64_t step = t.next_step();
+    char* slot = t.my_slot(step);
+    for (const auto r : c10::irange(n)) {
+      if (send_bytes[r] > base) {
+        copy_bytes(slot + r * block, static_cast<const char*>(inputs[r]) + base,
+                    std::min(block, send_bytes[r] - base));
+      }
+    }
+    t.arrive(op, s == 0 ? &header : nullptr);
+    if (s == 0) {
+      for (const auto r : c10::irange(n)) {
+        steps = std::max(steps, static_cast<size_t>(t.peer_header(r, step).extra));
+      }
+    }
+    for (const auto r : c10::irange(n)) {
+      if (recv_bytes[r] > base) {
+        copy_bytes(static_cast<char*>(outputs[r]) + base, t.peer_slot(r, step) + me * block,
+                    std::min(block, recv_bytes[r] - base));
+      }
+    }
+  }
+}
+
+void shm_barrier(ShmTransport& t, CallHeader header) {
+  t.arrive(name_of(header), &header);
+}
+
+} // namespace torch_tp::backend

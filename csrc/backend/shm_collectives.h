@@ -1,0 +1,54 @@
+#pragma once
+// The collectives among the ranks of one node, on raw contiguous buffers,
+// over a ShmTransport. Each one is a sequence of transport steps whose count
+// every rank derives from the header it checked in the first step, so a call
+// of any size (including 0 elements) stays in lockstep across the ranks.
+// `header` describes the call (op, seq, dtype, numel, root) and is checked
+// across the ranks in the first step.
+//
+// NOTE [all-reduce algorithms]
+// Up to kOneShotBytes, all-reduce is one step: every rank copies its tensor
+// into its slot and reduces all W slots itself (rank order), which costs one
+// synchronisation. Above, it goes chunk by chunk, a slot at a time (the
+// default 1 MiB slot keeps a chunk in cache from the copy-in to the copy-out
+// while needing few synchronisations, which dominate when ranks share a
+// core): step 1 copies the chunk in and each rank
+// reduces its 1/W portion of it (reduce-scatter), writing the result to its
+// next slot; step 2 every rank copies the other portions out (all-gather).
+// Per byte a rank then reads W/W + 1 slots' worth instead of W, and the work
+// of reducing is split across the ranks. Both fold ranks 0..W-1 in order
+// with the same kernel, so the result is the same bitwise whichever path ran
+// and whichever rank reduced an element.
+
+#include "backend/reduce_kernels.h"
+#include "backend/shm_transport.h"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace torch_tp::backend {
+
+constexpr size_t kOneShotBytes = 128 * 1024;
+
+// data[numel] (in place) = reduction over the local ranks of their data.
+void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,
+                    ReduceKind kind, int64_t avg_divisor);
+
+// Every local rank's data[bytes] becomes root_local's.
+void shm_broadcast(ShmTransport& t, CallHeader header, void* data, size_t bytes, int root_local);
+
+// outputs[r][bytes] = local rank r's input[bytes].
+void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_t bytes, void* const* outputs);
+
+// output[numel] = reduction over the local ranks of their inputs[this rank][numel].
+void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* inputs, void* output, int64_t numel,
+                        c10::ScalarType dtype, ReduceKind kind, int64_t avg_divisor);
+
+// outputs[r][recv_bytes[r]] = local rank r's inputs[this rank]. Sizes may be 0
+// (gather and scatter are this with one non-empty side) and must agree pairwise.
+void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* inputs, const size_t* send_bytes,
+                    void* const* outputs, const size_t* recv_bytes);
+
+void shm_barrier(ShmTransport& t, CallHeader header);
+
+} // namespace torch_tp::backend

@@ -1,0 +1,135 @@
+#pragma once
+// The ranks of one group that share a node, connected through shared memory:
+// one segment per rank, every rank mapping all of them. A collective is a
+// sequence of *steps*. In step s every rank writes into its own slot s % 2,
+// publishes s in its `posted` counter, waits until every peer has published s,
+// and then reads what it needs from the peers' slots s % 2.
+//
+// NOTE [double buffering without acknowledgements]
+// A rank reads the peers' slot s % 2 only between its wait for step s and its
+// own post of step s + 1. A rank writes slot s % 2 again only in step s + 2,
+// after it waited for every peer to post s + 1, so after every peer finished
+// reading step s. Two slots and one monotonic counter per rank therefore need
+// no separate acknowledgement. The per-call header (CallHeader) is double
+// buffered the same way, one per slot.
+//
+// NOTE [waiting]
+// A wait spins briefly (a peer on another core answers within microseconds),
+// then yields, then sleeps in short naps, so that 4 ranks on 2 cores still
+// make progress. It gives up when the peer has made no progress for the
+// group's timeout, or at once when the peer's process is gone (checked with
+// kill(pid, 0) and /proc, every few milliseconds), and then names the op and
+// the rank. After any failure the transport is broken: the ranks' steps no
+// longer line up, so every later call fails at once with the first reason.
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/shm_segment.h"
+
+namespace torch_tp::backend {
+
+// What every rank says about the call it is making; compared across the ranks
+// in the first step of every call. `extra` is not compared (a value each rank
+// contributes, e.g. how many steps it needs).
+struct CallHeader {
+  uint64_t seq = 0;    // the call's number in this group, from 1
+  int32_t op = 0;      // OpCode
+  int32_t dtype = -1;  // c10::ScalarType, or -1
+  int64_t numel = 0;   // elements per rank, or -1 when ranks may differ
+  int64_t root = -1;   // group rank of the root, or -1
+  int64_t reduce = -1; // ReduceKind, or -1
+  int64_t extra = 0;
+};
+
+// The collectives, for headers and messages.
+enum class OpCode : int32_t {
+  Barrier = 1,
+  AllReduce,
+  Broadcast,
+  AllGather,
+  ReduceScatter,
+  AllToAll,
+  Gather,
+  Scatter,
+  Reduce,
+};
+const char* op_code_name(OpCode op);
+
+class ShmTransport {
+ public:
+  struct Options {
+    int local_rank;                 // index of this rank among the node's ranks
+    std::vector<int> group_ranks;   // group rank of each of the node's ranks, ascending
+    size_t buffer_bytes;            // data bytes per rank (two slots)
+    std::chrono::milliseconds timeout;
+    std::string token;              // unique to the group; part of the segment names
+  };
+
+  // Creates this rank's segment, maps every local peer's (exchanging readiness
+  // through `store`), and unlinks its own once every peer has mapped it.
+  ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options options);
+
+  int local_rank() const {
+    return options_.local_rank;
+  }
+  int local_size() const {
+    return static_cast<int>(options_.group_ranks.size());
+  }
+  int group_rank_of(int local) const {
+    return options_.group_ranks[local];
+  }
+  size_t slot_bytes() const {
+    return slot_bytes_;
+  }
+
+  // The step the next arrive() publishes, and this rank's slot for it.
+  uint64_t next_step() const {
+    return step_ + 1;
+  }
+  char* my_slot(uint64_t step) const {
+    return slot(options_.local_rank, step);
+  }
+  const char* peer_slot(int local, uint64_t step) const {
+    return slot(local, step);
+  }
+
+  // Publishes the next step (the caller has written its slot) and waits until
+  // every local rank published it. `header` (on a call's first step) is
+  // published with it and checked against every peer's; a difference is a
+  // "mismatch" error. Returns the step; the peers' headers can be read with
+  // peer_header until the next arrive().
+  uint64_t arrive(const char* op, const CallHeader* header = nullptr);
+  const CallHeader& peer_header(int local, uint64_t step) const;
+
+  // Fails every wait in progress and every later one (shutdown, abort).
+  void abort(const std::string& why);
+  // Throws the first failure again, if there was one.
+  void check_usable(const char* op) const;
+
+ private:
+  struct Control;
+  Control* control(int local) const;
+  char* slot(int local, uint64_t step) const;
+  void wait_for(int local, uint64_t step, const char* op);
+  void check_headers(uint64_t step, const char* op);
+  [[noreturn]] void fail(const std::string& message);
+
+  Options options_;
+  size_t slot_bytes_;
+  size_t data_offset_;
+  std::vector<ShmSegment> segments_;  // by local rank; ours is segments_[local_rank]
+  uint64_t step_ = 0;
+  std::atomic<bool> broken_{false};
+  mutable std::mutex reason_mutex_;
+  std::string broken_reason_;  // the first failure; guarded by reason_mutex_
+};
+
+} // namespace torch_tp::backend

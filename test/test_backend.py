@@ -1,0 +1,662 @@
+"""The torch_tp process-group backend against gloo and an exact reference.
+
+The rank pools here initialise their default group with ``backend="torch_tp"``
+(``import torch_tp`` registers it) and a shared-memory buffer of
+``SMALL_BUFFER`` bytes, so a tensor of a few hundred KiB already crosses the
+buffer several times: every chunked path runs at test sizes. Each rank also
+opens a gloo group over the same ranks and runs the same collective there, so
+every result is compared with gloo's on the same inputs, and, since every rank
+can rebuild every rank's input (deterministic per-rank seeds), with a
+reduction computed in float64 (integers: int64) in one process.
+
+Tolerances against the float64 reference, for a reduction over p ranks:
+  float32   rtol 1e-6, atol 1e-6 * p: unit roundoff 2^-24 ~ 6e-8, p-1
+            additions (plus one division for avg) of O(1) terms.
+  bfloat16  rtol 2^-8, atol 1e-6 * p: the backend adds in float32 and rounds
+            once to bfloat16 (unit roundoff 2^-8); the float32 additions add
+            the atol.
+  float16   rtol 2^-11, atol 1e-6 * p: the same with fp16's roundoff 2^-11.
+  float64   rtol 1e-12; integers, bool, min, max, gathers: exact.
+Against gloo: exact wherever no rounding happens (integers, min, max, gathers,
+broadcasts); floats within the reference tolerance plus gloo's own error (gloo
+adds bf16/fp16 in their own precision: 1.6e-2 / 2e-3 relative per rank, the
+bounds test_collectives.py uses). Results are also checked to be bitwise
+identical on every rank (the backend reduces in the same order everywhere).
+"""
+
+import hashlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import torch_tp  # noqa: F401  (registers the backend in this process too)
+from torch_tp import ops
+
+BACKEND = "torch_tp"
+# Per-rank shared-memory buffer for the pools below: small, so tests cross it.
+SMALL_BUFFER = 65536
+ENV = {"TORCH_TP_SHM_BUFFER_BYTES": str(SMALL_BUFFER)}
+WORLD_SIZES = [1, 2, 3, 4]
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+INT_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + [torch.bool]
+REDUCE_OPS = ["sum", "avg", "min", "max", "product"]
+C10D_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
+# Element counts: empty, tiny, odd, one float32 buffer exactly, 2.4 and ~6 buffers.
+NUMELS = [0, 1, 13, 1000, SMALL_BUFFER // 4, 40_000, 100_003]
+
+
+def backend_pool(ranks, world_size):
+    return ranks(world_size, BACKEND, ENV)
+
+
+_GLOO = {}
+
+
+def gloo_group():
+    """A gloo group over the same ranks, created once per worker (all ranks call this in step)."""
+    if "group" not in _GLOO:
+        _GLOO["group"] = dist.new_group(backend="gloo")
+    return _GLOO["group"]
+
+
+def rank_input(rank, numel, dtype, reduce_op="sum", seed=0):
+    """Rank ``rank``'s input of ``numel`` elements; any rank can rebuild any other's.
+
+    Products use magnitudes in [0.5, 1.5] (floats) or {-2..2} (integers) so p
+    factors stay representable; sums of 4 ranks stay inside int8 and uint8.
+    """
+    gen = torch.Generator().manual_seed(7919 * seed + 31 * numel + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=gen).bool()
+    if dtype.is_floating_point:
+        if reduce_op == "product":
+            sign = torch.randint(0, 2, (numel,), generator=gen) * 2 - 1
+            return ((torch.rand(numel, generator=gen, dtype=torch.float64) + 0.5) * sign).to(dtype)
+        return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+    low, high = (-2, 3) if reduce_op == "product" else (-30, 31)
+    if dtype == torch.uint8:
+        low, high = (0, 3) if reduce_op == "product" else (0, 60)
+    return torch.randint(low, high, (numel,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+def reduce_reference(stacked, reduce_op):
+    """Reduce [p, n] over dim 0 in float64 (integers in int64, bool as logical or/and)."""
+    if stacked.dtype == torch.bool:
+        if reduce_op in ("sum", "max"):
+            return stacked.any(0)
+        return stacked.all(0)  # min, product
+    wide = stacked.double() if stacked.dtype.is_floating_point else stacked.long()
+    if reduce_op == "sum":
+        return wide.sum(0)
+    if reduce_op == "avg":
+        return wide.mean(0)
+    if reduce_op == "min":
+        return wide.amin(0)
+    if reduce_op == "max":
+        return wide.amax(0)
+    return wide.prod(0)
+
+
+def reference_tolerance(dtype, world_size):
+    if dtype == torch.float32:
+        return dict(rtol=1e-6, atol=1e-6 * world_size)
+    if dtype == torch.bfloat16:
+        return dict(rtol=2.0**-8, atol=1e-6 * world_size)
+    if dtype == torch.float16:
+        return dict(rtol=2.0**-11, atol=1e-6 * world_size)
+    if dtype == torch.float64:
+        return dict(rtol=1e-12, atol=1e-12)
+    return dict(rtol=0, atol=0)
+
+
+def gloo_tolerance(dtype, world_size):
+    if dtype == torch.bfloat16:
+        return dict(rtol=2.0**-8 + 1.6e-2, atol=1.6e-2 * world_size)
+    if dtype == torch.float16:
+        return dict(rtol=2.0**-11 + 2e-3, atol=2e-3 * world_size)
+    return reference_tolerance(dtype, world_size)
+
+
+def digest(tensor):
+    """The bytes of ``tensor``: equal digests on every rank = bitwise identical results."""
+    return hashlib.sha1(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def close(actual, expected, tol, what):
+    """None if ``actual`` matches ``expected`` (dtype-converted), else a description."""
+    try:
+        if tol["rtol"] == 0 and tol["atol"] == 0:
+            assert torch.equal(actual.to(expected.dtype), expected), "not equal"
+        else:
+            torch.testing.assert_close(actual.to(expected.dtype), expected, **tol)
+    except AssertionError as e:
+        return f"{what}: {str(e)[:400]}"
+    return None
+
+
+# ---------------------------------------------------------------- all_reduce
+
+
+def _check_all_reduce(dtype):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    assert dist.get_backend() == BACKEND
+    failures, digests = [], {}
+    for reduce_op in REDUCE_OPS:
+        if reduce_op == "avg" and not dtype.is_floating_point:
+            x = rank_input(rank, 4, dtype)
+            with pytest.raises(RuntimeError):
+                dist.all_reduce(x, op=dist.ReduceOp.AVG)  # as gloo: no integer average
+            continue
+        for numel in NUMELS:
+            case = f"{reduce_op} n={numel}"
+            x = rank_input(rank, numel, dtype, reduce_op)
+            ours = x.clone()
+            dist.all_reduce(ours, op=C10D_OPS[reduce_op])
+            digests[case] = digest(ours)
+            reference = reduce_reference(torch.stack([rank_input(r, numel, dtype, reduce_op) for r in range(p)]),
+                                         reduce_op)
+            exact = reduce_op in ("min", "max")
+            tol = dict(rtol=0, atol=0) if exact else reference_tolerance(dtype, p)
+            failures.append(close(ours, reference, tol, f"{case} vs reference"))
+            if dtype != torch.int16:  # gloo has no int16 kernels
+                theirs = x.clone()
+                dist.all_reduce(theirs, op=C10D_OPS[reduce_op], group=gloo_group())
+                tol = dict(rtol=0, atol=0) if exact else gloo_tolerance(dtype, p)
+                failures.append(close(ours, theirs, tol, f"{case} vs gloo"))
+    return [f for f in failures if f], digests
+
+
+def _assert_results(results):
+    failures = [f"rank {r}: {f}" for r, (fails, _) in enumerate(results) for f in fails]
+    assert not failures, "\n".join(failures)
+    digests = [d for _, d in results]
+    for case in digests[0]:
+        per_rank = [d[case] for d in digests]
+        assert len(set(per_rank)) == 1, f"{case}: results differ bitwise across ranks"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_reduce(ranks, world_size, dtype):
+    _assert_results(backend_pool(ranks, world_size).run(_check_all_reduce, dtype))
+
+
+def _check_all_reduce_default_buffer(numels):
+    """The default buffer size (the pool above sets a small one) on sizes below and far above it."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures, digests = [], {}
+    for numel in numels:
+        x = rank_input(rank, numel, torch.float32)
+        dist.all_reduce(x)
+        digests[numel] = digest(x)
+        reference = torch.stack([rank_input(r, numel, torch.float32) for r in range(p)]).double().sum(0)
+        failures.append(close(x, reference, reference_tolerance(torch.float32, p), f"n={numel}"))
+    return [f for f in failures if f], digests
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_default_buffer(ranks, world_size):
+    numels = [1, 5000, 300_000, 3_000_001]  # up to 12 MB of float32
+    _assert_results(ranks(world_size, BACKEND).run(_check_all_reduce_default_buffer, numels))
+
+
+# ---------------------------------------------------------------- all_gather, reduce_scatter
+
+
+def _check_all_gather(dtype):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    for numel in NUMELS:
+        x = rank_input(rank, numel, dtype)
+        expected = [rank_input(r, numel, dtype) for r in range(p)]
+        as_list = [torch.full((numel,), 7).to(dtype) for _ in range(p)]
+        dist.all_gather(as_list, x)
+        for r in range(p):
+            failures.append(close(as_list[r], expected[r], dict(rtol=0, atol=0), f"list n={numel} from {r}"))
+        into = torch.empty(p * numel, dtype=dtype)
+        dist.all_gather_into_tensor(into, x)
+        failures.append(close(into, torch.cat(expected), dict(rtol=0, atol=0), f"into-tensor n={numel}"))
+        # A 2-D output gathered along dim 0, as DTensor and FSDP use it.
+        into_2d = torch.empty(p, numel, dtype=dtype)
+        dist.all_gather_into_tensor(into_2d, x.view(1, numel))
+        failures.append(close(into_2d, torch.stack(expected), dict(rtol=0, atol=0), f"into 2-D n={numel}"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_gather(ranks, world_size, dtype):
+    _assert_results(backend_pool(ranks, world_size).run(_check_all_gather, dtype))
+
+
+def _check_reduce_scatter(dtype):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    ops_here = ["sum", "min", "max", "product"] + (["avg"] if dtype.is_floating_point else [])
+    for reduce_op in ops_here:
+        for numel in [0, 1, 13, 5000, 40_001]:  # per-rank piece; the input is p pieces
+            case = f"{reduce_op} n={numel}"
+            inputs = [rank_input(r, p * numel, dtype, reduce_op) for r in range(p)]
+            reference = reduce_reference(torch.stack(inputs), reduce_op)[rank * numel:(rank + 1) * numel]
+            exact = reduce_op in ("min", "max")
+            tol = dict(rtol=0, atol=0) if exact else reference_tolerance(dtype, p)
+
+            out = torch.empty(numel, dtype=dtype)
+            dist.reduce_scatter_tensor(out, inputs[rank], op=C10D_OPS[reduce_op])
+            failures.append(close(out, reference, tol, f"tensor {case}"))
+
+            out_list = torch.empty(numel, dtype=dtype)
+            dist.reduce_scatter(out_list, list(inputs[rank].chunk(p)) if numel else
+                                [torch.empty(0, dtype=dtype) for _ in range(p)], op=C10D_OPS[reduce_op])
+            failures.append(close(out_list, reference, tol, f"list {case}"))
+
+            if dtype not in (torch.int16, torch.bool) and reduce_op != "avg":
+                theirs = torch.empty(numel, dtype=dtype)
+                dist.reduce_scatter_tensor(theirs, inputs[rank], op=C10D_OPS[reduce_op], group=gloo_group())
+                tol = dict(rtol=0, atol=0) if exact else gloo_tolerance(dtype, p)
+                failures.append(close(out, theirs, tol, f"{case} vs gloo"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + [torch.int8, torch.int16, torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter(ranks, world_size, dtype):
+    _assert_results(backend_pool(ranks, world_size).run(_check_reduce_scatter, dtype))
+
+
+# ---------------------------------------------------------------- rooted collectives
+
+
+def _check_rooted(dtype):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    exact = dict(rtol=0, atol=0)
+    for root in range(p):
+        for numel in [0, 1, 1000, 40_000]:
+            case = f"root={root} n={numel}"
+            # broadcast
+            x = rank_input(rank, numel, dtype, seed=1)
+            dist.broadcast(x, src=root)
+            failures.append(close(x, rank_input(root, numel, dtype, seed=1), exact, f"broadcast {case}"))
+            # reduce: only the root's result is defined (gloo uses the others' tensors as scratch)
+            x = rank_input(rank, numel, dtype, seed=2)
+            dist.reduce(x, dst=root, op=dist.ReduceOp.MAX)
+            if rank == root:
+                reference = reduce_reference(torch.stack([rank_input(r, numel, dtype, seed=2) for r in range(p)]),
+                                             "max")
+                failures.append(close(x, reference, exact, f"reduce max {case}"))
+            # gather
+            x = rank_input(rank, numel, dtype, seed=3)
+            gathered = [torch.empty(numel, dtype=dtype) for _ in range(p)] if rank == root else None
+            dist.gather(x, gathered, dst=root)
+            if rank == root:
+                for r in range(p):
+                    failures.append(close(gathered[r], rank_input(r, numel, dtype, seed=3), exact,
+                                          f"gather {case} from {r}"))
+            # scatter: the root's piece r goes to rank r
+            pieces = [rank_input(100 + r, numel, dtype, seed=4) for r in range(p)]
+            out = torch.empty(numel, dtype=dtype)
+            dist.scatter(out, pieces if rank == root else None, src=root)
+            failures.append(close(out, pieces[rank], exact, f"scatter {case}"))
+    if dtype.is_floating_point:  # a reduce that rounds: the sum, against the float64 reference
+        for root in range(p):
+            x = rank_input(rank, 30_000, dtype, seed=5)
+            dist.reduce(x, dst=root, op=dist.ReduceOp.SUM)
+            if rank == root:
+                stacked = torch.stack([rank_input(r, 30_000, dtype, seed=5) for r in range(p)])
+                failures.append(close(x, reduce_reference(stacked, "sum"), reference_tolerance(dtype, p),
+                                      f"reduce sum root={root}"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_rooted_collectives(ranks, world_size, dtype):
+    _assert_results(backend_pool(ranks, world_size).run(_check_rooted, dtype))
+
+
+# ---------------------------------------------------------------- all_to_all
+
+
+def _split(sender, receiver, scale):
+    """Elements ``sender`` sends ``receiver`` (uneven, some zero)."""
+    return ((sender * 7 + receiver * 3) % 5) * scale
+
+
+def _check_all_to_all(dtype, scale):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    exact = dict(rtol=0, atol=0)
+
+    def sent(sender):
+        return rank_input(sender, sum(_split(sender, r, scale) for r in range(p)), dtype, seed=6)
+
+    def piece(sender, receiver):
+        start = sum(_split(sender, r, scale) for r in range(receiver))
+        return sent(sender)[start:start + _split(sender, receiver, scale)]
+
+    # single tensor, even splits
+    even = rank_input(rank, p * 3 * scale, dtype, seed=7)
+    out = torch.empty_like(even)
+    dist.all_to_all_single(out, even)
+    expected = torch.cat([rank_input(r, p * 3 * scale, dtype, seed=7).chunk(p)[rank] for r in range(p)])
+    failures.append(close(out, expected, exact, "all_to_all_single even"))
+
+    # single tensor, uneven splits
+    in_splits = [_split(rank, r, scale) for r in range(p)]
+    out_splits = [_split(r, rank, scale) for r in range(p)]
+    out = torch.empty(sum(out_splits), dtype=dtype)
+    dist.all_to_all_single(out, sent(rank), output_split_sizes=out_splits, input_split_sizes=in_splits)
+    expected = torch.cat([piece(r, rank) for r in range(p)])
+    failures.append(close(out, expected, exact, "all_to_all_single uneven"))
+
+    # list form, uneven
+    outs = [torch.empty(_split(r, rank, scale), dtype=dtype) for r in range(p)]
+    dist.all_to_all(outs, [piece(rank, r) for r in range(p)])
+    for r in range(p):
+        failures.append(close(outs[r], piece(r, rank), exact, f"all_to_all list from {r}"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32], ids=str)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_to_all(ranks, world_size, dtype):
+    # scale 1: a few elements; scale 20_000: pieces up to 80_000 elements, several buffers
+    for scale in (1, 20_000):
+        _assert_results(backend_pool(ranks, world_size).run(_check_all_to_all, dtype, scale))
+
+
+# ---------------------------------------------------------------- point to point, barrier
+
+
+def _check_send_recv(numel):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    exact = dict(rtol=0, atol=0)
+    right, left = (rank + 1) % p, (rank - 1) % p
+    # Every rank sends to its right and receives from its left at the same time:
+    # the backend must not make a send wait for the receiver's collective queue.
+    mine = rank_input(rank, numel, torch.float32, seed=8)
+    got = torch.empty(numel)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, right), dist.P2POp(dist.irecv, got, left)])
+    for work in works:
+        work.wait()
+    failures.append(close(got, rank_input(left, numel, torch.float32, seed=8), exact, f"ring n={numel}"))
+    # isend both ways first, then the receives (gloo's send does not wait for the receive).
+    sends = [dist.isend(rank_input(rank, numel, torch.float32, seed=9 + k), right) for k in range(2)]
+    for k in range(2):
+        got = torch.empty(numel)
+        dist.recv(got, src=left)
+        failures.append(close(got, rank_input(left, numel, torch.float32, seed=9 + k), exact,
+                              f"message {k} n={numel} (order kept)"))
+    for work in sends:
+        work.wait()
+    # Blocking send/recv in an order that matches up.
+    if p > 1:
+        if rank == 0:
+            dist.send(mine, dst=p - 1)
+        elif rank == p - 1:
+            got = torch.empty(numel)
+            dist.recv(got, src=0)
+            failures.append(close(got, rank_input(0, numel, torch.float32, seed=8), exact, "blocking 0 -> p-1"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_send_recv(ranks, world_size):
+    for numel in (0, 10, 100_003):  # 100_003 floats: ~6 buffers
+        _assert_results(backend_pool(ranks, world_size).run(_check_send_recv, numel))
+
+
+def _check_barrier(delay):
+    if dist.get_rank() == 0:
+        time.sleep(delay)
+    start = time.monotonic()
+    dist.barrier()
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_barrier_waits_for_everyone(ranks, world_size):
+    delay = 0.5
+    waited = backend_pool(ranks, world_size).run(_check_barrier, delay)
+    # Rank 0 sleeps before it arrives, so every other rank waits nearly that long.
+    assert all(w > delay * 0.8 for w in waited[1:]), waited
+
+
+# ---------------------------------------------------------------- async, coalesced, groups
+
+
+def _check_async():
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    numels = [10, 50_000, 3, 200_000]
+    xs = [rank_input(rank, n, torch.float32, seed=10) for n in numels]
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    gathered = torch.empty(p * 1000)
+    gather_work = dist.all_gather_into_tensor(gathered, rank_input(rank, 1000, torch.float32, seed=11),
+                                              async_op=True)
+    futures = [w.get_future() for w in works]
+    # Wait out of order; futures hand back the output tensors.
+    gather_work.wait()
+    for n, x, work, future in reversed(list(zip(numels, xs, works, futures))):
+        work.wait()
+        assert work.is_completed()
+        assert torch.equal(future.wait()[0], x), "the future's value is not the reduced tensor"
+        reference = torch.stack([rank_input(r, n, torch.float32, seed=10) for r in range(p)]).double().sum(0)
+        failures.append(close(x, reference, reference_tolerance(torch.float32, p), f"async n={n}"))
+    failures.append(close(gathered, torch.cat([rank_input(r, 1000, torch.float32, seed=11) for r in range(p)]),
+                          dict(rtol=0, atol=0), "async all_gather"))
+    # A continuation chained on the future runs once the collective is done.
+    y = torch.ones(5)
+    chained = dist.all_reduce(y, async_op=True).get_future().then(lambda fut: fut.value()[0] * 2)
+    failures.append(close(chained.wait(), torch.full((5,), 2.0 * p), dict(rtol=0, atol=0), "future.then"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_async(ranks, world_size):
+    _assert_results(backend_pool(ranks, world_size).run(_check_async))
+
+
+def _check_coalesced():
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    exact = dict(rtol=0, atol=0)
+    numels = [7, 30_000, 0, 1]
+    # all_reduce, coalesced by the coalescing manager (one allreduce_coalesced call)
+    xs = [rank_input(rank, n, torch.float32, seed=12) for n in numels]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for x in xs:
+            dist.all_reduce(x)
+    cm.wait()
+    for n, x in zip(numels, xs):
+        reference = torch.stack([rank_input(r, n, torch.float32, seed=12) for r in range(p)]).double().sum(0)
+        failures.append(close(x, reference, reference_tolerance(torch.float32, p), f"coalesced all_reduce n={n}"))
+    # all_gather_into_tensor and reduce_scatter_tensor, coalesced
+    outs = [torch.empty(p * n) for n in numels]
+    with dist._coalescing_manager():
+        for n, out in zip(numels, outs):
+            dist.all_gather_into_tensor(out, rank_input(rank, n, torch.float32, seed=13))
+    for n, out in zip(numels, outs):
+        expected = torch.cat([rank_input(r, n, torch.float32, seed=13) for r in range(p)])
+        failures.append(close(out, expected, exact, f"coalesced all_gather n={n}"))
+    outs = [torch.empty(n) for n in numels]
+    with dist._coalescing_manager():
+        for n, out in zip(numels, outs):
+            dist.reduce_scatter_tensor(out, rank_input(rank, p * n, torch.float32, seed=14), op=dist.ReduceOp.MAX)
+    for n, out in zip(numels, outs):
+        stacked = torch.stack([rank_input(r, p * n, torch.float32, seed=14) for r in range(p)])
+        failures.append(close(out, stacked.amax(0)[rank * n:(rank + 1) * n], exact, f"coalesced reduce_scatter n={n}"))
+    # the functional collectives torch.compile, DTensor and FSDP2 emit
+    group_name = dist.group.WORLD.group_name
+    functional = torch.ops._c10d_functional
+    ys = [rank_input(rank, n, torch.float32, seed=15) for n in numels]
+    reduced = [functional.wait_tensor(t) for t in functional.all_reduce_coalesced(ys, "sum", group_name)]
+    for n, y in zip(numels, reduced):
+        reference = torch.stack([rank_input(r, n, torch.float32, seed=15) for r in range(p)]).double().sum(0)
+        failures.append(close(y, reference, reference_tolerance(torch.float32, p), f"functional all_reduce n={n}"))
+    gathered = [functional.wait_tensor(t)
+                for t in functional.all_gather_into_tensor_coalesced(ys, p, group_name)]
+    for n, g in zip(numels, gathered):
+        expected = torch.cat([rank_input(r, n, torch.float32, seed=15) for r in range(p)])
+        failures.append(close(g, expected, exact, f"functional all_gather n={n}"))
+    big = [rank_input(rank, p * n, torch.float32, seed=16) for n in numels]
+    scattered = [functional.wait_tensor(t)
+                 for t in functional.reduce_scatter_tensor_coalesced(big, "sum", p, group_name)]
+    for n, s in zip(numels, scattered):
+        stacked = torch.stack([rank_input(r, p * n, torch.float32, seed=16) for r in range(p)])
+        reference = stacked.double().sum(0)[rank * n:(rank + 1) * n]
+        failures.append(close(s, reference, reference_tolerance(torch.float32, p), f"functional reduce_scatter n={n}"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_coalesced(ranks, world_size):
+    _assert_results(backend_pool(ranks, world_size).run(_check_coalesced))
+
+
+def _check_several_groups():
+    """Sub-groups and a second full group alive at once, with async ops interleaved across them."""
+    rank = dist.get_rank()
+    failures = []
+    pairs = [dist.new_group([0, 1], backend=BACKEND), dist.new_group([2, 3], backend=BACKEND)]
+    mine = pairs[rank // 2]
+    everyone = dist.new_group(backend=BACKEND)
+    odd_ones = dist.new_group([1, 3], backend=BACKEND)
+    assert dist.get_backend(mine) == BACKEND
+    x_pair = rank_input(rank, 50_000, torch.float32, seed=17)
+    x_all = rank_input(rank, 50_000, torch.float32, seed=18)
+    w_pair = dist.all_reduce(x_pair, group=mine, async_op=True)
+    w_all = dist.all_reduce(x_all, group=everyone, async_op=True)
+    if rank % 2 == 1:
+        x_odd = torch.full((3,), float(rank))
+        dist.all_reduce(x_odd, group=odd_ones)
+        failures.append(close(x_odd, torch.full((3,), 4.0), dict(rtol=0, atol=0), "group [1, 3]"))
+    w_all.wait()
+    w_pair.wait()
+    partners = [2 * (rank // 2), 2 * (rank // 2) + 1]
+    pair_ref = torch.stack([rank_input(r, 50_000, torch.float32, seed=17) for r in partners]).double().sum(0)
+    all_ref = torch.stack([rank_input(r, 50_000, torch.float32, seed=18) for r in range(4)]).double().sum(0)
+    failures.append(close(x_pair, pair_ref, reference_tolerance(torch.float32, 2), "pair group"))
+    failures.append(close(x_all, all_ref, reference_tolerance(torch.float32, 4), "second full group"))
+    # A 2x2 DeviceMesh: its dimension groups use the default backend.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dim in ("dp", "tp"):
+        group = mesh.get_group(dim)
+        assert dist.get_backend(group) == BACKEND, dist.get_backend(group)
+        members = dist.get_process_group_ranks(group)
+        y = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(y, group=group)
+        failures.append(close(y, torch.full((1000,), float(sum(m + 1 for m in members))), dict(rtol=0, atol=0),
+                              f"mesh dim {dim}"))
+    for group in pairs + [everyone, odd_ones]:
+        dist.destroy_process_group(group)
+    return [f for f in failures if f], {}
+
+
+def test_several_groups(ranks):
+    _assert_results(backend_pool(ranks, 4).run(_check_several_groups))
+
+
+# ---------------------------------------------------------------- the torch_tp ops on this backend
+
+
+def _check_torch_tp_ops():
+    """The foundation ops give the same values on this backend as on gloo."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    gloo = gloo_group()
+    tol = reference_tolerance(torch.float32, p)
+    x = rank_input(rank, 6 * p * 5, torch.float32, seed=19).view(6 * p, 5)
+    for name, fn in [
+        ("all_reduce", lambda g: ops.all_reduce(x, "sum", group=g)),
+        ("all_gather", lambda g: ops.all_gather(x, 1, group=g)),
+        ("reduce_scatter", lambda g: ops.reduce_scatter(x, 0, "max", group=g)),
+    ]:
+        failures.append(close(fn(dist.group.WORLD), fn(gloo), tol, name))
+    # A column- then row-parallel MLP, forward and backward.
+    gen = torch.Generator().manual_seed(20)
+    w1 = torch.randn(8 * p, 6, generator=gen)
+    w2 = torch.randn(6, 8 * p, generator=gen)
+    inp = torch.randn(4, 6, generator=gen)
+    results = {}
+    for label, group in [("torch_tp", dist.group.WORLD), ("gloo", gloo)]:
+        a = ops.shard(w1, 0, group=group).clone().requires_grad_()
+        b = ops.shard(w2, 1, group=group).clone().requires_grad_()
+        h = torch.ops.torch_tp.column_parallel_linear(inp, a, None, group.group_name, None, None, "gelu_tanh", False)
+        out = torch.ops.torch_tp.row_parallel_linear(h, b, None, group.group_name, None)
+        out.square().sum().backward()
+        results[label] = (out.detach(), a.grad, b.grad)
+    # The MLP's values are sums of 6 to 8p products whose size grows with the
+    # loss: float32 roundoff relative to the largest element of each tensor.
+    for name, ours, theirs in zip(["output", "grad w1", "grad w2"], results["torch_tp"], results["gloo"]):
+        scale = theirs.abs().max().item()
+        failures.append(close(ours, theirs, dict(rtol=1e-5, atol=1e-5 * scale), f"mlp {name}"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_torch_tp_ops_on_backend(ranks, world_size):
+    _assert_results(backend_pool(ranks, world_size).run(_check_torch_tp_ops))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _check_bad_input():
+    cases = [
+        # (complex tensors are fine: torch hands the backend their view_as_real)
+        ("all_reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint32))),
+        ("all_gather", lambda: dist.all_gather([torch.empty(3)], torch.ones(3))),  # a list of 1 for 2 ranks
+    ]
+    messages = []
+    for op, call in cases:
+        try:
+            call()
+        except (RuntimeError, ValueError) as e:
+            messages.append((op, str(e)))
+        else:
+            messages.append((op, None))
+    return messages
+
+
+def test_bad_input_is_refused_clearly(ranks):
+    for messages in backend_pool(ranks, 2).run(_check_bad_input):
+        for op, message in messages:
+            assert message is not None, f"{op}: bad input accepted"
+            assert "torch_tp" in message and op in message, message
+
+
+def _check_non_contiguous():
+    rank, p = dist.get_rank(), dist.get_world_size()
+    base = rank_input(rank, 12, torch.float32, seed=21).view(3, 4)
+    x = base.t()
+    try:
+        dist.all_reduce(x)
+    except RuntimeError as e:
+        return [] if "contiguous" in str(e) else [f"unclear error: {e}"], {}
+    reference = torch.stack([rank_input(r, 12, torch.float32, seed=21).view(3, 4).t() for r in range(p)])
+    return [f for f in [close(x, reference.double().sum(0), reference_tolerance(torch.float32, p), "t()")] if f], {}
+
+
+def test_non_contiguous(ranks):
+    _assert_results(backend_pool(ranks, 2).run(_check_non_contiguous))
+
+
+def _check_backend_name():
+    return dist.get_backend(), dist.get_backend(dist.group.WORLD)
+
+
+def test_backend_name(ranks):
+    assert backend_pool(ranks, 2).run(_check_backend_name) == [(BACKEND, BACKEND)] * 2

@@ -1,0 +1,277 @@
+"""The torch_tp backend under faults: dead and stuck peers, mismatched calls, leaks, two nodes.
+
+These tests start their own processes (a fault kills or stalls a rank, which
+the shared rank pools must never see). Each scenario runs ``world_size`` ranks
+over a FileStore with a short group timeout (``TIMEOUT_S``) and checks, from
+the outside, what every rank reported and how long it took:
+
+* a rank killed with SIGKILL while inside an all_reduce, and a rank that never
+  calls: every survivor raises an error naming the op and the missing rank
+  within the timeout (plus ``SLACK_S`` for a busy 2-core machine), and exits;
+* ranks calling with different element counts, dtypes or collectives: every
+  rank raises a "mismatch" error long before the timeout;
+* /dev/shm holds no ``torch_tp_`` segment once the group is up, nor after a
+  crash; destroy_process_group leaves no mapping and no extra thread behind;
+* too little /dev/shm space is refused at init with a message naming it;
+* two torchrun launches on this machine, each told it is its own node
+  (``TORCH_TP_HOST_KEY``), form one 4-rank job whose collectives match gloo's.
+"""
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+
+TIMEOUT_S = 6.0
+# Scheduling slack on 2 busy cores: the error must come within TIMEOUT_S + SLACK_S.
+SLACK_S = 4.0
+# Start-up of a rank (spawn, import torch, rendezvous) on 2 busy cores.
+STARTUP_S = 90.0
+SMALL_BUFFER_ENV = {"TORCH_TP_SHM_BUFFER_BYTES": "65536"}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def shm_segments():
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("torch_tp_"))
+
+
+def _rank_main(rank, world_size, init_file, scenario, env, events):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    import torch_tp  # noqa: F401  (registers the backend)
+
+    torch.set_num_threads(1)
+    events.put((rank, "started", None, 0.0))  # starts the queue's feeder thread before the count
+    threads_before = len(os.listdir("/proc/self/task"))
+    try:
+        dist.init_process_group("torch_tp", init_method="file://" + init_file, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001  (reported to the test)
+        events.put((rank, "init_error", str(e), 0.0))
+        return
+    x = torch.ones(1000)
+    dist.all_reduce(x)  # every rank has finished init: mapped and unlinked every segment
+    events.put((rank, "ready", shm_segments(), 0.0))
+    start = time.monotonic()
+    try:
+        if scenario == "killed_mid_collective":
+            # The last rank comes late, so the victim (rank 1) is inside the
+            # all_reduce, waiting, when the test kills it.
+            if rank == world_size - 1:
+                time.sleep(2.0)
+            events.put((rank, "entered", None, 0.0))
+            start = time.monotonic()
+            dist.all_reduce(torch.ones(100_000))
+        elif scenario == "stuck_peer":
+            if rank == 1:
+                time.sleep(TIMEOUT_S + SLACK_S + 2.0)  # alive, but never calls
+                events.put((rank, "ok", None, 0.0))
+                return
+            dist.all_reduce(torch.ones(100_000))
+        elif scenario == "numel_mismatch":
+            dist.all_reduce(torch.ones(10 + 2 * rank))
+        elif scenario == "dtype_mismatch":
+            dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank == 0 else torch.float64))
+        elif scenario == "op_mismatch":
+            if rank == 0:
+                dist.broadcast(torch.ones(10), src=0)
+            else:
+                dist.all_reduce(torch.ones(10))
+        elif scenario == "clean_shutdown":
+            for numel in (10, 100_000):
+                y = torch.ones(numel)
+                dist.all_reduce(y)
+                assert torch.equal(y, torch.full((numel,), float(world_size)))
+            dist.destroy_process_group()
+            maps = [line for line in open("/proc/self/maps") if "torch_tp_" in line]
+            threads_after = len(os.listdir("/proc/self/task"))
+            events.put((rank, "ok", {"maps": maps, "threads_before": threads_before,
+                                     "threads_after": threads_after}, 0.0))
+            return
+        events.put((rank, "ok", None, time.monotonic() - start))
+    except Exception as e:  # noqa: BLE001  (the error is what the test checks)
+        events.put((rank, "error", str(e), time.monotonic() - start))
+    dist.destroy_process_group()
+
+
+class Job:
+    """``world_size`` ranks of one scenario, each a spawned process reporting events."""
+
+    def __init__(self, world_size, scenario, env=None):
+        self.tmp = tempfile.mkdtemp(prefix="torch_tp_faults_")
+        ctx = mp.get_context("spawn")
+        self.events = ctx.Queue()
+        self.history = {}
+        env = {**SMALL_BUFFER_ENV, **(env or {})}
+        self.procs = [ctx.Process(target=_rank_main, daemon=True,
+                                  args=(r, world_size, os.path.join(self.tmp, "store"), scenario, env, self.events))
+                      for r in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+
+    def wait_for(self, kinds, count, timeout):
+        """Until ``count`` ranks have reported one of ``kinds``: {rank: (kind, payload, seconds)},
+        each rank's latest event of those kinds (earlier and other events stay in ``self.history``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {}
+            for rank, history in self.history.items():
+                matching = [event for event in history if event[0] in kinds]
+                if matching:
+                    found[rank] = matching[-1]
+            if len(found) >= count:
+                return found
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"waited {timeout:.0f} s for {count} x {kinds}; got {self.history}")
+            try:
+                rank, kind, payload, seconds = self.events.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            self.history.setdefault(rank, []).append((kind, payload, seconds))
+
+    def join(self, timeout):
+        """Every process must exit on its own within ``timeout`` (no hang in teardown)."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+        hung = [r for r, proc in enumerate(self.procs) if proc.is_alive()]
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        assert not hung, f"rank(s) {hung} did not exit within {timeout:.0f} s"
+
+    def kill(self, rank):
+        os.kill(self.procs[rank].pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def _no_segments_left():
+    assert shm_segments() == [], f"/dev/shm not empty before the test: {shm_segments()}"
+    yield
+    assert shm_segments() == [], f"/dev/shm holds torch_tp segments: {shm_segments()}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_killed_mid_collective(world_size):
+    job = Job(world_size, "killed_mid_collective")
+    ready = job.wait_for({"ready"}, world_size, STARTUP_S)
+    for rank, (_, segments, _) in ready.items():
+        assert segments == [], f"rank {rank}: segments still named in /dev/shm once the group is up: {segments}"
+    job.wait_for({"entered"}, world_size - 1, STARTUP_S)  # all but the late rank are inside
+    time.sleep(0.5)
+    job.kill(1)
+    survivors = [r for r in range(world_size) if r != 1]
+    events = job.wait_for({"error", "ok"}, len(survivors), TIMEOUT_S + SLACK_S + 3.0)
+    for rank in survivors:
+        kind, message, seconds = events[rank]
+        assert kind == "error", f"rank {rank} finished an all_reduce with a dead peer"
+        assert "all_reduce" in message and "rank 1" in message, message
+        assert seconds < TIMEOUT_S + SLACK_S, f"rank {rank} took {seconds:.1f} s to notice: {message}"
+    job.join(30)
+
+
+def test_stuck_peer_times_out():
+    job = Job(2, "stuck_peer")
+    job.wait_for({"ready"}, 2, STARTUP_S)
+    events = job.wait_for({"error", "ok"}, 1, STARTUP_S)
+    kind, message, seconds = events[0]
+    assert kind == "error", "rank 0 finished an all_reduce its peer never called"
+    assert "all_reduce" in message and "rank 1" in message and "timed out" in message, message
+    assert TIMEOUT_S * 0.5 < seconds < TIMEOUT_S + SLACK_S, f"error after {seconds:.1f} s: {message}"
+    job.join(TIMEOUT_S + SLACK_S + 30)
+
+
+@pytest.mark.parametrize("scenario, fragments", [
+    ("numel_mismatch", ["10", "12"]),
+    ("dtype_mismatch", ["float", "double"]),
+    ("op_mismatch", ["broadcast", "all_reduce"]),
+])
+def test_mismatch_across_ranks_is_an_error(scenario, fragments):
+    job = Job(2, scenario)
+    job.wait_for({"ready"}, 2, STARTUP_S)
+    events = job.wait_for({"error", "ok"}, 2, STARTUP_S)
+    for rank in range(2):
+        kind, message, seconds = events[rank]
+        assert kind == "error", f"rank {rank}: a mismatched call went through"
+        assert "mismatch" in message.lower(), message
+        for fragment in fragments:
+            assert fragment in message.lower(), f"{fragment!r} not in {message}"
+        # Found from the call headers, not by waiting out the timeout.
+        assert seconds < TIMEOUT_S / 2, f"rank {rank} took {seconds:.1f} s: {message}"
+    job.join(30)
+
+
+def test_clean_shutdown_leaves_nothing():
+    job = Job(2, "clean_shutdown")
+    events = job.wait_for({"ok", "error"}, 2, STARTUP_S)
+    for rank in range(2):
+        kind, info, _ = events[rank]
+        assert kind == "ok", info
+        assert info["maps"] == [], f"rank {rank}: segments still mapped after destroy: {info['maps']}"
+        assert info["threads_after"] <= info["threads_before"], f"rank {rank}: threads leaked: {info}"
+    job.join(30)
+
+
+def test_too_little_shm_is_refused():
+    job = Job(2, "clean_shutdown", env={"TORCH_TP_SHM_BUFFER_BYTES": str(1 << 39)})  # 512 GiB per rank
+    events = job.wait_for({"init_error", "ok"}, 2, STARTUP_S)
+    for rank in range(2):
+        kind, message, _ = events[rank]
+        assert kind == "init_error", f"rank {rank} started with 512 GiB of shared memory per rank"
+        assert "/dev/shm" in message, message
+    job.join(30)
+
+
+def test_bad_buffer_size_is_refused():
+    job = Job(2, "clean_shutdown", env={"TORCH_TP_SHM_BUFFER_BYTES": "lots"})
+    events = job.wait_for({"init_error", "ok"}, 2, STARTUP_S)
+    for rank in range(2):
+        kind, message, _ = events[rank]
+        assert kind == "init_error" and "TORCH_TP_SHM_BUFFER_BYTES" in message and "lots" in message, message
+    job.join(30)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes(tmp_path):
+    """Two torchrun launches of 2 ranks each, told they are different nodes."""
+    port = _free_port()
+    launches = []
+    for node in range(2):
+        env = {**os.environ, **SMALL_BUFFER_ENV, "TORCH_TP_HOST_KEY": f"test-node-{node}", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               os.path.join(HERE, "backend_two_node_job.py"), str(tmp_path)]
+        launches.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for launch in launches:
+        try:
+            out, _ = launch.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for other in launches:
+                other.kill()
+            raise
+        outputs.append(out)
+    for node, (launch, out) in enumerate(zip(launches, outputs)):
+        assert launch.returncode == 0, f"node {node} failed:\n{out[-6000:]}"
+    for rank in range(4):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            report = json.load(f)
+        assert report["failures"] == [], f"rank {rank}: {report['failures']}"
+        assert report["checks"] > 10, report
