@@ -165,6 +165,27 @@ class ProcessGroupShm::Queue {
     cv_.notify_one();
   }
 
+  // Runs `run` on the calling thread if nothing is queued or running (NOTE
+  // [synchronous calls run inline]); otherwise queues it behind the others.
+  void run_inline_or_push(c10::intrusive_ptr<ShmWork> work, std::function<void()> run) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
+      if (busy_ || !items_.empty()) {
+        items_.push_back({std::move(work), std::move(run)});
+        cv_.notify_one();
+        return;
+      }
+      busy_ = true;
+    }
+    execute({std::move(work), std::move(run)});
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+    }
+    cv_.notify_one();  // a call another thread queued meanwhile
+  }
+
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -182,32 +203,42 @@ class ProcessGroupShm::Queue {
     std::function<void()> run;
   };
 
+  static void execute(Item item) {
+    std::exception_ptr error;
+    try {
+      item.run();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    item.run = nullptr;  // drop the captured tensors before completing
+    item.work->complete(error);
+  }
+
   void loop() {
     for (;;) {
       Item item;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return stopping_ || !items_.empty(); });
+        cv_.wait(lock, [&] { return (stopping_ && !busy_) || (!items_.empty() && !busy_); });
         if (items_.empty()) {
           return;
         }
         item = std::move(items_.front());
         items_.pop_front();
+        busy_ = true;
       }
-      std::exception_ptr error;
-      try {
-        item.run();
-      } catch (...) {
-        error = std::current_exception();
+      execute(std::move(item));
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        busy_ = false;
       }
-      item.run = nullptr;  // drop the captured tensors before completing
-      item.work->complete(error);
     }
   }
 
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Item> items_;
+  bool busy_ = false;  // a call is running, on the worker or inline; the next one waits
   bool stopping_ = false;
   std::thread thread_;  // last: starts after the members it uses exist
 };
@@ -306,9 +337,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(Queue& queue, c10d::OpTy
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::collective(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                                           std::function<void(uint64_t seq)> run) {
+                                                           bool async_op, std::function<void(uint64_t seq)> run) {
   const uint64_t seq = ++seq_;
-  return enqueue(*collectives_, type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
+  if (async_op) {
+    return enqueue(*collectives_, type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
+  }
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  collectives_->run_inline_or_push(work, [run = std::move(run), seq] { run(seq); });
+  return work;
 }
 
 // ---- all-reduce, reduce, broadcast, barrier -------------------------------
@@ -336,7 +372,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
   auto* transport = transport_.get();
   auto leaders = options_.gloo_leaders;  // null except on node leaders
   const bool hierarchical = num_nodes_ > 1;
-  return collective(c10d::OpType::ALLREDUCE, tensors, [=](uint64_t seq) {
+  return collective(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, [=](uint64_t seq) {
     for (const auto i : c10::irange(dense.size())) {
       const at::Tensor& t = dense[i].work;
       if (!hierarchical) {
@@ -383,7 +419,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   const ReduceKind kind = to_kind(op, opts.reduceOp, tensors[0].scalar_type());
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::REDUCE, tensors,
+    return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp,
                       [gloo, tensors, opts](uint64_t) mutable { gloo->reduce(tensors, opts)->wait(); });
   }
   // Only the root's tensor changes: the others reduce into a scratch copy.
@@ -393,7 +429,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   auto* transport = transport_.get();
   const int size = size_;
   const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::REDUCE, tensors, [=](uint64_t seq) {
+  return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp, [=](uint64_t seq) {
     const CallHeader header =
         make_header(seq, OpCode::Reduce, scratch, scratch.numel(), root_rank, static_cast<int64_t>(kind));
     shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.numel(), scratch.scalar_type(), kind, size);
@@ -412,13 +448,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
               " is outside the group of ", size_);
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::BROADCAST, tensors,
+    return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp,
                       [gloo, tensors, opts](uint64_t) mutable { gloo->broadcast(tensors, opts)->wait(); });
   }
   Dense dense(tensors[0]);
   auto* transport = transport_.get();
   const int64_t root = opts.rootRank;
-  return collective(c10d::OpType::BROADCAST, tensors, [=](uint64_t seq) {
+  return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp, [=](uint64_t seq) {
     const at::Tensor& t = dense.work;
     shm_broadcast(*transport, make_header(seq, OpCode::Broadcast, t, t.numel(), root), t.data_ptr(), t.nbytes(),
                   static_cast<int>(root));
@@ -426,11 +462,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& /*opts*/) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
   auto* transport = transport_.get();
   const bool hierarchical = num_nodes_ > 1;
   auto leaders = options_.gloo_leaders;  // null except on node leaders
-  return collective(c10d::OpType::BARRIER, {}, [=](uint64_t seq) {
+  return collective(c10d::OpType::BARRIER, {}, opts.asyncOp, [=](uint64_t seq) {
     CallHeader header;
     header.seq = seq;
     header.op = static_cast<int32_t>(OpCode::Barrier);
@@ -460,14 +496,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vecto
   }
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::ALLGATHER, outputs[0], [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp,
+                      [gloo, outputs, inputs, opts](uint64_t) mutable {
       gloo->allgather(outputs, inputs, opts)->wait();
     });
   }
   const at::Tensor input = inputs[0].contiguous();
   std::vector<Dense> dense(outputs[0].begin(), outputs[0].end());
   auto* transport = transport_.get();
-  return collective(c10d::OpType::ALLGATHER, outputs[0], [=](uint64_t seq) {
+  return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp, [=](uint64_t seq) {
     std::vector<void*> targets;
     for (const auto& d : dense) {
       targets.push_back(d.work.data_ptr());
@@ -502,7 +539,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
   }
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::_ALLGATHER_BASE, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
+                      [gloo, outputs, inputs, opts](uint64_t) mutable {
       for (const auto i : c10::irange(inputs.size())) {
         gloo->_allgather_base(outputs[i], inputs[i], opts)->wait();
       }
@@ -510,7 +548,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
   }
   auto* transport = transport_.get();
   const int size = size_;
-  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, [=](uint64_t seq) {
+  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
     for (const auto i : c10::irange(dense_inputs.size())) {
       const at::Tensor& in = dense_inputs[i];
       auto* base = static_cast<char*>(dense_outputs[i].work.data_ptr());
@@ -546,7 +584,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(std::vector<
   for (const auto& list : outputs) {
     flat.insert(flat.end(), list.begin(), list.end());
   }
-  return collective(c10d::OpType::ALLGATHER_COALESCED, flat, [works](uint64_t) {
+  return collective(c10d::OpType::ALLGATHER_COALESCED, flat, opts.asyncOp, [works](uint64_t) {
     for (const auto& work : works) {
       work->wait();
     }
@@ -575,7 +613,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<a
   std::vector<at::Tensor> result = root ? outputs[0] : std::vector<at::Tensor>{};
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::GATHER, result, [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return collective(c10d::OpType::GATHER, result, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
       gloo->gather(outputs, inputs, opts)->wait();
     });
   }
@@ -584,7 +622,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<a
   auto* transport = transport_.get();
   const int size = size_;
   const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::GATHER, result, [=](uint64_t seq) {
+  return collective(c10d::OpType::GATHER, result, opts.asyncOp, [=](uint64_t seq) {
     std::vector<const void*> send(size, nullptr);
     std::vector<size_t> send_bytes(size, 0);
     std::vector<void*> recv(size, nullptr);
@@ -626,7 +664,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>&
   }
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::SCATTER, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
       gloo->scatter(outputs, inputs, opts)->wait();
     });
   }
@@ -634,7 +672,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>&
   auto* transport = transport_.get();
   const int size = size_;
   const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::SCATTER, outputs, [=](uint64_t seq) {
+  return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
     const at::Tensor& out = dense.work;
     std::vector<const void*> send(size, nullptr);
     std::vector<size_t> send_bytes(size, 0);
@@ -670,14 +708,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
   }
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::REDUCE_SCATTER, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
+                      [gloo, outputs, inputs, opts](uint64_t) mutable {
       gloo->reduce_scatter(outputs, inputs, opts)->wait();
     });
   }
   Dense dense(outputs[0]);
   auto* transport = transport_.get();
   const int size = size_;
-  return collective(c10d::OpType::REDUCE_SCATTER, outputs, [=](uint64_t seq) {
+  return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
     const at::Tensor& out = dense.work;
     std::vector<const void*> pointers;
     for (const auto& s : sources) {
@@ -713,7 +752,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
   }
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
+                      [gloo, outputs, inputs, opts](uint64_t) mutable {
       for (const auto i : c10::irange(inputs.size())) {
         gloo->_reduce_scatter_base(outputs[i], inputs[i], opts)->wait();
       }
@@ -721,7 +761,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
   }
   auto* transport = transport_.get();
   const int size = size_;
-  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, [=](uint64_t seq) {
+  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
     for (const auto i : c10::irange(sources.size())) {
       const at::Tensor& out = targets[i].work;
       const auto* base = static_cast<const char*>(sources[i].data_ptr());
@@ -774,7 +814,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
     std::vector<at::Tensor> result{output};
-    return collective(c10d::OpType::ALLTOALL_BASE, result,
+    return collective(c10d::OpType::ALLTOALL_BASE, result, opts.asyncOp,
                       [gloo, output, input, output_split_sizes, input_split_sizes, opts](uint64_t) mutable {
                         gloo->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)->wait();
                       });
@@ -783,7 +823,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output
   Dense dense(output);
   auto* transport = transport_.get();
   const int size = size_;
-  return collective(c10d::OpType::ALLTOALL_BASE, {output}, [=](uint64_t seq) {
+  return collective(c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp, [=](uint64_t seq) {
     const size_t item = source.element_size();
     std::vector<const void*> send(size);
     std::vector<size_t> send_bytes(size);
@@ -826,13 +866,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
   }
   if (num_nodes_ > 1) {
     auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::ALLTOALL, outputs, [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
       gloo->alltoall(outputs, inputs, opts)->wait();
     });
   }
   auto* transport = transport_.get();
   const int size = size_;
-  return collective(c10d::OpType::ALLTOALL, outputs, [=](uint64_t seq) {
+  return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, [=](uint64_t seq) {
     std::vector<const void*> send(size);
     std::vector<size_t> send_bytes(size);
     std::vector<void*> recv(size);

@@ -64,23 +64,32 @@ void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t nume
 
   const size_t chunk_items = std::max<size_t>(1, t.slot_bytes() / item);
   const size_t count = static_cast<size_t>(numel);
+  // The reduced portion goes to the tensor and to the next slot a sub-block at
+  // a time, so the second copy reads it from L1/L2 (NOTE [all-reduce traffic]).
+  const size_t sub_items = std::max<size_t>(1, kReduceSubBlockBytes / item);
   bool first = true;
   for (size_t base = 0; base < count; base += chunk_items) {
     const size_t len = std::min(chunk_items, count - base);
     char* chunk = bytes + base * item;
-    // Step 1: copy in; reduce this rank's portion into the output and the next slot.
+    const Span mine = portion(len, item, n, me);
+    // Step 1: copy in the portions the other ranks reduce (this rank's own
+    // portion is read from the tensor itself); reduce this rank's portion
+    // into the tensor and into the next slot.
     const uint64_t in_step = t.next_step();
-    copy_bytes(t.my_slot(in_step), chunk, len * item);
+    copy_bytes(t.my_slot(in_step), chunk, mine.lo * item);
+    copy_bytes(t.my_slot(in_step) + mine.hi * item, chunk + mine.hi * item, (len - mine.hi) * item);
     t.arrive(op, first ? &header : nullptr);
     first = false;
-    const Span mine = portion(len, item, n, me);
-    for (const auto r : c10::irange(n)) {
-      inputs[r] = t.peer_slot(r, in_step) + mine.lo * item;
-    }
-    reduce_inputs(kind, dtype, chunk + mine.lo * item, inputs.data(), n, static_cast<int64_t>(mine.hi - mine.lo),
-                  avg_divisor);
     const uint64_t out_step = t.next_step();
-    copy_bytes(t.my_slot(out_step) + mine.lo * item, chunk + mine.lo * item, (mine.hi - mine.lo) * item);
+    for (size_t lo = mine.lo; lo < mine.hi; lo += sub_items) {
+      const size_t sub = std::min(sub_items, mine.hi - lo);
+      for (const auto r : c10::irange(n)) {
+        inputs[r] = r == me ? chunk + lo * item : t.peer_slot(r, in_step) + lo * item;
+      }
+      // In place over this rank's own input: fold reads a block before it writes it.
+      reduce_inputs(kind, dtype, chunk + lo * item, inputs.data(), n, static_cast<int64_t>(sub), avg_divisor);
+      copy_bytes(t.my_slot(out_step) + lo * item, chunk + lo * item, sub * item);
+    }
     // Step 2: copy the other ranks' reduced portions out.
     t.arrive(op);
     for (const auto r : c10::irange(n)) {

@@ -12,13 +12,22 @@
 // synchronisation. Above, it goes chunk by chunk, a slot at a time (the
 // default 1 MiB slot keeps a chunk in cache from the copy-in to the copy-out
 // while needing few synchronisations, which dominate when ranks share a
-// core): step 1 copies the chunk in and each rank
+// core): step 1 copies the chunk in (all but this rank's portion) and each rank
 // reduces its 1/W portion of it (reduce-scatter), writing the result to its
 // next slot; step 2 every rank copies the other portions out (all-gather).
 // Per byte a rank then reads W/W + 1 slots' worth instead of W, and the work
 // of reducing is split across the ranks. Both fold ranks 0..W-1 in order
 // with the same kernel, so the result is the same bitwise whichever path ran
 // and whichever rank reduced an element.
+//
+// NOTE [all-reduce traffic]
+// Large all-reduces are memory-bound, so the chunked path moves as few bytes
+// as it can. Per byte of the tensor a rank copies into its slot only the
+// (W-1)/W that other ranks reduce (its own portion is read from the tensor in
+// place), reduces its 1/W reading W inputs and writing the tensor and the
+// next slot (the second write reads a sub-block still in L1/L2), and copies
+// (W-1)/W out: at W = 2 about 2 bytes read and 2 written per byte, where a
+// memcpy moves 1 and 1, so half of memcpy's bandwidth is the ceiling.
 
 #include "backend/reduce_kernels.h"
 #include "backend/shm_transport.h"
@@ -29,6 +38,8 @@
 namespace torch_tp::backend {
 
 constexpr size_t kOneShotBytes = 128 * 1024;
+// The granularity of the reduced portion's two writes (NOTE [all-reduce traffic]).
+constexpr size_t kReduceSubBlockBytes = 32 * 1024;
 
 // data[numel] (in place) = reduction over the local ranks of their data.
 void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,
