@@ -370,6 +370,44 @@ def test_style_options_match_torch(ranks, world_size):
     ranks(world_size).run(_check_style_options, timeout=300)
 
 
+class _MixedConsumers(nn.Module):
+    """Its prepared input feeds a column-parallel linear and a plain DTensor op."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 12)
+
+    def forward(self, x):
+        return self.proj(x), (x * x).to_local()
+
+
+def _check_prepared_dtensor_with_mixed_consumers():
+    """PrepareModuleInput's Replicate DTensor, used by torch_tp's linear and by DTensor itself:
+    outputs and the gradients of the sequence-sharded input and of the weights match torch's."""
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(0))
+    results = []
+    for lib in (torch_tp, torch_tp_api):
+        torch.manual_seed(1)
+        model = lib.parallelize_module(_MixedConsumers(), mesh, {
+            "": lib.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+            "proj": lib.ColwiseParallel(),
+        })
+        inp = torch_tp.shard(x, 1).requires_grad_()
+        h, other = model(inp)
+        (h.square().sum() + other.sin().sum()).backward()
+        weight = _grad_as_param(model.proj.weight) if lib is torch_tp else _full_param(model.proj.weight.grad)
+        results.append((h, other, inp.grad, weight))
+    for what, ours, theirs in zip(["proj output", "DTensor output", "input grad", "weight grad"], *results):
+        _close(ours, theirs, what)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_prepared_dtensor_with_mixed_consumers(ranks, world_size):
+    ranks(world_size).run(_check_prepared_dtensor_with_mixed_consumers)
+
+
 def _check_dtensor_inputs_and_src_rank():
     """DTensor inputs are accepted; src_data_rank=None keeps each rank's values."""
     world_size, rank = dist.get_world_size(), dist.get_rank()

@@ -13,11 +13,19 @@ from ``Replicate`` by gathering the pieces; neither sums.
 from typing import Optional, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from ..ops import chunk_range
 
-__all__ = ["from_dtensor", "gather_replicated", "normalize", "split_replicated", "to_dtensor"]
+__all__ = [
+    "from_dtensor",
+    "gather_replicated",
+    "gather_to_replicated_dtensor",
+    "normalize",
+    "partial_grad_local",
+    "split_replicated",
+    "to_dtensor",
+]
 
 
 def normalize(placement: Placement, ndim: int) -> Placement:
@@ -55,6 +63,55 @@ class _SplitReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return torch.ops.torch_tp.all_gather(grad.contiguous(), ctx.dim, ctx.group_name, ctx.full), None, None
+
+
+class _CompleteGradAsPartial(torch.autograd.Function):
+    """Identity forward; backward hands on a complete (replicated) gradient as
+    partial sums: rank 0 keeps it and the others pass zeros, which sum to it
+    over the ranks exactly and without communication."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pg = torch.distributed.distributed_c10d._resolve_process_group(ctx.group_name)
+        return (grad if pg.rank() == 0 else torch.zeros_like(grad)), None
+
+
+# NOTE [replicated DTensor inputs without DTensor]
+# PrepareModuleInput with use_local_output=False must hand the module a
+# DTensor, as torch does; under torchtitan's plan the module passes it straight
+# to column-parallel linears (wq/wk/wv, w1/w3), whose partial input gradients
+# DTensor would sum with one reduce-scatter. torch_tp gets the same without
+# DTensor's redistribute in either direction: it all-gathers the local shard
+# with torch_tp's all_gather (backward: sum reduce-scatter of partial
+# gradients) and wraps the result; the wrapper carries the gathered local
+# tensor, and torch_tp's column-parallel layers take it from there with
+# partial_grad_input, so their gradients meet at the all_gather as partial
+# sums. Any other consumer uses the DTensor as a DTensor; its (complete)
+# gradient reaches the gathered tensor as partial sums through
+# _CompleteGradAsPartial, so both kinds of consumer can be mixed.
+PARTIAL_LOCAL_ATTR = "_torch_tp_partial_grad_local"
+
+
+def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh, group_name: str,
+                                 full_size: Optional[int]) -> DTensor:
+    """Shard(dim) -> a Replicate DTensor (NOTE [replicated DTensor inputs without DTensor])."""
+    full = torch.ops.torch_tp.all_gather(local, dim, group_name, full_size)
+    dt = to_dtensor(_CompleteGradAsPartial.apply(full, group_name), mesh, Replicate(), full.shape)
+    setattr(dt, PARTIAL_LOCAL_ATTR, full)
+    return dt
+
+
+def partial_grad_local(x: DTensor) -> torch.Tensor:
+    """A Replicate DTensor's local tensor, for a consumer whose input gradient is a partial sum."""
+    local = getattr(x, PARTIAL_LOCAL_ATTR, None)
+    if local is not None:
+        return local
+    return x.to_local(grad_placements=(Partial(),))
 
 
 def gather_replicated(x: torch.Tensor, dim: int, group_name: str, full_size: Optional[int]) -> torch.Tensor:

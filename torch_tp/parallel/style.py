@@ -32,11 +32,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle as _TorchParallelStyle
 
 from ..ops import shard
-from ._layout import convert, from_dtensor, gather_replicated, normalize, split_replicated, to_dtensor
+from ._layout import (
+    convert,
+    from_dtensor,
+    gather_replicated,
+    gather_to_replicated_dtensor,
+    normalize,
+    partial_grad_local,
+    split_replicated,
+    to_dtensor,
+)
 from ._shard import ShardInfo, get_shard_info, set_shard_info
 
 __all__ = [
@@ -263,10 +272,11 @@ def _gather_dim(self, x_layout: Placement, ndim: int) -> Optional[int]:
 
 def _colwise_linear_forward(self, x):
     if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], Replicate):
-        # The input's gradient may stay partial: DTensor reduces the sum of its
-        # consumers' partial gradients once, where it meets the gather that made
-        # x replicated (see NOTE [partial grad_x] in linear.cpp).
-        local = x.to_local(grad_placements=(Partial(),))
+        # The input's gradient may stay partial: the sum of its consumers'
+        # partial gradients is reduced once, where it meets the gather that
+        # made x replicated (NOTE [partial grad_x] in linear.cpp; NOTE
+        # [replicated DTensor inputs without DTensor] in _layout.py).
+        local = partial_grad_local(x)
         out = torch.ops.torch_tp.column_parallel_linear(local, self.weight, self.bias, self._tp_group_name,
                                                          partial_grad_input=True)
         return _output_sharded_on_last(self, out, self.out_features)
@@ -406,8 +416,11 @@ def _prepare(value, mesh: DeviceMesh, layout: Optional[Placement], desired: Opti
     target = actual if desired is None else normalize(desired, local.dim())
     if use_local_output:
         return local if target == actual else convert(local, actual, target, _group_name(mesh), global_shape)
-    # A DTensor goes on: let DTensor move it, so that the gradients of what
-    # consumes it (partial or not) are reduced as torch reduces them.
+    if isinstance(actual, Shard) and isinstance(target, Replicate):
+        full_size = None if global_shape is None else global_shape[actual.dim]
+        return gather_to_replicated_dtensor(local, actual.dim, mesh, _group_name(mesh), full_size)
+    # Other moves of a DTensor: let DTensor make them, so that the gradients of
+    # what consumes it (partial or not) are reduced as torch reduces them.
     if global_shape is None:
         global_shape = list(local.shape)
         if isinstance(actual, Shard):
