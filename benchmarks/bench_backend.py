@@ -21,9 +21,9 @@ with a link's speed, is ``busbw = algbw * 2(p-1)/p`` for all_reduce and
 busbw equals algbw: the time to reduce S bytes.
 
 NOTE [method]: before timing, each (op, dtype) is checked on a 1 MiB tensor:
-torch_tp's result equals gloo's (exactly for all_gather; within 1e-6 relative
-for float32 sums, within bf16's rounding 2^-7 relative for bfloat16, since gloo
-adds in bfloat16 and torch_tp in float32). A timed sample is a batch of
+torch_tp's result equals gloo's (exactly for all_gather; for sums, the largest
+difference within 1e-6 * p of the largest value for float32, 2^-8 * p for
+bfloat16, where gloo adds in bfloat16 and torch_tp in float32). A timed sample is a batch of
 back-to-back calls (``batch_calls(S)``: more for small S, so the clock
 resolves them), preceded by a barrier on the group being timed; per-call time
 is the batch time over its length. Each rank records its own times; afterwards
@@ -118,14 +118,15 @@ class Collective:
 
 
 def check(groups: Dict[str, object], op: str, dtype: torch.dtype, p: int, rank: int) -> float:
-    """torch_tp's result against gloo's on a 1 MiB tensor; the worst relative difference."""
+    """torch_tp's result against gloo's on a 1 MiB tensor; the largest difference relative to the largest value."""
     ours = Collective(op, dtype, MIB, groups["torch_tp"], p, rank).result().double()
     theirs = Collective(op, dtype, MIB, groups["gloo"], p, rank).result().double()
+    # Normwise: sums of p O(1) terms differ by a few roundings of the largest.
     if op == "all_gather":
         tol = 0.0
     else:
-        tol = 1e-6 if dtype == torch.float32 else 2.0**-7
-    worst = ((ours - theirs).abs() / theirs.abs().clamp_min(1e-3)).max().item()
+        tol = (1e-6 if dtype == torch.float32 else 2.0**-8) * p
+    worst = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     flag = torch.tensor([1.0 if worst > tol else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
