@@ -96,6 +96,17 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # _CompleteGradAsPartial, so both kinds of consumer can be mixed.
 PARTIAL_LOCAL_ATTR = "_torch_tp_partial_grad_local"
 
+# NOTE [DTensors torch_tp hands back]
+# Where torch returns a DTensor, torch_tp wraps its local result
+# (to_dtensor) and keeps the local tensor on the wrapper, so that the next
+# torch_tp module (a PrepareModuleInput after a SequenceParallel norm, a
+# column-parallel linear on a sequence shard) takes it back without DTensor's
+# to_local and the backward that goes with it. Both routes carry the same
+# gradient: a shard's gradient is its piece and a replicated tensor's is
+# complete (the module docstring's convention), which is what DTensor's
+# from_local hands back to the local tensor too.
+LOCAL_ATTR = "_torch_tp_local"
+
 
 def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh, group_name: str,
                                  full_size: Optional[int]) -> DTensor:
@@ -132,7 +143,10 @@ def from_dtensor(x, declared: Placement) -> Tuple[torch.Tensor, Placement, Optio
     if isinstance(x, DTensor):
         if x.device_mesh.ndim != 1:
             raise ValueError(f"torch_tp: expected a DTensor on a 1-D mesh, got one on {x.device_mesh}")
-        return x.to_local(), normalize(x.placements[0], x.ndim), x.shape
+        local = getattr(x, LOCAL_ATTR, None)
+        if local is None:
+            local = x.to_local()
+        return local, normalize(x.placements[0], x.ndim), x.shape
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"torch_tp: expected a torch.Tensor or DTensor input, got {type(x).__name__}")
     return x, normalize(declared, x.ndim), None
@@ -143,7 +157,9 @@ def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape) ->
     given explicitly so that uneven shards are described correctly."""
     global_shape = torch.Size(global_shape)
     stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
+    dt = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
+    setattr(dt, LOCAL_ATTR, local)
+    return dt
 
 
 def convert(local: torch.Tensor, src: Placement, dst: Placement, group_name: str,
