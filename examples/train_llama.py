@@ -12,7 +12,8 @@ llama_model.py; --impl picks whose parallelize_module and styles apply it:
 ``torch_tp`` (the drop-in replacement) or ``torch`` (DTensor). The 1-D mesh spans
 all ranks, every rank sees the same batch, and all ranks start from the same
 seed. Tokens are bytes (vocab 256) or, with --tokenizer char, the corpus's
-distinct characters (a vocabulary the TP degree need not divide).
+distinct characters (a vocabulary the TP degree need not divide). On CPU the
+ranks talk through torch_tp's shared-memory backend (``--backend gloo``: torch's).
 
 Rank 0 shows a progress bar (loss, tokens/s) on stderr, and writes to --out-dir:
 loss_curve.png, metrics.json, and checkpoint/ckpt_rank{r}.pt (every --ckpt-every
@@ -58,7 +59,9 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=int, default=150, help="total optimizer steps (default 150)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: cuda when there is a GPU per local rank, else cpu")
-    g.add_argument("--backend", default=None, help="process-group backend (default gloo on cpu, nccl on cuda)")
+    g.add_argument("--backend", default=None,
+                   help="process-group backend (default: torch_tp's shared-memory backend on cpu, nccl on cuda; "
+                   "gloo works too)")
     g.add_argument("--out-dir", default="llama_out", help="plot, metrics and checkpoints (default ./llama_out)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out-dir")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every K steps, 0: only at the end")
@@ -324,7 +327,9 @@ def setup(args):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    backend = args.backend or ("nccl" if kind == "cuda" else "gloo")
+    backend = args.backend or ("nccl" if kind == "cuda" else "torch_tp")
+    if backend == "torch_tp":
+        import torch_tp  # noqa: F401  (registers the backend, whichever --impl runs on it)
     dist.init_process_group(backend, device_id=device if kind == "cuda" else None)
     return device, backend
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh machine and runs every test: the GoogleTest
-# executables under ctest, then pytest. Both run even if the first fails; the
-# exit status is non-zero if either failed.
+# executables under ctest, then pytest on gloo, then the communicating tests
+# again on the torch_tp backend. All run even if one fails; the exit status is
+# non-zero if any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,4 +20,8 @@ source scripts/setup_env.sh
 status=0
 ctest --test-dir build/cmake --output-on-failure --timeout 300 || status=1
 "$PYTHON" -m pytest test -q -rs || status=1
+# The ops, the TP module API and DDP once more with torch_tp's own backend
+# under them (the backend's own tests above already run on it).
+TORCH_TP_TEST_BACKEND=torch_tp "$PYTHON" -m pytest -q -rs \
+  test/test_collectives.py test/test_linear.py test/test_parallelize.py test/test_ddp.py || status=1
 exit $status
