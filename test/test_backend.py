@@ -35,6 +35,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import torch_tp  # noqa: F401  (registers the backend in this process too)
 from torch_tp import ops
 
+from reductions import reduce_reference
+
 BACKEND = "torch_tp"
 # Per-rank shared-memory buffer for the pools below: small, so tests cross it.
 SMALL_BUFFER = 65536
@@ -87,24 +89,6 @@ def rank_input(rank, numel, dtype, reduce_op="sum", seed=0):
     if dtype == torch.uint8:
         low, high = (0, 3) if reduce_op == "product" else (0, 60)
     return torch.randint(low, high, (numel,), generator=gen, dtype=torch.int64).to(dtype)
-
-
-def reduce_reference(stacked, reduce_op):
-    """Reduce [p, n] over dim 0 in float64 (integers in int64, bool as logical or/and)."""
-    if stacked.dtype == torch.bool:
-        if reduce_op in ("sum", "max"):
-            return stacked.any(0)
-        return stacked.all(0)  # min, product
-    wide = stacked.double() if stacked.dtype.is_floating_point else stacked.long()
-    if reduce_op == "sum":
-        return wide.sum(0)
-    if reduce_op == "avg":
-        return wide.mean(0)
-    if reduce_op == "min":
-        return wide.amin(0)
-    if reduce_op == "max":
-        return wide.amax(0)
-    return wide.prod(0)
 
 
 def reference_tolerance(dtype, world_size):

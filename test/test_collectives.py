@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import torch_tp
 from torch_tp import ops
 
+from reductions import reduce_reference
+
 WORLD_SIZES = [1, 2, 4]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # gloo has no int16 kernels ("Invalid scalar type"); the ops pass that on with
@@ -76,20 +78,6 @@ def _rank_input(rank, shape, dtype, reduce_op="sum", seed=0, contiguous=True):
     return x
 
 
-def _reduce_reference(stacked, reduce_op):
-    """Reduce [p, ...] over dim 0 in float64 (integers: in int64)."""
-    wide = stacked.double() if stacked.dtype.is_floating_point else stacked.long()
-    if reduce_op == "sum":
-        return wide.sum(0)
-    if reduce_op == "avg":
-        return wide.mean(0)
-    if reduce_op == "min":
-        return wide.amin(0)
-    if reduce_op == "max":
-        return wide.amax(0)
-    return wide.prod(0)
-
-
 def _all_inputs(world_size, *args, **kwargs):
     return torch.stack([_rank_input(r, *args, **kwargs) for r in range(world_size)])
 
@@ -107,7 +95,7 @@ def _check_all_reduce(shape, dtype, reduce_op, contiguous):
     dist.all_reduce(expected, op=C10D_OPS[reduce_op])
     assert torch.equal(ours, expected), "differs from dist.all_reduce on the same group"
 
-    reference = _reduce_reference(_all_inputs(world_size, shape, dtype, reduce_op, contiguous=contiguous), reduce_op)
+    reference = reduce_reference(_all_inputs(world_size, shape, dtype, reduce_op, contiguous=contiguous), reduce_op)
     torch.testing.assert_close(ours.to(reference.dtype), reference, **_tolerance(dtype, world_size))
     assert torch.equal(x, _rank_input(rank, shape, dtype, reduce_op, contiguous=contiguous)), "input was modified"
 
@@ -169,7 +157,7 @@ def _check_reduce_scatter(shape, dim, dtype, reduce_op, contiguous):
     dist.reduce_scatter_tensor(piece, front, op=C10D_OPS[reduce_op])
     assert torch.equal(ours, piece.movedim(0, dim)), "differs from dist.reduce_scatter_tensor"
 
-    full = _reduce_reference(_all_inputs(world_size, shape, dtype, reduce_op, contiguous=contiguous), reduce_op)
+    full = reduce_reference(_all_inputs(world_size, shape, dtype, reduce_op, contiguous=contiguous), reduce_op)
     reference = full.chunk(world_size, dim)[rank]
     torch.testing.assert_close(ours.to(reference.dtype), reference, **_tolerance(dtype, world_size))
 
