@@ -402,6 +402,91 @@ def test_send_recv(ranks, world_size):
         _assert_results(backend_pool(ranks, world_size).run(_check_send_recv, numel))
 
 
+def _check_send_recv_all_pairs(numel):
+    """Every rank sends a message of ``numel`` to every other rank with blocking
+    sends, then receives from all: each message is many rings long, and only
+    buffered sends let the ranks get past their sends."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    exact = dict(rtol=0, atol=0)
+    failures = []
+    for dst in range(p):
+        if dst != rank:
+            dist.send(rank_input(rank * p + dst, numel, torch.float32, seed=30), dst=dst, tag=dst)
+    for src in range(p):
+        if src != rank:
+            got = torch.empty(numel)
+            dist.recv(got, src=src, tag=rank)
+            failures.append(close(got, rank_input(src * p + rank, numel, torch.float32, seed=30), exact,
+                                  f"{src} -> {rank} n={numel}"))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_send_recv_large_both_ways(ranks, world_size):
+    # 1_000_003 floats: ~60 rings of the 64 KiB buffer at 2 ranks, ~180 at 4.
+    for numel in (100_003, 1_000_003):
+        _assert_results(backend_pool(ranks, world_size).run(_check_send_recv_all_pairs, numel))
+
+
+def _check_many_small_messages(count):
+    """``count`` small messages to the right, of varying size and dtype, sent
+    before any is received: they arrive in order with their own contents."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+    dtypes = [torch.float32, torch.int64, torch.bfloat16, torch.uint8]
+
+    def message(sender, k):
+        return rank_input(sender, k % 37, dtypes[k % len(dtypes)], seed=1000 + k)
+
+    sends = [dist.isend(message(rank, k), right, tag=k % 5) for k in range(count)]
+    failures = []
+    for k in range(count):
+        expected = message(left, k)
+        got = torch.empty_like(expected)
+        dist.recv(got, src=left, tag=k % 5)
+        failures.append(close(got, expected, dict(rtol=0, atol=0), f"message {k}"))
+    for work in sends:
+        work.wait()
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_many_small_messages_in_order(ranks, world_size):
+    _assert_results(backend_pool(ranks, world_size).run(_check_many_small_messages, 500))
+
+
+def _check_send_recv_mismatch():
+    """A recv that does not match the send is an error; the pair stays usable."""
+    rank = dist.get_rank()
+    failures = []
+    cases = [(torch.ones(10), torch.empty(12), 0, 0, "numel"),
+             (torch.ones(100_000), torch.empty(100_000, dtype=torch.float64), 0, 0, "dtype"),
+             (torch.ones(10), torch.empty(10), 1, 2, "tag")]
+    for sent, got, send_tag, recv_tag, what in cases:
+        if rank == 0:
+            dist.send(sent, dst=1, tag=send_tag)
+        else:
+            try:
+                dist.recv(got, src=0, tag=recv_tag)
+                failures.append(f"{what}: a mismatched recv went through")
+            except RuntimeError as e:
+                if "recv: mismatch" not in str(e):
+                    failures.append(f"{what}: unclear error: {e}")
+    # The next message still arrives intact.
+    x = rank_input(0, 70_001, torch.float32, seed=31)
+    if rank == 0:
+        dist.send(x, dst=1)
+    else:
+        got = torch.empty_like(x)
+        dist.recv(got, src=0)
+        failures.append(close(got, x, dict(rtol=0, atol=0), "after the mismatches"))
+    return [f for f in failures if f], {}
+
+
+def test_send_recv_mismatch_is_an_error(ranks):
+    _assert_results(backend_pool(ranks, 2).run(_check_send_recv_mismatch))
+
+
 def _check_barrier(delay):
     if dist.get_rank() == 0:
         time.sleep(delay)

@@ -5,8 +5,8 @@ the shared rank pools must never see). Each scenario runs ``world_size`` ranks
 over a FileStore with a short group timeout (``TIMEOUT_S``) and checks, from
 the outside, what every rank reported and how long it took:
 
-* a rank killed with SIGKILL while inside an all_reduce, and a rank that never
-  calls: every survivor raises an error naming the op and the missing rank
+* a rank killed with SIGKILL while inside an all_reduce or while its peer waits
+  in recv, and a rank that never calls or never sends: every survivor raises an error naming the op and the missing rank
   within the timeout (plus ``SLACK_S`` for a busy 2-core machine), and exits;
 * ranks calling with different element counts, dtypes or collectives: every
   rank raises a "mismatch" error long before the timeout;
@@ -79,6 +79,24 @@ def _rank_main(rank, world_size, init_file, scenario, env, events):
                 events.put((rank, "ok", None, 0.0))
                 return
             dist.all_reduce(torch.ones(100_000))
+        elif scenario == "killed_in_recv":
+            # Rank 1 sends part of what rank 0 waits for, then is killed.
+            if rank == 1:
+                dist.send(torch.ones(10), dst=0)
+                events.put((rank, "entered", None, 0.0))
+                time.sleep(STARTUP_S)
+            else:
+                got = torch.empty(10)
+                dist.recv(got, src=1)
+                events.put((rank, "entered", None, 0.0))
+                start = time.monotonic()
+                dist.recv(torch.empty(100_000), src=1)
+        elif scenario == "stuck_in_recv":
+            if rank == 1:
+                time.sleep(TIMEOUT_S + SLACK_S + 2.0)  # alive, but never sends
+                events.put((rank, "ok", None, 0.0))
+                return
+            dist.recv(torch.empty(100_000), src=1)
         elif scenario == "numel_mismatch":
             dist.all_reduce(torch.ones(10 + 2 * rank))
         elif scenario == "dtype_mismatch":
@@ -182,13 +200,27 @@ def test_rank_killed_mid_collective(world_size):
     job.join(30)
 
 
-def test_stuck_peer_times_out():
-    job = Job(2, "stuck_peer")
+def test_rank_killed_while_peer_in_recv():
+    job = Job(2, "killed_in_recv")
+    job.wait_for({"ready"}, 2, STARTUP_S)
+    job.wait_for({"entered"}, 2, STARTUP_S)
+    time.sleep(0.5)
+    job.kill(1)
+    kind, message, seconds = job.wait_for({"error", "ok"}, 1, TIMEOUT_S + SLACK_S + 3.0)[0]
+    assert kind == "error", "rank 0 finished a recv from a dead peer"
+    assert "recv" in message and "rank 1" in message, message
+    assert seconds < TIMEOUT_S + SLACK_S, f"rank 0 took {seconds:.1f} s to notice: {message}"
+    job.join(30)
+
+
+@pytest.mark.parametrize("scenario, op", [("stuck_peer", "all_reduce"), ("stuck_in_recv", "recv")])
+def test_stuck_peer_times_out(scenario, op):
+    job = Job(2, scenario)
     job.wait_for({"ready"}, 2, STARTUP_S)
     events = job.wait_for({"error", "ok"}, 1, STARTUP_S)
     kind, message, seconds = events[0]
-    assert kind == "error", "rank 0 finished an all_reduce its peer never called"
-    assert "all_reduce" in message and "rank 1" in message and "timed out" in message, message
+    assert kind == "error", f"rank 0 finished a {op} its peer never called"
+    assert op in message and "rank 1" in message and "timed out" in message, message
     assert TIMEOUT_S * 0.5 < seconds < TIMEOUT_S + SLACK_S, f"error after {seconds:.1f} s: {message}"
     job.join(TIMEOUT_S + SLACK_S + 30)
 

@@ -16,8 +16,9 @@
 // completes their Work and future. The caller can thus overlap compute with a
 // collective (async_op=True, torch_tp's PendingCollective), and the calls of
 // all ranks reach the transport in the same order, as its lockstep needs.
-// Point-to-point calls go to a second queue of their own, so a recv waiting
-// for a late send never holds up the collectives (see NOTE [send and recv]).
+// Receives go to a second queue of their own, so a recv waiting for a late
+// send never holds up the collectives; sends never wait for the receiver
+// (see NOTE [send and recv]).
 //
 // NOTE [synchronous calls run inline]
 // A call made with async_op=False (torch passes it as opts.asyncOp) is waited
@@ -124,6 +125,7 @@ class ProcessGroupShm : public c10d::Backend {
 
  private:
   class Queue;
+  class Sender;
   c10::intrusive_ptr<c10d::Work> enqueue(Queue& queue, c10d::OpType type, std::vector<at::Tensor> outputs,
                                          std::function<void()> run);
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
@@ -135,12 +137,14 @@ class ProcessGroupShm : public c10d::Backend {
   Options options_;
   int num_nodes_ = 1;
   std::vector<int> local_ranks_;
+  std::vector<int> local_index_;  // by group rank: index among local_ranks_, or -1 on another node
   std::unique_ptr<ShmTransport> transport_;
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
   std::vector<uint64_t> sent_;      // messages sent to each rank so far
   std::vector<uint64_t> received_;  // messages received from each rank so far
   std::unique_ptr<Queue> collectives_;
   std::unique_ptr<Queue> p2p_;
+  std::unique_ptr<Sender> sender_;
 };
 
 } // namespace torch_tp::backend

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -26,6 +27,14 @@ struct alignas(64) ShmTransport::Control {
   int64_t pid;
   char pad1[64 - sizeof(int64_t)];
   alignas(64) CallHeader call[2];
+};
+
+// NOTE [point-to-point rings]: the head of each ring, its bytes follow.
+struct alignas(64) ShmTransport::Ring {
+  std::atomic<uint64_t> head;  // bytes written, by the segment's owner
+  char pad0[64 - sizeof(std::atomic<uint64_t>)];
+  std::atomic<uint64_t> tail;  // bytes read, by the peer
+  char pad1[64 - sizeof(std::atomic<uint64_t>)];
 };
 
 namespace {
@@ -51,8 +60,26 @@ size_t round_up(size_t value, size_t to) {
   return (value + to - 1) / to * to;
 }
 
-// Whether process `pid` still runs: it exists and is not a zombie (a killed
-// rank whose parent has not reaped it yet is one).
+std::string describe(const CallHeader& h) {
+  std::string out = c10::str(op_code_name(static_cast<OpCode>(h.op)), "(call ", h.seq);
+  if (h.dtype >= 0) {
+    out += c10::str(", dtype=", static_cast<c10::ScalarType>(h.dtype));
+  }
+  if (h.numel >= 0) {
+    out += c10::str(", numel=", h.numel);
+  }
+  if (h.root >= 0) {
+    out += c10::str(", root=", h.root);
+  }
+  if (h.reduce >= 0) {
+    out += c10::str(", reduce_op=", reduce_kind_name(static_cast<ReduceKind>(h.reduce)));
+  }
+  return out + ")";
+}
+
+} // namespace
+
+// A killed rank whose parent has not reaped it yet is a zombie.
 bool process_alive(int64_t pid) {
   if (pid <= 0 || pid == static_cast<int64_t>(::getpid())) {
     return true;
@@ -73,24 +100,27 @@ bool process_alive(int64_t pid) {
   return state != 'Z' && state != 'X';
 }
 
-std::string describe(const CallHeader& h) {
-  std::string out = c10::str(op_code_name(static_cast<OpCode>(h.op)), "(call ", h.seq);
-  if (h.dtype >= 0) {
-    out += c10::str(", dtype=", static_cast<c10::ScalarType>(h.dtype));
+void Backoff::pause() {
+  if (calls_ < kSpins) {
+    ++calls_;
+    cpu_relax();
+    return;
   }
-  if (h.numel >= 0) {
-    out += c10::str(", numel=", h.numel);
+  const auto now = std::chrono::steady_clock::now();
+  if (calls_ == kSpins) {
+    ++calls_;
+    yield_start_ = now;
   }
-  if (h.root >= 0) {
-    out += c10::str(", root=", h.root);
+  if (now - yield_start_ < kYieldFor) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(kNap);
   }
-  if (h.reduce >= 0) {
-    out += c10::str(", reduce_op=", reduce_kind_name(static_cast<ReduceKind>(h.reduce)));
-  }
-  return out + ")";
 }
 
-} // namespace
+bool Backoff::spinning() const {
+  return calls_ < kSpins;
+}
 
 const char* op_code_name(OpCode op) {
   switch (op) {
@@ -114,7 +144,9 @@ ShmTransport::ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options
   // Slots start on cache lines, so chunk boundaries do too.
   slot_bytes_ = options_.buffer_bytes / 2 / 64 * 64;
   data_offset_ = round_up(sizeof(Control), kPage);
-  const size_t bytes = data_offset_ + 2 * slot_bytes_;
+  rings_offset_ = data_offset_ + 2 * slot_bytes_;
+  ring_bytes_ = n > 1 ? std::max(options_.buffer_bytes / static_cast<size_t>(n - 1) / 64 * 64, kMinRingBytes) : 0;
+  const size_t bytes = rings_offset_ + static_cast<size_t>(n - 1) * (sizeof(Ring) + ring_bytes_);
   auto name_of = [&](int local) {
     return c10::str("/torch_tp_", ::getuid(), "_", options_.token, "_", options_.group_ranks[local]);
   };
@@ -141,6 +173,13 @@ ShmTransport::ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options
   auto* own = new (mine.data()) Control();
   own->posted.store(0, std::memory_order_relaxed);
   own->pid = static_cast<int64_t>(::getpid());
+  for (const auto local : c10::irange(n)) {
+    if (local != options_.local_rank) {
+      auto* r = new (ring(options_.local_rank, local)) Ring();
+      r->head.store(0, std::memory_order_relaxed);
+      r->tail.store(0, std::memory_order_relaxed);
+    }
+  }
   store->set(key_of("create", options_.local_rank), std::vector<uint8_t>{1});
   wait_keys("create");
   for (const auto local : c10::irange(n)) {
@@ -187,26 +226,41 @@ uint64_t ShmTransport::arrive(const char* op, const CallHeader* header) {
 }
 
 void ShmTransport::wait_for(int local, uint64_t step, const char* op) {
-  const std::atomic<uint64_t>& posted = control(local)->posted;
-  for (int i = 0; i < kSpins; ++i) {
-    if (posted.load(std::memory_order_acquire) >= step) {
+  const int rank = options_.group_ranks[local];
+  const int me = options_.group_ranks[options_.local_rank];
+  wait_counter(local, control(local)->posted, step, op, [&](bool timed_out, uint64_t seen) {
+    return timed_out ? c10::str(" (it reached step ", seen, ", rank ", me, " waits at step ", step, "); rank ", rank,
+                                " stopped calling collectives or is stuck")
+                     : c10::str(" at step ", step);
+  });
+}
+
+// Waits until `counter`, which local rank `local` advances, reaches `target`.
+// explain(timed_out, seen) completes the error message.
+template <typename Explain>
+void ShmTransport::wait_counter(int local, const std::atomic<uint64_t>& counter, uint64_t target, const char* op,
+                                const Explain& explain) {
+  Backoff backoff;
+  while (backoff.spinning()) {
+    if (counter.load(std::memory_order_acquire) >= target) {
       return;
     }
-    cpu_relax();
+    backoff.pause();
   }
   const auto start = std::chrono::steady_clock::now();
   auto last_progress = start;
   auto next_liveness = start + kLivenessEvery;
-  uint64_t seen = posted.load(std::memory_order_acquire);
+  uint64_t seen = counter.load(std::memory_order_acquire);
   const int rank = options_.group_ranks[local];
+  const int me = options_.group_ranks[options_.local_rank];
   for (;;) {
-    const uint64_t now_posted = posted.load(std::memory_order_acquire);
-    if (now_posted >= step) {
+    const uint64_t now_seen = counter.load(std::memory_order_acquire);
+    if (now_seen >= target) {
       return;
     }
     const auto now = std::chrono::steady_clock::now();
-    if (now_posted != seen) {
-      seen = now_posted;
+    if (now_seen != seen) {
+      seen = now_seen;
       last_progress = now;
     }
     if (broken_.load(std::memory_order_acquire)) {
@@ -216,23 +270,75 @@ void ShmTransport::wait_for(int local, uint64_t step, const char* op) {
       next_liveness = now + kLivenessEvery;
       const int64_t pid = control(local)->pid;
       if (!process_alive(pid)) {
-        fail(c10::str("torch_tp backend: ", op, ": rank ", rank, " (pid ", pid, ") exited while rank ",
-                      options_.group_ranks[options_.local_rank], " waited for it at step ", step,
-                      "; the group is unusable"));
+        fail(c10::str("torch_tp backend: ", op, ": rank ", rank, " (pid ", pid, ") exited while rank ", me,
+                      " waited for it", explain(false, seen), "; the group is unusable"));
       }
     }
     if (now - last_progress >= options_.timeout) {
-      fail(c10::str("torch_tp backend: ", op, ": timed out after ", options_.timeout.count(),
-                    " ms waiting for rank ", rank, " (it reached step ", now_posted, ", rank ",
-                    options_.group_ranks[options_.local_rank], " waits at step ", step, "); rank ", rank,
-                    " stopped calling collectives or is stuck"));
+      fail(c10::str("torch_tp backend: ", op, ": timed out after ", options_.timeout.count(), " ms waiting for rank ",
+                    rank, explain(true, seen)));
     }
-    if (now - start < kYieldFor) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(kNap);
-    }
+    backoff.pause();
   }
+}
+
+ShmTransport::Ring* ShmTransport::ring(int src, int dst) const {
+  const size_t index = static_cast<size_t>(dst < src ? dst : dst - 1);
+  return reinterpret_cast<Ring*>(static_cast<char*>(segments_[src].data()) + rings_offset_ +
+                                 index * (sizeof(Ring) + ring_bytes_));
+}
+
+size_t ShmTransport::ring_write(int dst, const void* data, size_t bytes) {
+  Ring* r = ring(options_.local_rank, dst);
+  const uint64_t head = r->head.load(std::memory_order_relaxed);
+  const uint64_t tail = r->tail.load(std::memory_order_acquire);
+  const size_t n = std::min(bytes, ring_bytes_ - static_cast<size_t>(head - tail));
+  if (n == 0) {
+    return 0;
+  }
+  char* base = reinterpret_cast<char*>(r + 1);
+  const size_t at = static_cast<size_t>(head % ring_bytes_);
+  const size_t first = std::min(n, ring_bytes_ - at);
+  std::memcpy(base + at, data, first);
+  std::memcpy(base, static_cast<const char*>(data) + first, n - first);
+  r->head.store(head + n, std::memory_order_release);
+  return n;
+}
+
+void ShmTransport::ring_read(int src, void* out, size_t bytes, const char* op) {
+  check_usable(op);
+  Ring* r = ring(src, options_.local_rank);
+  const char* base = reinterpret_cast<const char*>(r + 1);
+  const size_t piece = std::max<size_t>(ring_bytes_ / 4, 64);
+  const int me = options_.group_ranks[options_.local_rank];
+  const int rank = options_.group_ranks[src];
+  uint64_t tail = r->tail.load(std::memory_order_relaxed);
+  size_t done = 0;
+  while (done < bytes) {
+    uint64_t head = r->head.load(std::memory_order_acquire);
+    if (head == tail) {
+      wait_counter(src, r->head, tail + 1, op, [&](bool timed_out, uint64_t) {
+        return timed_out ? c10::str(" to send (rank ", me, " waits for it); rank ", rank,
+                                    " did not call send or is stuck")
+                         : std::string(" to send");
+      });
+      head = r->head.load(std::memory_order_acquire);
+    }
+    const size_t n = std::min({bytes - done, static_cast<size_t>(head - tail), piece});
+    if (out != nullptr) {
+      const size_t at = static_cast<size_t>(tail % ring_bytes_);
+      const size_t first = std::min(n, ring_bytes_ - at);
+      std::memcpy(static_cast<char*>(out) + done, base + at, first);
+      std::memcpy(static_cast<char*>(out) + done + first, base, n - first);
+    }
+    tail += n;
+    done += n;
+    r->tail.store(tail, std::memory_order_release);
+  }
+}
+
+bool ShmTransport::peer_alive(int local) const {
+  return process_alive(control(local)->pid);
 }
 
 void ShmTransport::check_headers(uint64_t step, const char* op) {

@@ -21,6 +21,18 @@
 // kill(pid, 0) and /proc, every few milliseconds), and then names the op and
 // the rank. After any failure the transport is broken: the ranks' steps no
 // longer line up, so every later call fails at once with the first reason.
+// The point-to-point rings (NOTE [send and recv] in process_group_shm.cpp)
+// wait the same way (Backoff, wait_counter) and fail the same way.
+//
+// NOTE [point-to-point rings]
+// After its two slots, every rank's segment holds one ring per local peer: a
+// single-producer/single-consumer byte ring carrying this rank's messages to
+// that peer. `head` (bytes written, advanced by the owner) and `tail` (bytes
+// read, advanced by the peer) sit on cache lines of their own; both only
+// grow. A writer copies in what fits and never waits (ring_write); a reader
+// copies out what is there, in pieces of at most a quarter ring so the writer
+// can refill behind it, and waits for the rest (ring_read). Each ring holds
+// buffer_bytes / (local ranks - 1) bytes (at least kMinRingBytes).
 
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -62,6 +74,23 @@ enum class OpCode : int32_t {
   Reduce,
 };
 const char* op_code_name(OpCode op);
+
+// One pause of NOTE [waiting]'s schedule per call: a spin for the first
+// calls, then yields, then short naps.
+class Backoff {
+ public:
+  void pause();
+  bool spinning() const;
+
+ private:
+  int calls_ = 0;
+  std::chrono::steady_clock::time_point yield_start_{};
+};
+
+// Whether process `pid` still runs: it exists and is not a zombie.
+bool process_alive(int64_t pid);
+
+constexpr size_t kMinRingBytes = 4096;
 
 class ShmTransport {
  public:
@@ -109,6 +138,23 @@ class ShmTransport {
   uint64_t arrive(const char* op, const CallHeader* header = nullptr);
   const CallHeader& peer_header(int local, uint64_t step) const;
 
+  // NOTE [point-to-point rings]. Peers are local ranks, never this one.
+  size_t ring_bytes() const {
+    return ring_bytes_;
+  }
+  // Copies up to `bytes` from `data` into the ring to `dst` without waiting;
+  // returns how many it copied (0 when the ring is full).
+  size_t ring_write(int dst, const void* data, size_t bytes);
+  // Copies `bytes` out of the ring from `src` into `out` (nullptr: discards
+  // them), waiting for them as NOTE [waiting] says; `op` names the call in
+  // errors.
+  void ring_read(int src, void* out, size_t bytes, const char* op);
+  // Whether local rank `local`'s process still runs.
+  bool peer_alive(int local) const;
+  bool usable() const {
+    return !broken_.load(std::memory_order_acquire);
+  }
+
   // Fails every wait in progress and every later one (shutdown, abort).
   void abort(const std::string& why);
   // Throws the first failure again, if there was one.
@@ -116,7 +162,12 @@ class ShmTransport {
 
  private:
   struct Control;
+  struct Ring;
   Control* control(int local) const;
+  Ring* ring(int src, int dst) const;  // in src's segment
+  template <typename Explain>
+  void wait_counter(int local, const std::atomic<uint64_t>& counter, uint64_t target, const char* op,
+                    const Explain& explain);
   char* slot(int local, uint64_t step) const;
   void wait_for(int local, uint64_t step, const char* op);
   void check_headers(uint64_t step, const char* op);
@@ -125,6 +176,8 @@ class ShmTransport {
   Options options_;
   size_t slot_bytes_;
   size_t data_offset_;
+  size_t ring_bytes_;
+  size_t rings_offset_;
   std::vector<ShmSegment> segments_;  // by local rank; ours is segments_[local_rank]
   uint64_t step_ = 0;
   std::atomic<bool> broken_{false};
