@@ -423,7 +423,16 @@ def _check_comm_hook(hook_name):
     ours = torch_tp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=TINY_BUCKET_MB)
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=TINY_BUCKET_MB)
     ours.register_comm_hook(dist.group.WORLD, hook)
-    theirs.register_comm_hook(dist.group.WORLD, hook)
+    try:
+        theirs.register_comm_hook(dist.group.WORLD, hook)
+    except TypeError:
+        # torch's DDP takes bf16_compress_hook only on a CUDA+NCCL build (it
+        # checks the hook's name); the hook itself runs on gloo, so a CPU-only
+        # torch's reference registers it under another name.
+        def bf16_reference_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            return hook(state, bucket)
+
+        theirs.register_comm_hook(dist.group.WORLD, bf16_reference_hook)
     for step in range(3):
         x = _rank_input("mlp", step)
         calls = []
