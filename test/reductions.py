@@ -1,6 +1,17 @@
-"""The reduction over ranks that collective tests compare against, computed in one process."""
+"""The reduce ops, and the reduction over ranks that collective tests compare against, computed in one process."""
 
 import torch
+import torch.distributed as dist
+
+# The reduce ops by the names torch_tp's ops take, and c10d's for each.
+REDUCE_OPS = ["sum", "avg", "min", "max", "product"]
+C10D_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
 
 
 def reduce_reference(stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:

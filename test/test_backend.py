@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import torch_tp  # noqa: F401  (registers the backend in this process too)
 from torch_tp import ops
 
-from reductions import reduce_reference
+from reductions import C10D_OPS, REDUCE_OPS, reduce_reference
 
 BACKEND = "torch_tp"
 # Per-rank shared-memory buffer for the pools below: small, so tests cross it.
@@ -45,14 +45,6 @@ WORLD_SIZES = [1, 2, 3, 4]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INT_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + [torch.bool]
-REDUCE_OPS = ["sum", "avg", "min", "max", "product"]
-C10D_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.AVG,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "product": dist.ReduceOp.PRODUCT,
-}
 # Element counts: empty, tiny, odd, one float32 buffer exactly, 2.4 and ~6 buffers.
 NUMELS = [0, 1, 13, 1000, SMALL_BUFFER // 4, 40_000, 100_003]
 

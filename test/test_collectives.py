@@ -22,22 +22,13 @@ from torch.distributed.device_mesh import init_device_mesh
 import torch_tp
 from torch_tp import ops
 
-from reductions import reduce_reference
+from reductions import C10D_OPS, REDUCE_OPS, reduce_reference
 
 WORLD_SIZES = [1, 2, 4]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # gloo has no int16 kernels ("Invalid scalar type"); the ops pass that on with
 # their own context (see _check_backend_dtype_error).
 INT_DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64]
-REDUCE_OPS = ["sum", "avg", "min", "max", "product"]
-
-C10D_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.AVG,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "product": dist.ReduceOp.PRODUCT,
-}
 
 
 def _tolerance(dtype, world_size):
