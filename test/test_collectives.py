@@ -146,7 +146,14 @@ def _check_reduce_scatter(shape, dim, dtype, reduce_op, contiguous):
     front = x.movedim(dim, 0).contiguous()
     piece = torch.empty((front.shape[0] // world_size,) + front.shape[1:], dtype=dtype)
     dist.reduce_scatter_tensor(piece, front, op=C10D_OPS[reduce_op])
-    assert torch.equal(ours, piece.movedim(0, dim)), "differs from dist.reduce_scatter_tensor"
+    # On gloo, torch_tp folds the ranks' blocks itself, in rank order (NOTE
+    # [reduce-scatter on gloo] in csrc/ops/comm.cpp): bitwise c10d's result
+    # wherever the order cannot matter; otherwise within float roundoff of it.
+    order_free = world_size <= 2 or not dtype.is_floating_point or reduce_op in ("min", "max")
+    if order_free or dist.get_backend() != "gloo":
+        assert torch.equal(ours, piece.movedim(0, dim)), "differs from dist.reduce_scatter_tensor"
+    else:
+        torch.testing.assert_close(ours, piece.movedim(0, dim), **_tolerance(dtype, world_size))
 
     full = reduce_reference(_all_inputs(world_size, shape, dtype, reduce_op, contiguous=contiguous), reduce_op)
     reference = full.chunk(world_size, dim)[rank]

@@ -17,6 +17,10 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at
                                                    const c10d::ReduceScatterOptions& opts) {
   return group.reduce_scatter_single(out, in, opts);
 }
+c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
+  std::vector<int64_t> equal_splits;
+  return group.all_to_all_single(out, in, equal_splits, equal_splits);
+}
 #else
 c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
   return group._allgather_base(out, in);
@@ -25,7 +29,42 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at
                                                    const c10d::ReduceScatterOptions& opts) {
   return group._reduce_scatter_base(out, in, opts);
 }
+c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
+  std::vector<int64_t> equal_splits;
+  return group.alltoall_base(out, in, equal_splits, equal_splits);
+}
 #endif
+
+// NOTE [reduce-scatter on gloo]
+// gloo's reduce_scatter is slow on CPU tensors: 2-4x its own all_to_all at
+// every size from 4 KiB to 16 MiB, at 2 and 4 ranks (benchmarks/RESULTS.md,
+// "gloo primitives"). So on a gloo group a reduce-scatter is an all_to_all
+// that hands every rank the p blocks of its piece, [p*c, rest] -> [p, c, rest],
+// and a local fold over the p blocks in rank order. The sum is the same
+// bitwise wherever the fold order does not matter (2 ranks, integers, min,
+// max); for more ranks it is a different order of the same additions, within
+// float roundoff of gloo's (bfloat16 and float16 are folded in float32 by
+// at::sum and rounded once, more precisely than gloo does).
+bool runs_on_gloo(c10d::ProcessGroup& group, const at::Tensor& x) {
+  return group.getBackend(x.device().type())->getBackendName() == "gloo";
+}
+
+// blocks [p, c, rest] -> [c, rest]: the fold of NOTE [reduce-scatter on gloo],
+// in x's dtype (integers wrap as gloo's do).
+at::Tensor fold_blocks(const at::Tensor& blocks, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::Sum:
+    case Reduction::Avg:  // divided by the caller
+      return at::sum(blocks, {0}, false, blocks.scalar_type());
+    case Reduction::Product:
+      return at::prod(blocks, 0, false, blocks.scalar_type());
+    case Reduction::Min:
+      return at::amin(blocks, {0});
+    case Reduction::Max:
+      return at::amax(blocks, {0});
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown reduction");
+}
 
 // x moved so that `dim` leads, as one contiguous block of `rows` rows: x's own
 // rows, then zeros. [.., n, ..] -> [rows, rest].
@@ -159,17 +198,29 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   at::Tensor front = front_padded(x, dim, chunk * world_size);
   auto sizes = front.sizes().vec();
   sizes[0] = chunk;
-  at::Tensor piece = at::empty(sizes, front.options());
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = to_c10d(reduction);
-  auto work = launch(op, *group, x, [&] { return reduce_scatter_into(*group, piece, front, opts); });
-  auto finish = [piece, front, length, dim, reduction, world_size] {
+  auto finish_piece = [length, dim, reduction, world_size](const at::Tensor& piece) {
     at::Tensor mine = piece.narrow(0, 0, length);
     if (reduction == Reduction::Avg) {
       mine.div_(world_size);
     }
     return mine.movedim(0, dim).contiguous();
   };
+  if (runs_on_gloo(*group, x)) {
+    // NOTE [reduce-scatter on gloo]: block r of `blocks` is rank r's front
+    // rows [me*c, (me+1)*c). `front` is captured to outlive the collective.
+    at::Tensor blocks = at::empty_like(front);
+    auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, blocks, front); });
+    sizes.insert(sizes.begin(), world_size);
+    auto finish = [blocks, front, sizes, reduction, finish_piece] {
+      return finish_piece(fold_blocks(blocks.view(sizes), reduction));
+    };
+    return PendingCollective(std::move(work), std::move(finish), op, group, x);
+  }
+  at::Tensor piece = at::empty(sizes, front.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = to_c10d(reduction);
+  auto work = launch(op, *group, x, [&] { return reduce_scatter_into(*group, piece, front, opts); });
+  auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }
 
