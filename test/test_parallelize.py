@@ -370,6 +370,106 @@ def test_style_options_match_torch(ranks, world_size):
     ranks(world_size).run(_check_style_options, timeout=300)
 
 
+class _TwoNorms(nn.Module):
+    """Two sequence-parallel norms around a column/row-parallel pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 24)
+        self.down = nn.Linear(24, 16)
+        self.norm2 = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm2(self.down(torch.relu(self.up(self.norm1(x)))))
+
+
+def _two_norms_plan(lib):
+    return {
+        "norm1": lib.SequenceParallel(),
+        "up": lib.ColwiseParallel(input_layouts=Shard(1)),
+        "down": lib.RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": lib.SequenceParallel(),
+    }
+
+
+def _count_all_reduces(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("c10d::allreduce"))
+
+
+def _check_replicated_grad_reduction():
+    """NOTE [deferred replicated-gradient all-reduce]: the norms' gradients match
+    torch's whichever way they are reduced: deferred to one all-reduce at the end
+    of a backward (also when .grad accumulates over two backwards), or at once
+    under torch.autograd.grad, create_graph and a data-parallel wrapper."""
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    xs = [torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    torch.manual_seed(1)
+    reference = _TwoNorms()
+    for p in reference.parameters():  # non-trivial norm weights and biases
+        p.data.add_(0.1 * torch.randn_like(p))
+    ours = torch_tp.parallelize_module(copy.deepcopy(reference), mesh, _two_norms_plan(torch_tp))
+    theirs = torch_tp_api.parallelize_module(copy.deepcopy(reference), mesh, _two_norms_plan(torch_tp_api))
+    norm_params = ["norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"]
+
+    def loss(model, x):
+        out = model(torch_tp.shard(x, 1))
+        return (out.to_local() if isinstance(out, DTensor) else out).square().sum()
+
+    # Two backwards accumulate into .grad; each backward's norm gradients take one all-reduce.
+    reduces = [_count_all_reduces(lambda: loss(ours, x).backward()) for x in xs]
+    for x in xs:
+        loss(theirs, x).backward()
+    theirs_grads = dict((n, _full_param(p.grad)) for n, p in theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        g = p.grad if get_shard_info(p) is None else _grad_as_param(p)
+        _close(g, theirs_grads[name], f"accumulated grad {name}")
+    if world_size > 1:
+        assert reduces == [1, 1], f"all-reduces per backward: {reduces}, want one (deferred, coalesced)"
+
+    # torch.autograd.grad: the hook's value is the result, so it must be the full gradient.
+    params = [dict(ours.named_parameters())[n] for n in norm_params]
+    got = torch.autograd.grad(loss(ours, xs[0]), params)
+    theirs.zero_grad()
+    loss(theirs, xs[0]).backward()
+    for name, g in zip(norm_params, got):
+        _close(g, _full_param(dict(theirs.named_parameters())[name].grad), f"autograd.grad {name}")
+
+    # create_graph (a lone norm: torch_tp's linear backward is not differentiable
+    # twice): reduced at once, since the gradient is part of a graph; same values.
+    lone = [lib.parallelize_module(copy.deepcopy(reference.norm1), mesh, lib.SequenceParallel())
+            for lib in (torch_tp, torch_tp_api)]
+    for norm in lone:
+        out = norm(torch_tp.shard(xs[0], 1))
+        (out.to_local() if isinstance(out, DTensor) else out).pow(3).sum().backward(create_graph=True)
+    for (name, p_ours), p_theirs in zip(lone[0].named_parameters(), lone[1].parameters()):
+        assert p_ours.grad.requires_grad, f"create_graph grad {name} is not differentiable"
+        _close(p_ours.grad.detach(), _full_param(p_theirs.grad.detach()), f"create_graph grad {name}")
+    ours.zero_grad(set_to_none=True)
+
+    # Inside torch's DistributedDataParallel (over a one-rank group, so it
+    # changes nothing numerically) the reduction is eager: one per norm parameter.
+    if world_size > 1:
+        solo = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        wrapped = torch.nn.parallel.DistributedDataParallel(ours, process_group=solo)
+        count = _count_all_reduces(lambda: wrapped(torch_tp.shard(xs[0], 1)).square().sum().backward())
+        for name in norm_params:
+            _close(dict(ours.named_parameters())[name].grad,
+                   _full_param(dict(theirs.named_parameters())[name].grad), f"grad under DDP {name}")
+        # 4 eager norm reductions on the TP group plus DDP's own bucket all-reduce(s).
+        assert count >= len(norm_params) + 1, f"{count} all-reduces under DDP"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_replicated_grad_reduction(ranks, world_size):
+    ranks(world_size).run(_check_replicated_grad_reduction, timeout=300)
+
+
 class _MixedConsumers(nn.Module):
     """Its prepared input feeds a column-parallel linear and a plain DTensor op."""
 

@@ -96,6 +96,9 @@ class DistributedDataParallel(nn.Module):
         ...     model(torch.randn(8, 16)).sum().backward()
     """
 
+    # The wrapper whose forward is running, if any (see forward).
+    _active_module: Optional["DistributedDataParallel"] = None
+
     def __init__(
         self,
         module: nn.Module,
@@ -214,7 +217,14 @@ class DistributedDataParallel(nn.Module):
                 device = self.device_ids[0]
                 move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
                 inputs, kwargs = tree_map(move, inputs), tree_map(move, kwargs)
-            output = self.module(*inputs, **kwargs)
+            # Marks the forward as data-parallel for NOTE [deferred replicated-gradient
+            # all-reduce] (torch_tp/parallel/_replicated_grad.py): the reducer's hooks
+            # read each gradient as soon as it is accumulated.
+            outer, DistributedDataParallel._active_module = DistributedDataParallel._active_module, self
+            try:
+                output = self.module(*inputs, **kwargs)
+            finally:
+                DistributedDataParallel._active_module = outer
             if grad_enabled and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
                 outputs: List[torch.Tensor] = []

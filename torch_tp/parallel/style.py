@@ -46,6 +46,7 @@ from ._layout import (
     split_replicated,
     to_dtensor,
 )
+from ._replicated_grad import register_replicated_grad_reduction
 from ._shard import ShardInfo, get_shard_info, set_shard_info
 
 __all__ = [
@@ -338,7 +339,9 @@ class SequenceParallel(ParallelStyle):
 
     The module's parameters stay replicated. Each rank's gradient for them
     covers only its shard of the sequence, so the gradients are all-reduced
-    over the group as they are computed: every rank ends with the full one.
+    over the group: every rank ends the backward with the full one (all of a
+    backward's in one all-reduce at its end where that is safe; see
+    NOTE [deferred replicated-gradient all-reduce] in ``_replicated_grad.py``).
 
     Keyword Args:
         sequence_dim (int, optional): the sharded dimension of the input and
@@ -364,9 +367,9 @@ class SequenceParallel(ParallelStyle):
         group_name = _group_name(device_mesh)
         for name, param in list(module.named_parameters(recurse=False)):
             replicated = _distribute(param, device_mesh, None, self.src_data_rank)
-            if replicated.requires_grad and device_mesh.size() > 1:
-                replicated.register_hook(lambda grad: torch.ops.torch_tp.all_reduce(grad, "sum", group_name))
             setattr(module, name, replicated)
+            if replicated.requires_grad and device_mesh.size() > 1:
+                register_replicated_grad_reduction(module, replicated, group_name)
         for child in module.children():
             if any(True for _ in child.parameters()):
                 raise NotImplementedError("torch_tp: SequenceParallel applies to leaf modules (norms, dropout); "

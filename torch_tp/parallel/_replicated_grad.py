@@ -1,0 +1,108 @@
+"""The gradients of replicated parameters that see only a shard of the sequence.
+
+A SequenceParallel module (a norm) keeps its parameters whole on every rank
+but runs on this rank's sequence shard, so each rank computes only a partial
+sum of their gradient; the full gradient is the sum over the TP group.
+
+NOTE [deferred replicated-gradient all-reduce]
+Reducing each such gradient as backward produces it costs one small
+all-reduce per norm, in the middle of backward, where every one of them waits
+for the slowest rank (nine per step in the example model; on gloo each costs
+well over a millisecond there). So where it is safe, the gradient hook lets
+the partial gradient accumulate into ``.grad``, remembers it, and one engine
+callback at the end of the backward all-reduces all of them as one flat
+tensor per (group, dtype) and writes ``.grad = previous .grad + full sum``:
+the same value as the eager path's accumulation of the reduced gradient.
+DTensor also completes these gradients after backward (they are ``Partial``
+until redistributed).
+
+It is safe only when nothing reads ``.grad`` before the end of the backward
+and the gradient goes to ``.grad`` at all, so the hook reduces eagerly when:
+  * the backward does not accumulate into this parameter (torch.autograd.grad
+    with it as an input: the hook's return value is the result);
+  * grad mode is on (create_graph: the gradient is itself differentiated);
+  * the forward ran inside a data-parallel wrapper (torch's or torch_tp's
+    DistributedDataParallel), whose hooks read ``.grad`` as soon as it is
+    accumulated.
+Every rank takes the same decisions in the same order, since they depend only
+on the program, so the deferred all-reduces line up across the ranks.
+"""
+
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+
+__all__ = ["register_replicated_grad_reduction"]
+
+# The backward whose deferred gradients are pending (its graph task id), and
+# its gradients: (group name, dtype) -> [(parameter, partial gradient, .grad
+# before this backward)]. One backward at a time runs hooks here (torch runs
+# a backward's CPU work on the calling thread).
+_Entry = Tuple[nn.Parameter, torch.Tensor, Optional[torch.Tensor]]
+_pending_task: List[Optional[int]] = [None]
+_pending: Dict[Tuple[str, torch.dtype], List[_Entry]] = {}
+
+
+def _inside_data_parallel_forward() -> bool:
+    from ..ddp import DistributedDataParallel
+
+    return _TorchDDP._get_active_ddp_module() is not None or DistributedDataParallel._active_module is not None
+
+
+def _finish_pending() -> None:
+    """The engine callback: one all-reduce per (group, dtype), then .grad = previous + sum."""
+    pending = dict(_pending)
+    _pending.clear()
+    _pending_task[0] = None
+    with torch.no_grad():
+        for (group_name, _dtype), entries in pending.items():
+            flat = torch.cat([partial.reshape(-1) for _, partial, _ in entries])
+            flat = torch.ops.torch_tp.all_reduce(flat, "sum", group_name)
+            offset = 0
+            for param, partial, previous in entries:
+                full = flat[offset: offset + partial.numel()].view_as(partial)
+                offset += partial.numel()
+                param.grad.copy_(full if previous is None else previous + full)
+
+
+def register_replicated_grad_reduction(module: nn.Module, param: nn.Parameter, group_name: str) -> None:
+    """Sum ``param``'s gradient over the group ``group_name``: deferred to the end
+    of the backward where NOTE [deferred replicated-gradient all-reduce] allows,
+    at once otherwise. ``module`` is the module whose forward uses ``param``."""
+    module_ref, param_ref = weakref.ref(module), weakref.ref(param)
+
+    def record_forward_context(_module, _inputs):
+        _module._tp_eager_grad_reduction = _inside_data_parallel_forward()
+
+    module.register_forward_pre_hook(record_forward_context)
+
+    def accumulates(param: nn.Parameter) -> bool:
+        # Whether this backward runs param's AccumulateGrad. torch answers for a
+        # leaf only in .backward(); under torch.autograd.grad it raises instead,
+        # which is the case where the gradient is captured, not accumulated.
+        try:
+            return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
+        except RuntimeError:
+            return False
+
+    def reduce_grad(grad: torch.Tensor) -> torch.Tensor:
+        param, module = param_ref(), module_ref()
+        defer = (param is not None and module is not None and not torch.is_grad_enabled()
+                 and not getattr(module, "_tp_eager_grad_reduction", True) and accumulates(param))
+        if not defer:
+            return torch.ops.torch_tp.all_reduce(grad, "sum", group_name)
+        task = torch._C._current_graph_task_id()
+        if _pending_task[0] != task:
+            # The first deferred gradient of this backward (what an earlier
+            # backward that failed part-way left behind is dropped).
+            _pending.clear()
+            _pending_task[0] = task
+            torch.autograd.Variable._execution_engine.queue_callback(_finish_pending)
+        previous = None if param.grad is None else param.grad.detach().clone()
+        _pending.setdefault((group_name, grad.dtype), []).append((param, grad, previous))
+        return grad
+
+    param.register_hook(reduce_grad)
