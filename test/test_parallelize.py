@@ -432,6 +432,47 @@ def _check_replicated_grad_reduction():
     if world_size > 1:
         assert reduces == [1, 1], f"all-reduces per backward: {reduces}, want one (deferred, coalesced)"
 
+    # A reentrant activation checkpoint runs an inner backward (its own graph
+    # task and end callback) inside the outer one: norm2's gradients, deferred
+    # by the outer backward, wait while the inner one defers and finishes norm1's.
+    from torch.utils.checkpoint import checkpoint
+
+    def first_half(t):
+        return ours.down(torch.relu(ours.up(ours.norm1(t))))
+
+    expected = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    ours.zero_grad(set_to_none=True)
+    for x in xs:
+        h = checkpoint(first_half, torch_tp.shard(x, 1).requires_grad_(), use_reentrant=True)
+        out = ours.norm2(h)
+        (out.to_local() if isinstance(out, DTensor) else out).square().sum().backward()
+    for name, p in ours.named_parameters():
+        _close(p.grad, expected[name], f"reentrant checkpoint grad {name}")
+
+    # A backward that raises part-way never reaches its end: what it deferred
+    # is dropped at the next forward, and the next backward is right again.
+    from torch_tp.parallel import _replicated_grad
+
+    ours.zero_grad(set_to_none=True)
+
+    def fail(_grad):
+        raise RuntimeError("injected failure")
+
+    handle = ours.norm1.bias.register_hook(fail)  # runs after norm2's gradients were deferred
+    with pytest.raises(RuntimeError, match="injected failure"):
+        loss(ours, xs[0]).backward()
+    handle.remove()
+    if world_size > 1:
+        assert _replicated_grad._pending, "norm2's gradients should be pending after the failed backward"
+    ours.zero_grad(set_to_none=True)
+    loss(ours, xs[0]).backward()
+    assert not _replicated_grad._pending
+    theirs.zero_grad()
+    loss(theirs, xs[0]).backward()
+    for name, p in ours.named_parameters():
+        g = p.grad if get_shard_info(p) is None else _grad_as_param(p)
+        _close(g, _full_param(dict(theirs.named_parameters())[name].grad), f"grad after a failed backward {name}")
+
     # torch.autograd.grad: the hook's value is the result, so it must be the full gradient.
     params = [dict(ours.named_parameters())[n] for n in norm_params]
     got = torch.autograd.grad(loss(ours, xs[0]), params)

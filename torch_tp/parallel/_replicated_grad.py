@@ -28,6 +28,7 @@ Every rank takes the same decisions in the same order, since they depend only
 on the program, so the deferred all-reduces line up across the ranks.
 """
 
+import functools
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -37,13 +38,12 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 __all__ = ["register_replicated_grad_reduction"]
 
-# The backward whose deferred gradients are pending (its graph task id), and
-# its gradients: (group name, dtype) -> [(parameter, partial gradient, .grad
-# before this backward)]. One backward at a time runs hooks here (torch runs
-# a backward's CPU work on the calling thread).
+# Deferred gradients by the graph task (backward) that produced them: (group
+# name, dtype) -> [(parameter, partial gradient, .grad before this backward)].
+# Keyed by task because backwards nest: a reentrant activation checkpoint runs
+# an inner backward, with its own end-of-backward callback, inside the outer one.
 _Entry = Tuple[nn.Parameter, torch.Tensor, Optional[torch.Tensor]]
-_pending_task: List[Optional[int]] = [None]
-_pending: Dict[Tuple[str, torch.dtype], List[_Entry]] = {}
+_pending: Dict[int, Dict[Tuple[str, torch.dtype], List[_Entry]]] = {}
 
 
 def _inside_data_parallel_forward() -> bool:
@@ -52,13 +52,19 @@ def _inside_data_parallel_forward() -> bool:
     return _TorchDDP._get_active_ddp_module() is not None or DistributedDataParallel._active_module is not None
 
 
-def _finish_pending() -> None:
-    """The engine callback: one all-reduce per (group, dtype), then .grad = previous + sum."""
-    pending = dict(_pending)
-    _pending.clear()
-    _pending_task[0] = None
+def _drop_unfinished_backwards() -> None:
+    """Forgets the deferred gradients of backwards that raised before their end
+    (their callback never ran). Called from a forward outside any backward, when
+    no backward through these modules is running (one at a time per process)."""
+    if torch._C._current_graph_task_id() == -1:
+        _pending.clear()
+
+
+def _finish_backward(task: int) -> None:
+    """Task ``task``'s end-of-backward callback: one all-reduce per (group, dtype),
+    then .grad = previous + sum for each parameter."""
     with torch.no_grad():
-        for (group_name, _dtype), entries in pending.items():
+        for (group_name, _dtype), entries in _pending.pop(task).items():
             flat = torch.cat([partial.reshape(-1) for _, partial, _ in entries])
             flat = torch.ops.torch_tp.all_reduce(flat, "sum", group_name)
             offset = 0
@@ -75,6 +81,7 @@ def register_replicated_grad_reduction(module: nn.Module, param: nn.Parameter, g
     module_ref, param_ref = weakref.ref(module), weakref.ref(param)
 
     def record_forward_context(_module, _inputs):
+        _drop_unfinished_backwards()
         _module._tp_eager_grad_reduction = _inside_data_parallel_forward()
 
     module.register_forward_pre_hook(record_forward_context)
@@ -95,14 +102,11 @@ def register_replicated_grad_reduction(module: nn.Module, param: nn.Parameter, g
         if not defer:
             return torch.ops.torch_tp.all_reduce(grad, "sum", group_name)
         task = torch._C._current_graph_task_id()
-        if _pending_task[0] != task:
-            # The first deferred gradient of this backward (what an earlier
-            # backward that failed part-way left behind is dropped).
-            _pending.clear()
-            _pending_task[0] = task
-            torch.autograd.Variable._execution_engine.queue_callback(_finish_pending)
+        if task not in _pending:  # this backward's first deferred gradient
+            _pending[task] = {}
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_finish_backward, task))
         previous = None if param.grad is None else param.grad.detach().clone()
-        _pending.setdefault((group_name, grad.dtype), []).append((param, grad, previous))
+        _pending[task].setdefault((group_name, grad.dtype), []).append((param, grad, previous))
         return grad
 
     param.register_hook(reduce_grad)
