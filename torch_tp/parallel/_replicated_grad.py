@@ -25,7 +25,9 @@ and the gradient goes to ``.grad`` at all, so the hook reduces eagerly when:
     DistributedDataParallel), whose hooks read ``.grad`` as soon as it is
     accumulated.
 Every rank takes the same decisions in the same order, since they depend only
-on the program, so the deferred all-reduces line up across the ranks.
+on the program, so the deferred all-reduces line up across the ranks. A
+tensor hook a user adds to such a parameter sees the partial gradient when the
+reduction is deferred (as a DTensor hook sees a ``Partial`` one).
 """
 
 import functools
