@@ -83,6 +83,15 @@ def main(out_dir):
                 for work in works:
                     work.wait()
                 check(f"send/recv {a}<->{b} n={numel}", got, data(7, numel, who=peer), exact=True)
+    # A message larger than a TCPStore value may be (8 MiB), across the nodes.
+    if rank in (1, 2):
+        peer, numel = 3 - rank, 3_000_000
+        got = torch.empty(numel)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, data(9, numel), peer),
+                                        dist.P2POp(dist.irecv, got, peer)])
+        for work in works:
+            work.wait()
+        check("send/recv 1<->2 12 MB", got, data(9, numel, who=peer), exact=True)
     dist.barrier()
 
     # Sub-groups: one across the node boundary, one inside a node (all ranks create both).

@@ -1071,10 +1071,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
 // unusable. Messages still in an outbox at shutdown are streamed out first
 // (unless aborted, the receiver died, or it took nothing for the timeout).
 //
-// Ranks on other nodes use the group's store instead: send writes key
-// torch_tp/p2p/<src>-<dst>/<n> holding the header and the bytes, and recv
-// waits for that key, checks the header, copies the bytes out and deletes the
-// key. The store buffers the message too, at the store's speed.
+// Ranks on other nodes use the gloo group of all ranks instead: the header
+// and the bytes go as one byte message with an internal tag (gloo delivers
+// one pair's messages on one tag in order), and recv checks the header as
+// above. The message is a copy, so the caller's tensor is free at once, as
+// with local sends; gloo's Work completes when it has gone out. A wait is
+// gloo's, bounded by the same timeout.
 
 namespace {
 
@@ -1094,18 +1096,9 @@ void check_p2p_header(const P2PHeader& header, uint64_t seq, int tag, const at::
               " receives (tag=", tag, ", dtype=", t.scalar_type(), ", numel=", t.numel(), ")");
 }
 
-std::string p2p_key(int src, int dst, uint64_t n) {
-  return c10::str("torch_tp/p2p/", src, "-", dst, "/", n);
-}
-
-void store_send(c10d::Store& store, int src, int dst, uint64_t seq, const P2PHeader& header, const at::Tensor& t) {
-  std::vector<uint8_t> message(sizeof(header) + t.nbytes());
-  std::memcpy(message.data(), &header, sizeof(header));
-  if (t.nbytes() > 0) {
-    std::memcpy(message.data() + sizeof(header), t.data_ptr(), t.nbytes());
-  }
-  store.set(p2p_key(src, dst, seq), message);
-}
+// The gloo tag of the messages to and from other nodes; gloo_all is this
+// backend's own group, so no other traffic uses it.
+constexpr int kRemoteP2PTag = 0;
 
 } // namespace
 
@@ -1118,32 +1111,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& te
   const at::Tensor t = tensors[0].contiguous();
   const uint64_t seq = sent_[dst_rank]++;
   const P2PHeader header{tag, static_cast<int32_t>(t.scalar_type()), t.numel(), seq};
-  if (local_index_[dst_rank] >= 0) {
-    sender_->send(local_index_[dst_rank], &header, sizeof(header), t.data_ptr(), t.nbytes());
-  } else {
-    store_send(*store_, rank_, dst_rank, seq, header, t);
+  if (local_index_[dst_rank] < 0) {
+    std::vector<at::Tensor> message{at::empty({static_cast<int64_t>(sizeof(header) + t.nbytes())}, at::kByte)};
+    auto* bytes = static_cast<char*>(message[0].data_ptr());
+    std::memcpy(bytes, &header, sizeof(header));
+    if (t.nbytes() > 0) {
+      std::memcpy(bytes + sizeof(header), t.data_ptr(), t.nbytes());
+    }
+    return options_.gloo_all->send(message, dst_rank, kRemoteP2PTag);
   }
+  sender_->send(local_index_[dst_rank], &header, sizeof(header), t.data_ptr(), t.nbytes());
   auto work = c10::make_intrusive<ShmWork>(rank_, c10d::OpType::SEND, tensors);
   work->complete(nullptr);
   return work;
-}
-
-void ProcessGroupShm::wait_p2p(const std::string& key, const char* op, int peer) {
-  // Polls with short naps: the store's own blocking wait would hold its
-  // client lock for the whole wait, stalling this rank's sends.
-  const auto start = std::chrono::steady_clock::now();
-  auto nap = std::chrono::microseconds(20);
-  while (!store_->check({key})) {
-    transport_->check_usable(op);  // fails at once after an abort
-    if (std::chrono::steady_clock::now() - start >= options_.timeout) {
-      C10_THROW_ERROR(DistBackendError,
-                      c10::str("torch_tp backend: ", op, ": timed out after ", options_.timeout.count(),
-                               " ms waiting for rank ", peer, " to send (rank ", rank_,
-                               " waits for it); rank ", peer, " did not call send or is stuck"));
-    }
-    std::this_thread::sleep_for(nap);
-    nap = std::min(nap * 2, std::chrono::microseconds(2000));
-  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
@@ -1172,18 +1152,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& te
       dense.finish();
     });
   }
-  const std::string key = p2p_key(src_rank, rank_, seq);
-  return enqueue(*p2p_, c10d::OpType::RECV, tensors, [this, key, seq, dense, src_rank, tag, op] {
-    wait_p2p(key, op, src_rank);
-    const std::vector<uint8_t> message = store_->get(key);
-    store_->deleteKey(key);
+  auto gloo = options_.gloo_all;
+  const int me = rank_;
+  return enqueue(*p2p_, c10d::OpType::RECV, tensors, [gloo, seq, dense, src_rank, tag, op, me] {
     const at::Tensor& t = dense.work;
+    std::vector<at::Tensor> message{at::empty({static_cast<int64_t>(sizeof(P2PHeader) + t.nbytes())}, at::kByte)};
+    try {
+      gloo->recv(message, src_rank, kRemoteP2PTag)->wait();
+    } catch (c10::Error& e) {
+      e.add_context(c10::str("torch_tp backend: ", op, ": rank ", me, " receiving ", t.nbytes(), " bytes from rank ",
+                             src_rank, " on another node (a message of another size from that rank also fails here)"));
+      throw;
+    }
+    const auto* bytes = static_cast<const char*>(message[0].data_ptr());
     P2PHeader header{};
-    TORCH_INTERNAL_ASSERT(message.size() >= sizeof(header));
-    std::memcpy(&header, message.data(), sizeof(header));
-    check_p2p_header(header, seq, tag, t, src_rank, rank_);
+    std::memcpy(&header, bytes, sizeof(header));
+    check_p2p_header(header, seq, tag, t, src_rank, me);
     if (t.nbytes() > 0) {
-      std::memcpy(t.data_ptr(), message.data() + sizeof(header), t.nbytes());
+      std::memcpy(t.data_ptr(), bytes + sizeof(header), t.nbytes());
     }
     dense.finish();
   });

@@ -131,7 +131,6 @@ class ProcessGroupShm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
                                             std::function<void(uint64_t seq)> run);
   void stop(const std::string& why);
-  void wait_p2p(const std::string& key, const char* op, int peer);
 
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
