@@ -76,11 +76,11 @@ def _finish_backward(task: int) -> None:
                 param.grad.copy_(full if previous is None else previous + full)
 
 
-def register_replicated_grad_reduction(module: nn.Module, param: nn.Parameter, group_name: str) -> None:
-    """Sum ``param``'s gradient over the group ``group_name``: deferred to the end
-    of the backward where NOTE [deferred replicated-gradient all-reduce] allows,
-    at once otherwise. ``module`` is the module whose forward uses ``param``."""
-    module_ref, param_ref = weakref.ref(module), weakref.ref(param)
+def register_replicated_grad_reduction(module: nn.Module, params: List[nn.Parameter], group_name: str) -> None:
+    """Sum the gradients of ``params`` (``module``'s own) over the group
+    ``group_name``: deferred to the end of the backward where NOTE [deferred
+    replicated-gradient all-reduce] allows, at once otherwise."""
+    module_ref = weakref.ref(module)
 
     def record_forward_context(_module, _inputs):
         _drop_unfinished_backwards()
@@ -97,7 +97,7 @@ def register_replicated_grad_reduction(module: nn.Module, param: nn.Parameter, g
         except RuntimeError:
             return False
 
-    def reduce_grad(grad: torch.Tensor) -> torch.Tensor:
+    def reduce_grad(param_ref: "weakref.ref[nn.Parameter]", grad: torch.Tensor) -> torch.Tensor:
         param, module = param_ref(), module_ref()
         defer = (param is not None and module is not None and not torch.is_grad_enabled()
                  and not getattr(module, "_tp_eager_grad_reduction", True) and accumulates(param))
@@ -111,4 +111,5 @@ def register_replicated_grad_reduction(module: nn.Module, param: nn.Parameter, g
         _pending[task].setdefault((group_name, grad.dtype), []).append((param, grad, previous))
         return grad
 
-    param.register_hook(reduce_grad)
+    for param in params:
+        param.register_hook(functools.partial(reduce_grad, weakref.ref(param)))

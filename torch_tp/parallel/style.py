@@ -365,11 +365,14 @@ class SequenceParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group_name = _group_name(device_mesh)
+        reduced = []
         for name, param in list(module.named_parameters(recurse=False)):
             replicated = _distribute(param, device_mesh, None, self.src_data_rank)
             setattr(module, name, replicated)
-            if replicated.requires_grad and device_mesh.size() > 1:
-                register_replicated_grad_reduction(module, replicated, group_name)
+            if replicated.requires_grad:
+                reduced.append(replicated)
+        if reduced and device_mesh.size() > 1:
+            register_replicated_grad_reduction(module, reduced, group_name)
         for child in module.children():
             if any(True for _ in child.parameters()):
                 raise NotImplementedError("torch_tp: SequenceParallel applies to leaf modules (norms, dropout); "
