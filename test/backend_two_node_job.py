@@ -62,6 +62,20 @@ def main(out_dir):
         dist.reduce_scatter_tensor(ours, data(4, p * numel))
         dist.reduce_scatter_tensor(theirs, data(4, p * numel), group=gloo)
         check(f"reduce_scatter n={numel}", ours, theirs)
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.AVG):
+            ours, theirs = torch.empty(numel), torch.empty(numel)
+            dist.reduce_scatter(ours, list(data(4, p * numel).chunk(p)), op=op)
+            dist.reduce_scatter(theirs, list(data(4, p * numel).chunk(p)), op=op, group=gloo)
+            check(f"reduce_scatter list {op} n={numel}", ours, theirs, exact=op == dist.ReduceOp.MAX)
+        ours = torch.empty(numel, dtype=torch.bfloat16)
+        dist.reduce_scatter_tensor(ours, data(4, p * numel, torch.bfloat16))
+        exact = torch.stack([data(4, p * numel, torch.bfloat16, r) for r in range(p)]).double().sum(0)
+        check(f"reduce_scatter bf16 n={numel}", ours, exact.chunk(p)[rank], tol=dict(rtol=2.0**-8, atol=1e-5))
+        for root in (0, 3):
+            ours, theirs = data(10, numel), data(10, numel)
+            dist.reduce(ours, dst=root)
+            dist.reduce(theirs, dst=root, group=gloo)
+            check(f"reduce root={root} n={numel}", ours, theirs if rank == root else data(10, numel))
 
         for root in (0, 3):
             ours = data(5, numel)

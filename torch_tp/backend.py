@@ -9,9 +9,9 @@
 work under torchrun, as do DeviceMesh sub-groups. Ranks on one node exchange
 data through POSIX shared memory (``/dev/shm/torch_tp_*`` segments, unlinked as
 soon as every rank has mapped them). When a group spans several nodes,
-all-reduce and barrier go through shared memory inside each node and a gloo
-group of one leader per node between them; the other collectives then run on
-a gloo group of all the group's ranks.
+all-reduce, reduce, reduce-scatter and barrier go through shared memory inside
+each node and a gloo group of one leader per node between them; the other
+collectives then run on a gloo group of all the group's ranks.
 
 Environment:
     TORCH_TP_HOST_KEY: the node a rank counts as on (default: the hostname).

@@ -119,6 +119,42 @@ CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t num
   return header;
 }
 
+// NOTE [reductions across nodes]
+// Shared memory inside each node, gloo among the node leaders, shared memory
+// again to hand the result to every rank of the node. bf16/fp16 go through
+// all three stages in float32 and are rounded once at the end (NOTE
+// [reduction precision]); avg is a sum everywhere and one division at the
+// end. reduce and reduce_scatter across nodes are this all-reduce followed by
+// keeping the root's tensor or this rank's piece: every rank's data crosses
+// the nodes once, as in gloo, whose reduce_scatter runs a whole all-reduce too.
+// `header` describes the caller's op for the first shared-memory step.
+void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, CallHeader header,
+                             const at::Tensor& t, ReduceKind kind) {
+  const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+  const at::Tensor acc = widen ? t.to(at::kFloat) : t;
+  const ReduceKind folded = kind == ReduceKind::Avg ? ReduceKind::Sum : kind;
+  shm_all_reduce(transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), folded, size);
+  if (leaders != nullptr) {
+    std::vector<at::Tensor> one{acc};
+    c10d::AllreduceOptions across;
+    switch (folded) {
+      case ReduceKind::Product: across.reduceOp = c10d::ReduceOp::PRODUCT; break;
+      case ReduceKind::Min: across.reduceOp = c10d::ReduceOp::MIN; break;
+      case ReduceKind::Max: across.reduceOp = c10d::ReduceOp::MAX; break;
+      default: across.reduceOp = c10d::ReduceOp::SUM; break;
+    }
+    leaders->allreduce(one, across)->wait();
+  }
+  header.op = static_cast<int32_t>(OpCode::Broadcast);
+  shm_broadcast(transport, header, acc.data_ptr(), acc.nbytes(), 0);
+  if (kind == ReduceKind::Avg) {
+    acc.div_(size);
+  }
+  if (widen) {
+    t.copy_(acc);
+  }
+}
+
 std::string random_token() {
   std::random_device device;
   const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
@@ -529,28 +565,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
         dense[i].finish();
         continue;
       }
-      // Across nodes: bf16/fp16 go through all three stages in float32 and
-      // are rounded once at the end (NOTE [reduction precision]); avg is a
-      // sum everywhere and one division at the end.
-      const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
-      const at::Tensor acc = widen ? t.to(at::kFloat) : t;
-      const ReduceKind kind = kinds[i] == ReduceKind::Avg ? ReduceKind::Sum : kinds[i];
-      CallHeader header = make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
-      shm_all_reduce(*transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), kind, size);
-      if (leaders) {
-        std::vector<at::Tensor> one{acc};
-        c10d::AllreduceOptions across;
-        across.reduceOp = kinds[i] == ReduceKind::Avg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp;
-        leaders->allreduce(one, across)->wait();
-      }
-      header.op = static_cast<int32_t>(OpCode::Broadcast);
-      shm_broadcast(*transport, header, acc.data_ptr(), acc.nbytes(), 0);
-      if (kinds[i] == ReduceKind::Avg) {
-        acc.div_(size);
-      }
-      if (widen) {
-        t.copy_(acc);
-      }
+      all_reduce_across_nodes(*transport, leaders.get(), size,
+                              make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i])),
+                              t, kinds[i]);
       dense[i].finish();
     }
   });
@@ -564,22 +581,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: reduce: root rank ", opts.rootRank,
               " is outside the group of ", size_);
   const ReduceKind kind = to_kind(op, opts.reduceOp, tensors[0].scalar_type());
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp,
-                      [gloo, tensors, opts](uint64_t) mutable { gloo->reduce(tensors, opts)->wait(); });
-  }
   // Only the root's tensor changes: the others reduce into a scratch copy.
   const bool root = rank_ == opts.rootRank;
   Dense dense(tensors[0]);
   at::Tensor scratch = root ? dense.work : dense.work.clone();
   auto* transport = transport_.get();
+  auto leaders = options_.gloo_leaders;
+  const bool across_nodes = num_nodes_ > 1;
   const int size = size_;
   const int64_t root_rank = opts.rootRank;
   return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp, [=](uint64_t seq) {
     const CallHeader header =
         make_header(seq, OpCode::Reduce, scratch, scratch.numel(), root_rank, static_cast<int64_t>(kind));
-    shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.numel(), scratch.scalar_type(), kind, size);
+    if (across_nodes) {
+      all_reduce_across_nodes(*transport, leaders.get(), size, header, scratch, kind);
+    } else {
+      shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.numel(), scratch.scalar_type(), kind, size);
+    }
     if (root) {
       dense.finish();
     }
@@ -853,16 +871,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
     check_like(op, "input_lists[0][i]", in, outputs[0], outputs[0].numel());
     sources.push_back(in.contiguous());
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
-                      [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->reduce_scatter(outputs, inputs, opts)->wait();
-    });
-  }
   Dense dense(outputs[0]);
   auto* transport = transport_.get();
   const int size = size_;
+  if (num_nodes_ > 1) {
+    // NOTE [reductions across nodes]: all-reduce the concatenated inputs, keep this rank's piece.
+    auto leaders = options_.gloo_leaders;
+    const int rank = rank_;
+    return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
+      const at::Tensor& out = dense.work;
+      std::vector<at::Tensor> flat;
+      for (const auto& source : sources) {
+        flat.push_back(source.reshape(-1));
+      }
+      const at::Tensor full = at::cat(flat);
+      all_reduce_across_nodes(
+          *transport, leaders.get(), size,
+          make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)), full, kind);
+      out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
+      dense.finish();
+    });
+  }
   return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
     const at::Tensor& out = dense.work;
     std::vector<const void*> pointers;
@@ -897,17 +926,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     sources.push_back(inputs[i].contiguous());
     targets.emplace_back(outputs[i]);
   }
+  auto* transport = transport_.get();
+  const int size = size_;
   if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
-                      [gloo, outputs, inputs, opts](uint64_t) mutable {
-      for (const auto i : c10::irange(inputs.size())) {
-        gloo->_reduce_scatter_base(outputs[i], inputs[i], opts)->wait();
+    // NOTE [reductions across nodes]: all-reduce a copy of the input, keep this rank's piece.
+    auto leaders = options_.gloo_leaders;
+    const int rank = rank_;
+    return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
+      for (const auto i : c10::irange(sources.size())) {
+        const at::Tensor& out = targets[i].work;
+        const at::Tensor full = sources[i].reshape(-1).clone();
+        all_reduce_across_nodes(
+            *transport, leaders.get(), size,
+            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])), full,
+            kinds[i]);
+        out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
+        targets[i].finish();
       }
     });
   }
-  auto* transport = transport_.get();
-  const int size = size_;
   return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
     for (const auto i : c10::irange(sources.size())) {
       const at::Tensor& out = targets[i].work;

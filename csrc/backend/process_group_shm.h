@@ -4,11 +4,13 @@
 // Ranks on one node talk through POSIX shared memory (ShmTransport, the
 // algorithms in shm_collectives.h). Ranks are placed on nodes by a host key
 // per rank (the hostname, or TORCH_TP_HOST_KEY), which the Python factory
-// exchanges through the store. When the group spans several nodes, all-reduce
-// and barrier are hierarchical: shared memory inside each node, then a gloo
-// group of one leader per node, then shared memory again; every other
-// collective then runs on a gloo group of all the ranks. The gloo groups are
-// built in Python (the torch wheel ships no gloo headers) and passed in.
+// exchanges through the store. When the group spans several nodes, the
+// reductions (all-reduce, reduce, reduce-scatter) and barrier are
+// hierarchical: shared memory inside each node, then a gloo group of one
+// leader per node, then shared memory again (NOTE [reductions across nodes]);
+// the other collectives and send/recv between nodes run on a gloo group of
+// all the ranks. The gloo groups are built in Python (the torch wheel ships
+// no gloo headers) and passed in.
 //
 // NOTE [one worker thread]
 // Every call is checked on the caller's thread (bad input raises at once) and
