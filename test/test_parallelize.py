@@ -212,8 +212,7 @@ def _check_against_torch(model_name, sequence_parallel, steps=3):
             (out.square().sum() / full_numel).backward()
         for (name, p_ref), p_ours, p_theirs in zip(reference.named_parameters(), ours.parameters(),
                                                     theirs.parameters()):
-            _close(_full_param(p_ours.grad if get_shard_info(p_ours) is None else _grad_as_param(p_ours)),
-                   p_ref.grad, f"step {step} grad {name}")
+            _close(_grad_as_param(p_ours), p_ref.grad, f"step {step} grad {name}")
             _close(_full_param(p_theirs.grad), p_ref.grad, f"step {step} torch grad {name}")
         for optimizer in optimizers.values():
             optimizer.step()
@@ -225,9 +224,12 @@ def _check_against_torch(model_name, sequence_parallel, steps=3):
 
 
 def _grad_as_param(param):
-    grad = param.grad
+    """A torch_tp parameter's gradient, unsharded as _full_param unshards the parameter."""
     info = get_shard_info(param)
-    return torch.ops.torch_tp.all_gather(grad.contiguous(), info.dim, info.group_name, info.full_shape[info.dim])
+    if info is None:
+        return param.grad
+    return torch.ops.torch_tp.all_gather(param.grad.contiguous(), info.dim, info.group_name,
+                                         info.full_shape[info.dim])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -361,7 +363,7 @@ def _check_style_options():
         (local_theirs.square().sum()).backward()
         for (name, p_ours), p_theirs in zip(ours.named_parameters(), theirs.parameters()):
             # Compared unsharded: torch may keep a gradient in another placement than its parameter's.
-            g_ours = p_ours.grad if get_shard_info(p_ours) is None else _grad_as_param(p_ours)
+            g_ours = _grad_as_param(p_ours)
             _close(g_ours, _full_param(p_theirs.grad), f"{what}: grad {name}")
 
 
@@ -427,8 +429,7 @@ def _check_replicated_grad_reduction():
         loss(theirs, x).backward()
     theirs_grads = dict((n, _full_param(p.grad)) for n, p in theirs.named_parameters())
     for name, p in ours.named_parameters():
-        g = p.grad if get_shard_info(p) is None else _grad_as_param(p)
-        _close(g, theirs_grads[name], f"accumulated grad {name}")
+        _close(_grad_as_param(p), theirs_grads[name], f"accumulated grad {name}")
     if world_size > 1:
         assert reduces == [1, 1], f"all-reduces per backward: {reduces}, want one (deferred, coalesced)"
 
@@ -470,8 +471,8 @@ def _check_replicated_grad_reduction():
     theirs.zero_grad()
     loss(theirs, xs[0]).backward()
     for name, p in ours.named_parameters():
-        g = p.grad if get_shard_info(p) is None else _grad_as_param(p)
-        _close(g, _full_param(dict(theirs.named_parameters())[name].grad), f"grad after a failed backward {name}")
+        _close(_grad_as_param(p), _full_param(dict(theirs.named_parameters())[name].grad),
+               f"grad after a failed backward {name}")
 
     # torch.autograd.grad: the hook's value is the result, so it must be the full gradient.
     params = [dict(ours.named_parameters())[n] for n in norm_params]

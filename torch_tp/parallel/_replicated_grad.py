@@ -38,6 +38,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+from ..ddp import DistributedDataParallel
+
 __all__ = ["register_replicated_grad_reduction"]
 
 # Deferred gradients by the graph task (backward) that produced them: (group
@@ -49,8 +51,6 @@ _pending: Dict[int, Dict[Tuple[str, torch.dtype], List[_Entry]]] = {}
 
 
 def _inside_data_parallel_forward() -> bool:
-    from ..ddp import DistributedDataParallel
-
     return _TorchDDP._get_active_ddp_module() is not None or DistributedDataParallel._active_module is not None
 
 
