@@ -155,6 +155,16 @@ void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, in
   }
 }
 
+// reduce_scatter across nodes (NOTE [reductions across nodes]): `full` is a
+// scratch copy of this rank's whole input, flat; out receives rank `rank`'s
+// piece of its reduction.
+void reduce_scatter_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, int rank,
+                                 const CallHeader& header, const at::Tensor& full, const at::Tensor& out,
+                                 ReduceKind kind) {
+  all_reduce_across_nodes(transport, leaders, size, header, full, kind);
+  out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
+}
+
 std::string random_token() {
   std::random_device device;
   const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
@@ -884,11 +894,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
       for (const auto& source : sources) {
         flat.push_back(source.reshape(-1));
       }
-      const at::Tensor full = at::cat(flat);
-      all_reduce_across_nodes(
-          *transport, leaders.get(), size,
-          make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)), full, kind);
-      out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
+      reduce_scatter_across_nodes(
+          *transport, leaders.get(), size, rank,
+          make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)), at::cat(flat),
+          out, kind);
       dense.finish();
     });
   }
@@ -935,12 +944,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
       for (const auto i : c10::irange(sources.size())) {
         const at::Tensor& out = targets[i].work;
-        const at::Tensor full = sources[i].reshape(-1).clone();
-        all_reduce_across_nodes(
-            *transport, leaders.get(), size,
-            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])), full,
-            kinds[i]);
-        out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
+        reduce_scatter_across_nodes(
+            *transport, leaders.get(), size, rank,
+            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
+            sources[i].reshape(-1).clone(), out, kinds[i]);
         targets[i].finish();
       }
     });
