@@ -62,8 +62,11 @@ DTensor leaves the SequenceParallel norm weights' gradients as ``Partial(sum)``
 pending reductions, which the step reduces with ``redistribute`` to the
 parameter's placement, as an optimizer step would need; torch_tp reduces them
 during backward; AsyncCollectiveTensors are waited; the same loop runs over
-both). DTensor's time until ``backward()`` returned is reported beside it
-(json: ``until_backward_returned_median_ms``). Each rank times its own steps
+both), then runs ``optimizer.step()``: AdamW with the example's settings
+(examples/train_llama.py; a small lr), whose time is also reported on its own
+with its share of the step (json: ``optimizer_median_ms``,
+``optimizer_share``). DTensor's time until ``backward()`` returned is reported
+beside it (json: ``until_backward_returned_median_ms``). Each rank times its own steps
 (perf_counter); after the run the times are gathered and a repeat's time is
 the slowest rank's. Reported: median, p10, p90 over
 repeats; DTensor / torch_tp is the ratio of the medians; the paired difference
@@ -338,6 +341,10 @@ class Case:
         self.backward_done: Dict[str, float] = {}  # perf_counter when loss.backward() returned, last step
         self.steps: Dict[str, Callable[[], torch.Tensor]] = {impl: self._make_step(impl) for impl in IMPLS}
         self.resets: Dict[str, Callable[[], None]] = {impl: self._make_reset(impl) for impl in IMPLS}
+        # The example's optimizer (examples/train_llama.py), stepped after each timed forward + backward;
+        # a small lr keeps hundreds of repeats well away from divergence.
+        self.optimizers = {impl: torch.optim.AdamW(m.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
+                           for impl, m in self.models.items()}
 
     # -- the timed step
 
@@ -566,10 +573,12 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
                 case.resets[impl]()
                 dist.barrier(group=group)
                 case.steps[impl]()
+                case.optimizers[impl].step()
         case.outputs.clear()
 
         local = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # seconds, this rank
         local_bwd = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # until loss.backward() returned
+        local_opt = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # optimizer.step() alone
         gc.collect()
         gc_was_enabled = gc.isenabled()
         gc.disable()
@@ -581,8 +590,11 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
                     dist.barrier(group=group)
                     t0 = time.perf_counter()
                     loss = step()
+                    t_opt = time.perf_counter()
+                    case.optimizers[impl].step()
                     t1 = time.perf_counter()
                     local[IMPLS.index(impl), r] = t1 - t0
+                    local_opt[IMPLS.index(impl), r] = t1 - t_opt
                     local_bwd[IMPLS.index(impl), r] = case.backward_done[impl] - t0
                     del loss
                 case.outputs.clear()
@@ -595,6 +607,9 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         gathered_bwd = [torch.empty_like(local_bwd) for _ in range(world)]
         dist.all_gather(gathered_bwd, local_bwd, group=group)
         maxed_bwd = torch.stack(gathered_bwd).max(dim=0).values
+        gathered_opt = [torch.empty_like(local_opt) for _ in range(world)]
+        dist.all_gather(gathered_opt, local_opt, group=group)
+        maxed_opt = torch.stack(gathered_opt).max(dim=0).values
         elapsed = time.perf_counter() - t_cfg
 
         c = case.llama_config
@@ -626,6 +641,8 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
             st["times_ms"] = [t * 1e3 for t in times]
             # Until loss.backward() returned, before NOTE [complete gradients] (DTensor: norm grads Partial).
             st["until_backward_returned_median_ms"] = quantile(sorted(maxed_bwd[ii].tolist()), 0.5) * 1e3
+            st["optimizer_median_ms"] = quantile(sorted(maxed_opt[ii].tolist()), 0.5) * 1e3
+            st["optimizer_share"] = st["optimizer_median_ms"] / st["median_ms"]
             rec["impls"][impl] = st
         med = {k: rec["impls"][k]["median_ms"] for k in IMPLS}
         rec["dtensor_over_torch_tp"] = med["dtensor"] / med["torch_tp"]
@@ -664,8 +681,9 @@ def describe(rec: Dict) -> str:
 def markdown_table(records: List[Dict]) -> str:
     lines = [
         "| config | shape | torch_tp ms (p10-p90) | DTensor ms (p10-p90) | DTensor / torch_tp "
-        "| DTensor - torch_tp ms (paired) | DTensor ms until backward() returns | repeats |",
-        "|:---|:---|---:|---:|---:|---:|---:|---:|",
+        "| DTensor - torch_tp ms (paired) | DTensor ms until backward() returns "
+        "| optimizer.step() ms, torch_tp / DTensor (share of the step) | repeats |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in records:
         im = rec["impls"]
@@ -675,7 +693,10 @@ def markdown_table(records: List[Dict]) -> str:
         lines.append(
             f"| {rec['config']} | {describe(rec)} | {cells[0]} | {cells[1]} | "
             f"**{rec['dtensor_over_torch_tp']:.2f}** | {rec['dtensor_minus_torch_tp_ms']:+.2f} | "
-            f"{fmt_ms(im['dtensor']['until_backward_returned_median_ms'])} | {rec['repeats']} |"
+            f"{fmt_ms(im['dtensor']['until_backward_returned_median_ms'])} | "
+            f"{fmt_ms(im['torch_tp']['optimizer_median_ms'])} ({100 * im['torch_tp']['optimizer_share']:.0f}%) / "
+            f"{fmt_ms(im['dtensor']['optimizer_median_ms'])} ({100 * im['dtensor']['optimizer_share']:.0f}%) | "
+            f"{rec['repeats']} |"
         )
     return "\n".join(lines)
 
@@ -774,7 +795,8 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         "batch, and ends when every parameter holds its complete gradient: DTensor leaves the SequenceParallel "
         "norm weights' gradients `Partial(sum)` (pending all-reduces an optimizer step would do); the step "
         "`redistribute`s them to the parameters' `Replicate()` (torch_tp all-reduces them during backward); "
-        "the table also gives DTensor's time until `backward()` returns, before that. "
+        "then `optimizer.step()` runs (AdamW with the example's betas and weight decay, lr 1e-5) and is timed "
+        "inside the step and on its own; the table also gives DTensor's time until `backward()` returns. "
         "`model*`: `cross_entropy(model(inputs), targets)` inside `loss_parallel()` (vocab-sharded logits), as the example trains. `block*`: one `TransformerBlock` "
         "parallelized with the plan's `layers.*.` entries, fed this rank's sequence shard `x [b, s/p, d]` "
         "(requires grad), loss the rank's part of `mean(out**2)`. Before timing, every configuration checks "
@@ -839,7 +861,9 @@ def main(argv: Sequence[str]) -> int:
                 "also gathered output and input gradient; torch_tp's replicated gradients equal across ranks",
                 "step": "forward + loss + loss.backward(); model: inside loss_parallel(); ends when every "
                 "parameter holds its complete gradient: DTensor's Partial(sum) gradients (SequenceParallel norm "
-                "weights) redistributed to the parameter's placements, AsyncCollectiveTensors waited",
+                "weights) redistributed to the parameter's placements, AsyncCollectiveTensors waited; then "
+                "optimizer.step() (AdamW, the example's betas and weight decay, lr 1e-5)",
+                "optimizer": "optimizer.step() alone (max over ranks, median) and its share of the step's median",
                 "until_backward_returned": "the same step's time until loss.backward() returned (max over ranks, "
                 "median): for DTensor, before its Partial gradients are reduced",
                 "interleaved": "one step of each impl per repeat, order alternating",
