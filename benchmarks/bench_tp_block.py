@@ -47,10 +47,10 @@ NOTE [same computation]: before timing, every configuration runs one step of
 each implementation and of the unsharded model (plain autograd, on each rank
 alone) and checks (``torch.testing.assert_close``, rtol 1e-4, atol 1e-5 times
 each reference tensor's largest magnitude) that the losses agree and that every
-parameter's full gradient agrees: DTensor's as ``grad.full_tensor()``,
-torch_tp's gathered from its ``torch.chunk`` pieces with ``dist.all_gather``
-(its replicated parameters' gradients must also agree across ranks); for the
-block also the gathered output and input gradient. Any mismatch on any rank
+parameter's full gradient agrees (``grad.full_tensor()`` for both; torch_tp's
+gradients must also already have their parameters' placements, with no
+``Partial`` left after backward); for the block also the gathered output and
+input gradient. Any mismatch on any rank
 stops the run on every rank.
 
 NOTE [method]: as in bench_linear.py. Every repeat runs one step of each
@@ -60,13 +60,15 @@ to None untimed before each step, and each timed step is preceded by
 when every parameter holds its complete gradient (NOTE [complete gradients]:
 DTensor leaves the SequenceParallel norm weights' gradients as ``Partial(sum)``
 pending reductions, which the step reduces with ``redistribute`` to the
-parameter's placement, as an optimizer step would need; torch_tp reduces them
-during backward; AsyncCollectiveTensors are waited; the same loop runs over
-both), then runs ``optimizer.step()``: AdamW with the example's settings
-(examples/train_llama.py; a small lr), whose time is also reported on its own
-with its share of the step (json: ``optimizer_median_ms``,
-``optimizer_share``). DTensor's time until ``backward()`` returned is reported
-beside it (json: ``until_backward_returned_median_ms``). Each rank times its own steps
+parameter's placement, as an optimizer step would need; torch_tp completes
+them at the end of backward; AsyncCollectiveTensors are waited; the same loop runs over
+both). After the timed step, ``optimizer.step()`` runs (the example's
+optimizer, ``llama_model.make_optimizer``: fused AdamW, here with a small lr)
+and is timed on its own: reported are its median, its share of the training
+step (step + optimizer) and the training step's DTensor / torch_tp ratio (json:
+``optimizer_median_ms``, ``optimizer_share``, ``training_step_median_ms``,
+``training_step_dtensor_over_torch_tp``). DTensor's time until ``backward()``
+returned is reported beside it (json: ``until_backward_returned_median_ms``). Each rank times its own steps
 (perf_counter); after the run the times are gathered and a repeat's time is
 the slowest rank's. Reported: median, p10, p90 over
 repeats; DTensor / torch_tp is the ratio of the medians; the paired difference
@@ -104,7 +106,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import torch_tp  # noqa: F401  (the package under test; load_tp_api("torch_tp") imports it too)
-from torch_tp.parallel._shard import get_shard_info
 from _common import (
     check_everywhere,
     command_line,
@@ -262,12 +263,6 @@ def gather_pieces(local: torch.Tensor, dim: int, full_len: int, group: dist.Proc
     return torch.cat([o.narrow(dim, 0, n) for o, n in zip(outs, lengths)], dim=dim)
 
 
-def all_ranks(t: torch.Tensor, group: dist.ProcessGroup) -> List[torch.Tensor]:
-    outs = [torch.empty_like(t) for _ in range(group.size())]
-    dist.all_gather(outs, t.contiguous(), group=group)
-    return outs
-
-
 def close(got: torch.Tensor, ref: torch.Tensor, what: str) -> float:
     """assert_close with the benchmark's tolerances; returns the max relative difference (to max |ref|)."""
     got, ref = got.detach().float(), ref.detach().float()
@@ -341,10 +336,9 @@ class Case:
         self.backward_done: Dict[str, float] = {}  # perf_counter when loss.backward() returned, last step
         self.steps: Dict[str, Callable[[], torch.Tensor]] = {impl: self._make_step(impl) for impl in IMPLS}
         self.resets: Dict[str, Callable[[], None]] = {impl: self._make_reset(impl) for impl in IMPLS}
-        # The example's optimizer (examples/train_llama.py), stepped after each timed forward + backward;
-        # a small lr keeps hundreds of repeats well away from divergence.
-        self.optimizers = {impl: torch.optim.AdamW(m.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
-                           for impl, m in self.models.items()}
+        # The example's optimizer (examples/train_llama.py: fused AdamW), stepped after each timed forward +
+        # backward; a small lr keeps hundreds of repeats well away from divergence.
+        self.optimizers = {impl: lm.make_optimizer(m, lr=1e-5) for impl, m in self.models.items()}
 
     # -- the timed step
 
@@ -357,8 +351,8 @@ class Case:
         def finish() -> None:
             """NOTE [complete gradients]: the step ends when every parameter holds its gradient.
 
-            torch_tp's gradients are complete when backward returns (SequenceParallel's
-            hook all-reduces the norm weights' partial gradients during backward).
+            torch_tp's gradients are complete when backward returns (one all-reduce at the
+            end of backward completes the norm weights' partial gradients).
             DTensor leaves those as ``Partial(sum)`` DTensors: pending sums over the
             ranks, which the optimizer (or clip_grad_norm_) would reduce before using
             them. Reduce them here, as DTensor itself does (``redistribute`` to the
@@ -410,31 +404,21 @@ class Case:
     # -- NOTE [same computation]
 
     def _full_grads_torch_tp(self) -> Dict[str, torch.Tensor]:
-        """Every parameter's full gradient. The collectives all run first (the same on every rank), the
-        comparisons after, so a rank that fails one does not leave the other waiting in a collective."""
-        out, replicas = {}, {}
+        """Every parameter's full gradient; torch_tp's gradients must already be complete (each with its
+        parameter's placements: no Partial left after backward). The collectives all run first (the same on
+        every rank), the comparisons after, so a rank that fails one does not leave the other waiting."""
+        out = {}
         params = list(self.models["torch_tp"].named_parameters())
         missing = [name for name, p in params if p.grad is None]
         if missing:  # the same parameters on every rank: every rank raises
             raise AssertionError(f"torch_tp: no gradient for {missing}")
         for name, p in params:
-            info = get_shard_info(p)
-            if info is None:
-                # Replicated: torch_tp's gradient is complete and the same on every rank (checked below).
-                replicas[name] = all_ranks(p.grad.detach(), self.group)
-                out[name] = p.grad.detach().clone()
-            else:
-                if info.group_name != self.group.group_name:
-                    raise AssertionError(f"torch_tp: {name} is sharded over group {info.group_name}, "
-                                         f"not the mesh's {self.group.group_name}")
-                out[name] = gather_pieces(p.grad.detach(), info.dim, info.full_shape[info.dim], self.group)
+            g = p.grad
+            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
         for name, p in params:
-            info = get_shard_info(p)
-            if info is not None and out[name].shape != info.full_shape:
-                raise AssertionError(f"torch_tp: {name}'s gathered gradient {tuple(out[name].shape)} "
-                                     f"vs {tuple(info.full_shape)}")
-            for r, g in enumerate(replicas.get(name, [])):
-                close(g, out[name], f"torch_tp: replicated {name}'s gradient on rank {r} vs this rank's")
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                raise AssertionError(f"torch_tp: {name}'s gradient is {p.grad.placements}, its parameter "
+                                     f"{p.placements}")
         return out
 
     def _full_grads_dtensor(self) -> Dict[str, torch.Tensor]:
@@ -593,7 +577,7 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
                     t_opt = time.perf_counter()
                     case.optimizers[impl].step()
                     t1 = time.perf_counter()
-                    local[IMPLS.index(impl), r] = t1 - t0
+                    local[IMPLS.index(impl), r] = t_opt - t0
                     local_opt[IMPLS.index(impl), r] = t1 - t_opt
                     local_bwd[IMPLS.index(impl), r] = case.backward_done[impl] - t0
                     del loss
@@ -610,6 +594,10 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         gathered_opt = [torch.empty_like(local_opt) for _ in range(world)]
         dist.all_gather(gathered_opt, local_opt, group=group)
         maxed_opt = torch.stack(gathered_opt).max(dim=0).values
+        local_train = local + local_opt  # the whole training step: forward, backward, optimizer
+        gathered_train = [torch.empty_like(local_train) for _ in range(world)]
+        dist.all_gather(gathered_train, local_train, group=group)
+        maxed_train = torch.stack(gathered_train).max(dim=0).values
         elapsed = time.perf_counter() - t_cfg
 
         c = case.llama_config
@@ -642,10 +630,13 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
             # Until loss.backward() returned, before NOTE [complete gradients] (DTensor: norm grads Partial).
             st["until_backward_returned_median_ms"] = quantile(sorted(maxed_bwd[ii].tolist()), 0.5) * 1e3
             st["optimizer_median_ms"] = quantile(sorted(maxed_opt[ii].tolist()), 0.5) * 1e3
-            st["optimizer_share"] = st["optimizer_median_ms"] / st["median_ms"]
+            st["training_step_median_ms"] = quantile(sorted(maxed_train[ii].tolist()), 0.5) * 1e3
+            st["optimizer_share"] = st["optimizer_median_ms"] / st["training_step_median_ms"]
             rec["impls"][impl] = st
         med = {k: rec["impls"][k]["median_ms"] for k in IMPLS}
         rec["dtensor_over_torch_tp"] = med["dtensor"] / med["torch_tp"]
+        rec["training_step_dtensor_over_torch_tp"] = (rec["impls"]["dtensor"]["training_step_median_ms"]
+                                                      / rec["impls"]["torch_tp"]["training_step_median_ms"])
         diffs = sorted(((maxed[IMPLS.index("dtensor")] - maxed[IMPLS.index("torch_tp")]) * 1e3).tolist())
         rec["dtensor_minus_torch_tp_ms"] = quantile(diffs, 0.5)
         rec["dtensor_minus_torch_tp_p10_p90_ms"] = [quantile(diffs, 0.1), quantile(diffs, 0.9)]
@@ -682,8 +673,9 @@ def markdown_table(records: List[Dict]) -> str:
     lines = [
         "| config | shape | torch_tp ms (p10-p90) | DTensor ms (p10-p90) | DTensor / torch_tp "
         "| DTensor - torch_tp ms (paired) | DTensor ms until backward() returns "
-        "| optimizer.step() ms, torch_tp / DTensor (share of the step) | repeats |",
-        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|",
+        "| optimizer.step() ms, torch_tp / DTensor (share of the training step) "
+        "| training step (+ optimizer) DTensor / torch_tp | repeats |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in records:
         im = rec["impls"]
@@ -696,7 +688,7 @@ def markdown_table(records: List[Dict]) -> str:
             f"{fmt_ms(im['dtensor']['until_backward_returned_median_ms'])} | "
             f"{fmt_ms(im['torch_tp']['optimizer_median_ms'])} ({100 * im['torch_tp']['optimizer_share']:.0f}%) / "
             f"{fmt_ms(im['dtensor']['optimizer_median_ms'])} ({100 * im['dtensor']['optimizer_share']:.0f}%) | "
-            f"{rec['repeats']} |"
+            f"{rec['training_step_dtensor_over_torch_tp']:.2f} | {rec['repeats']} |"
         )
     return "\n".join(lines)
 
@@ -794,15 +786,16 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         f"`init_device_mesh(\"cpu\", ({m['world_size']},))`. A step is forward, loss and `loss.backward()` on a fixed "
         "batch, and ends when every parameter holds its complete gradient: DTensor leaves the SequenceParallel "
         "norm weights' gradients `Partial(sum)` (pending all-reduces an optimizer step would do); the step "
-        "`redistribute`s them to the parameters' `Replicate()` (torch_tp all-reduces them during backward); "
-        "then `optimizer.step()` runs (AdamW with the example's betas and weight decay, lr 1e-5) and is timed "
-        "inside the step and on its own; the table also gives DTensor's time until `backward()` returns. "
+        "`redistribute`s them to the parameters' `Replicate()` (torch_tp completes them at the end of backward); "
+        "After it, `optimizer.step()` runs (the example's fused AdamW, lr 1e-5) and is timed on its own: its "
+        "median, its share of the training step (step + optimizer) and the training step's ratio are in the "
+        "table, beside DTensor's time until `backward()` returns. "
         "`model*`: `cross_entropy(model(inputs), targets)` inside `loss_parallel()` (vocab-sharded logits), as the example trains. `block*`: one `TransformerBlock` "
         "parallelized with the plan's `layers.*.` entries, fed this rank's sequence shard `x [b, s/p, d]` "
         "(requires grad), loss the rank's part of `mean(out**2)`. Before timing, every configuration checks "
         f"(`assert_close`, rtol {RTOL:.0e}, atol {ATOL_SCALE:.0e} x each tensor's max|ref|) that torch_tp, DTensor and the "
         "unsharded model (plain autograd) give the same loss and the same full gradient of every parameter "
-        "(DTensor: `full_tensor()`; torch_tp: its pieces all-gathered; block: also output and input gradient). "
+        "(`full_tensor()`; torch_tp's already in its parameters' placements; block: also output and input gradient). "
         "Per repeat, one step of each implementation, the order alternating; gradients reset untimed; "
         "`dist.barrier()` before each timed step; the per-repeat time is the max over ranks; figures are medians "
         "over repeats (p10-p90 in brackets), DTensor / torch_tp the ratio of medians, the paired difference the "
@@ -858,12 +851,13 @@ def main(argv: Sequence[str]) -> int:
             "method": {
                 "check": f"assert_close rtol {RTOL:g}, atol {ATOL_SCALE:g} * max|ref| (per tensor): loss and every "
                 "parameter's full gradient, torch_tp vs DTensor vs the unsharded model (plain autograd); block: "
-                "also gathered output and input gradient; torch_tp's replicated gradients equal across ranks",
+                "also gathered output and input gradient; torch_tp's gradients in their parameters' placements",
                 "step": "forward + loss + loss.backward(); model: inside loss_parallel(); ends when every "
                 "parameter holds its complete gradient: DTensor's Partial(sum) gradients (SequenceParallel norm "
-                "weights) redistributed to the parameter's placements, AsyncCollectiveTensors waited; then "
-                "optimizer.step() (AdamW, the example's betas and weight decay, lr 1e-5)",
-                "optimizer": "optimizer.step() alone (max over ranks, median) and its share of the step's median",
+                "weights) redistributed to the parameter's placements, AsyncCollectiveTensors waited",
+                "optimizer": "optimizer.step() after the step (the example's fused AdamW, lr 1e-5), timed alone "
+                "(max over ranks, median); training step = step + optimizer (per rank, then max over ranks); "
+                "optimizer_share = optimizer median / training step median",
                 "until_backward_returned": "the same step's time until loss.backward() returned (max over ranks, "
                 "median): for DTensor, before its Partial gradients are reduced",
                 "interleaved": "one step of each impl per repeat, order alternating",

@@ -53,6 +53,7 @@ __all__ = [
     "cross_entropy_loss",
     "to_full",
     "check_tp_against_reference",
+    "make_optimizer",
 ]
 
 
@@ -206,10 +207,12 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Decoder-only transformer; ``forward(tokens [b, s]) -> logits [b, s, vocab] (float32)``.
+    """Decoder-only transformer; ``forward(tokens [b, s]) -> logits [b, s, vocab]`` (at least float32).
 
     The weights are initialised in the constructor (torchtitan's scheme) from the
     current torch RNG, so the same ``torch.manual_seed`` gives the same model on every rank.
+    Built on the meta device, the model is materialized with ``to_empty`` and then
+    :meth:`init_weights`, which also recomputes the rotary table.
     """
 
     def __init__(self, config: LlamaConfig):
@@ -226,6 +229,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
+        if not self.rope.is_meta:  # after to_empty(): the buffer holds garbage
+            self.rope.copy_(precompute_rope(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta))
         nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             layer.init_weights()
@@ -240,7 +245,8 @@ class Llama(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope)
         h = self.norm(h)
-        return self.output(h).float()
+        logits = self.output(h)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: the loss in float32
 
 
 # ----------------------------------------------------------------------------- TP API and plan
@@ -279,13 +285,15 @@ def load_tp_api(impl: Any = "torch") -> Any:
     raise ValueError(f"unknown TP implementation {impl!r}: expected 'torch' or 'torch_tp'")
 
 
-def tp_plan(api: Any = "torch", *, loss_parallel: bool = True) -> Dict[str, Any]:
-    """torchtitan's Llama plan, sequence parallel, as one ``parallelize_module`` plan.
+def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel: bool = True) -> Dict[str, Any]:
+    """torchtitan's Llama plan as one ``parallelize_module`` plan.
 
     Keys use ``*`` for the layer index (each dotted part is matched with fnmatch).
     With ``loss_parallel=True`` the logits stay vocab-sharded DTensors
     (``Shard(-1)``) for :func:`cross_entropy_loss`; with False they are
-    all-gathered to a replicated plain tensor.
+    all-gathered to a replicated plain tensor. With ``sequence_parallel=False``
+    the norms stay unsharded modules and activations between the layers are
+    replicated (torchtitan's plan without sequence parallelism).
 
     Args:
         api: ``"torch"``, ``"torch_tp"`` or a module with the style classes (see :func:`load_tp_api`).
@@ -293,31 +301,42 @@ def tp_plan(api: Any = "torch", *, loss_parallel: bool = True) -> Dict[str, Any]
     from torch.distributed.tensor import Replicate, Shard
 
     tp = load_tp_api(api)
+    between = Shard(1) if sequence_parallel else Replicate()  # the layout between the layers
     plan = {
-        "tok_embeddings": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": tp.SequenceParallel(),
+        "tok_embeddings": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "output": tp.ColwiseParallel(
-            input_layouts=Shard(1),
+            input_layouts=between,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
-        ),
-        "layers.*.attention_norm": tp.SequenceParallel(),
-        "layers.*.attention": tp.PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
         ),
         "layers.*.attention.wq": tp.ColwiseParallel(),
         "layers.*.attention.wk": tp.ColwiseParallel(),
         "layers.*.attention.wv": tp.ColwiseParallel(),
-        "layers.*.attention.wo": tp.RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": tp.SequenceParallel(),
-        "layers.*.feed_forward": tp.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
+        "layers.*.attention.wo": tp.RowwiseParallel(output_layouts=between),
         "layers.*.feed_forward.w1": tp.ColwiseParallel(),
-        "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=between),
         "layers.*.feed_forward.w3": tp.ColwiseParallel(),
     }
+    if sequence_parallel:
+        plan.update({
+            "norm": tp.SequenceParallel(),
+            "layers.*.attention_norm": tp.SequenceParallel(),
+            "layers.*.attention": tp.PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
+            "layers.*.ffn_norm": tp.SequenceParallel(),
+            "layers.*.feed_forward": tp.PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+        })
     return plan
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1) -> torch.optim.Optimizer:
+    """The example's optimizer: AdamW with torchtitan's betas, fused as torchtitan's default.
+    One fused kernel updates every parameter; with DTensor parameters that is one DTensor
+    dispatch per step instead of one per parameter and elementwise op (the for-loop AdamW)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
 
 
 def check_tp_degree(config: LlamaConfig, tp: int) -> None:

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import torch_tp
-from torch_tp.parallel._shard import ShardInfo, get_shard_info, set_shard_info
 from torch_tp.parallel.checkpoint import clip_grad_norm_, get_full_state_dict, load_full_state_dict
 
 from test_parallelize import Transformer, _transformer_plan
@@ -71,10 +71,15 @@ def _loss(out):
     return out.square().sum() / out.numel()
 
 
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def _assert_state_dicts_equal(actual, expected, what):
+    """Same keys, and bitwise the same tensors (DTensors: the same local pieces)."""
     assert list(actual) == list(expected), f"{what}: keys {list(actual)} != {list(expected)}"
     for key, value in expected.items():
-        got = actual[key]
+        got, value = _local(actual[key]), _local(value)
         assert got.shape == value.shape, f"{what}: {key} shape {tuple(got.shape)} != {tuple(value.shape)}"
         assert got.dtype == value.dtype, f"{what}: {key} dtype {got.dtype} != {value.dtype}"
         assert torch.equal(got, value), f"{what}: {key} differs by {(got - value).abs().max().item():.3e}"
@@ -86,7 +91,8 @@ def _assert_state_dicts_equal(actual, expected, what):
 def _check_get_full_state_dict(sequence_parallel, vocab, tied):
     reference, parallel = _models(sequence_parallel, vocab, tied)
     expected = reference.state_dict()
-    sharded = [k for k, v in parallel.state_dict(keep_vars=True).items() if get_shard_info(v) is not None]
+    sharded = [k for k, v in parallel.state_dict(keep_vars=True).items()
+               if isinstance(v, DTensor) and isinstance(v.placements[0], Shard)]
     if dist.get_world_size() > 1:
         assert "tok_embeddings.weight" in sharded and "layers.0.feed_forward.w2.weight" in sharded
 
@@ -95,7 +101,7 @@ def _check_get_full_state_dict(sequence_parallel, vocab, tied):
     for key, value in full.items():
         assert not value.requires_grad, key
     # A snapshot, not a view: training the model afterwards leaves it alone.
-    assert full["norm.weight"].data_ptr() != parallel.norm.weight.data_ptr()
+    assert full["norm.weight"].data_ptr() != _local(parallel.norm.weight).data_ptr()
     if tied:
         assert full["output.weight"] is full["tok_embeddings.weight"], "a tied parameter is gathered once"
     # The unsharded model takes it as its own state dict.
@@ -145,7 +151,7 @@ def _check_load_full_state_dict(sequence_parallel, vocab):
     reference, _ = _models(sequence_parallel, vocab)
     state = _trained_state_dict(reference, vocab)
     _, fresh = _models(sequence_parallel, vocab, seed=1)  # other weights
-    before = {name: (param, param.data_ptr()) for name, param in fresh.named_parameters()}
+    before = {name: (param, _local(param).data_ptr()) for name, param in fresh.named_parameters()}
     optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1)
 
     result = load_full_state_dict(fresh, state)
@@ -153,12 +159,11 @@ def _check_load_full_state_dict(sequence_parallel, vocab):
 
     local = fresh.state_dict(keep_vars=True)
     for key, value in state.items():
-        info = get_shard_info(local[key])
-        expected = value if info is None else torch_tp.shard(value, info.dim, info.group_name)
-        assert torch.equal(local[key].detach(), expected), f"{key}: not this rank's piece of the loaded tensor"
+        expected = _local_piece(local[key], value)
+        assert torch.equal(_local(local[key]).detach(), expected), f"{key}: not this rank's piece of the loaded tensor"
     # In place: the same Parameter objects and storage, which the optimizer holds.
     for name, param in fresh.named_parameters():
-        assert param is before[name][0] and param.data_ptr() == before[name][1], name
+        assert param is before[name][0] and _local(param).data_ptr() == before[name][1], name
     assert all(p is q for p, q in zip(optimizer.param_groups[0]["params"], fresh.parameters()))
 
     _assert_state_dicts_equal(get_full_state_dict(fresh), state, "get_full_state_dict(load_full_state_dict(sd))")
@@ -185,7 +190,7 @@ def test_load_full_state_dict_with_empty_shards(ranks, world_size):
 def _check_load_errors():
     reference, parallel = _models(False)
     state = reference.state_dict()
-    snapshot = {k: v.clone() for k, v in parallel.state_dict().items()}
+    snapshot = {k: _local(v).clone() for k, v in parallel.state_dict().items()}
     other = Transformer(vocab=31).state_dict()  # other values, to see that nothing gets copied
 
     def expect_error(bad, *needles, strict=True):
@@ -208,7 +213,7 @@ def _check_load_errors():
     # A sharded parameter: checked against the full shape, not the local piece's.
     wrong = copy.copy(other)
     wrong["tok_embeddings.weight"] = torch.zeros(32, 24)
-    expect_error(wrong, "size mismatch", "'tok_embeddings.weight'", "(32, 24)", "(31, 24)", "sharded on dim 0")
+    expect_error(wrong, "size mismatch", "'tok_embeddings.weight'", "(32, 24)", "(31, 24)", "Shard(dim=0) on DeviceMesh")
     # A replicated one (bias of a row-parallel layer), even without strict.
     wrong = copy.copy(other)
     wrong["layers.0.feed_forward.w2.bias"] = torch.zeros(25)
@@ -223,7 +228,9 @@ def _check_load_errors():
     partial["extra"] = torch.zeros(1)
     result = load_full_state_dict(parallel, partial, strict=False)
     assert result.missing_keys == ["output.weight"] and result.unexpected_keys == ["extra"], result
-    assert torch.equal(parallel.output.weight.detach(), snapshot["output.weight"])
+    assert torch.equal(_local(parallel.output.weight).detach(), snapshot["output.weight"])
+    # A DTensor state dict is refused (it loads with load_state_dict or DCP).
+    expect_error(parallel.state_dict(), "is a DTensor")
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -245,8 +252,17 @@ def _assert_close(actual, expected, rtol, what):
 
 
 def _local_piece(param, full):
-    info = get_shard_info(param)
-    return full if info is None else torch_tp.shard(full, info.dim, info.group_name)
+    """This rank's piece of ``full`` in ``param``'s layout (a plain tensor)."""
+    if isinstance(param, DTensor) and isinstance(param.placements[0], Shard):
+        return torch_tp.shard(full, param.placements[0].dim, param.device_mesh)
+    return full
+
+
+def _as_grad(param, full_grad):
+    """``full_grad`` in ``param``'s layout: a DTensor for a DTensor parameter."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full_grad.clone(), param.device_mesh, param.placements, src_data_rank=None)
+    return full_grad.clone()
 
 
 def _check_clip(sequence_parallel, vocab, norm_type, max_norm, exact_grads, drop_grad):
@@ -259,31 +275,52 @@ def _check_clip(sequence_parallel, vocab, norm_type, max_norm, exact_grads, drop
         if drop_grad and name in ("norm.weight", "layers.1.feed_forward.w1.weight"):
             p_ref.grad = p_par.grad = None  # a replicated and a sharded parameter without a gradient
         elif exact_grads:
-            p_par.grad = _local_piece(p_par, p_ref.grad).clone()  # a copy: torch clips p_ref.grad in place
-    before = {name: None if p.grad is None else p.grad.clone() for (name, _), p in pairs}
+            p_par.grad = _as_grad(p_par, p_ref.grad)  # a copy: torch clips p_ref.grad in place
+    before = {name: None if p.grad is None else _local(p.grad).clone() for (name, _), p in pairs}
 
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
+    # torch's own clip_grad_norm_ on the DTensor parameters, then torch_tp's on the
+    # same gradients. torch's needs every gradient to be a DTensor (the sequence-
+    # parallel plan; with plain norm weights it refuses mixed Tensor and DTensor,
+    # for torch's TP as for torch_tp's), and cannot take the inf-norm of a rank's
+    # empty piece (an uneven vocabulary at 3 and 4 ranks); torch_tp's can.
+    empty_piece = torch.tensor([int(any(_local(p).numel() == 0 for p in parallel.parameters()))])
+    dist.all_reduce(empty_piece, op=dist.ReduceOp.MAX)  # the same decision on every rank
+    torch_clips = all(isinstance(p, DTensor) for p in parallel.parameters()) and not (
+        norm_type == float("inf") and empty_piece.item())
+    if torch_clips:
+        torch_total = torch.nn.utils.clip_grad_norm_(parallel.parameters(), max_norm, norm_type)
+        torch_total = torch_total.full_tensor() if isinstance(torch_total, DTensor) else torch_total
+        torch_clipped = {name: None if p.grad is None else _local(p.grad).clone() for (name, _), p in pairs}
+        for (name, _), p in pairs:
+            if p.grad is not None:
+                _local(p.grad).copy_(before[name])
     total = clip_grad_norm_(parallel.parameters(), max_norm, norm_type)
 
     inf = norm_type == float("inf")
     rtol = 0 if inf and exact_grads else NORM_RTOL
     assert total.dtype == expected.dtype and total.shape == expected.shape
     _assert_close(total, expected, rtol, f"total {norm_type}-norm")
+    if torch_clips:
+        _assert_close(total, torch_total, NORM_RTOL, f"total {norm_type}-norm vs torch's on the DTensor parameters")
     clipped = max_norm / (expected.item() + 1e-6) < 1
     for (name, p_ref), p_par in pairs:
         if p_ref.grad is None:
             assert p_par.grad is None, name
             continue
+        grad = _local(p_par.grad)
+        if torch_clips:
+            _assert_close(grad, torch_clipped[name], NORM_RTOL, f"clipped grad {name} vs torch's clip")
         if not clipped:
             # The coefficient clamps to exactly 1: gradients unchanged, bit for bit.
-            assert torch.equal(p_par.grad, before[name]), f"{name}: changed without clipping"
+            assert torch.equal(grad, before[name]), f"{name}: changed without clipping"
         if exact_grads:
-            _assert_close(p_par.grad, _local_piece(p_par, p_ref.grad), rtol, f"clipped grad {name}")
+            _assert_close(grad, _local_piece(p_par, p_ref.grad), rtol, f"clipped grad {name}")
         else:
             # Compared as the backward grads are: relative to the tensor's largest magnitude.
             expected_piece = _local_piece(p_par, p_ref.grad)
             scale = expected_piece.abs().max().clamp_min(1e-12) if expected_piece.numel() else 1.0
-            error = ((p_par.grad - expected_piece).abs().max() / scale).item() if expected_piece.numel() else 0.0
+            error = ((grad - expected_piece).abs().max() / scale).item() if expected_piece.numel() else 0.0
             assert error <= BACKWARD_RTOL, f"clipped grad {name}: relative error {error:.2e}"
     return total.item(), expected.item(), clipped
 
@@ -322,31 +359,29 @@ def test_clip_grad_norm_with_empty_shards(ranks, world_size):
 
 def _check_clip_edge_cases():
     rank = dist.get_rank()
-    group = dist.group.WORLD.group_name
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 
     def sharded(full):
-        param = nn.Parameter(torch_tp.shard(full, 0))
-        set_shard_info(param, ShardInfo(0, full.shape, group))
-        return param
+        return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
 
     # No gradients anywhere: 0, as torch.
-    assert clip_grad_norm_([sharded(torch.ones(5))], 1.0).item() == 0.0
+    assert clip_grad_norm_([nn.Parameter(sharded(torch.ones(5)))], 1.0).item() == 0.0
     assert clip_grad_norm_([], 1.0).item() == 0.0
     # A single tensor.
     full_grad = torch.arange(5.0) - 2
-    p = sharded(torch.zeros(5))
-    p.grad = torch_tp.shard(full_grad, 0)
+    p = nn.Parameter(sharded(torch.zeros(5)))
+    p.grad = sharded(full_grad)
     total = clip_grad_norm_(p, 10.0)
     assert torch.equal(total, torch.linalg.vector_norm(full_grad)), total
     # A non-finite norm: error on every rank (inf only on rank 0's piece), nothing scaled.
     grad = full_grad.clone()
     grad[0] = float("inf")
-    p.grad = torch_tp.shard(grad, 0)
+    p.grad = sharded(grad)
     with pytest.raises(RuntimeError, match="non-finite"):
         clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
     # NaN reaches every rank through the max all-reduce of the inf-norm.
     grad[0] = float("nan")
-    p.grad = torch_tp.shard(grad, 0)
+    p.grad = sharded(grad)
     assert clip_grad_norm_([p], 1.0, norm_type="inf").isnan(), f"rank {rank}"
     with pytest.raises(ValueError, match="norm_type"):
         clip_grad_norm_([p], 1.0, norm_type=0)

@@ -25,9 +25,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import torch_tp
-from torch_tp.parallel._shard import get_shard_info
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import llama_model  # noqa: E402
@@ -459,14 +459,12 @@ def test_comm_hook_matches_torch_ddp(ranks, world_size, hook_name):
 # --- 2-D: tensor parallel inside data parallel ---------------------------------------------------
 
 
-def _full(param, value):
-    info = get_shard_info(param)
-    if info is None:
-        return value
-    return torch.ops.torch_tp.all_gather(value.contiguous(), info.dim, info.group_name, info.full_shape[info.dim])
-
-
-def _check_2d(steps=3):
+def _check_2d(ddp_class, steps=3):
+    """torch_tp's TP on mesh["tp"] inside a DDP (torch_tp's or torch's) on mesh["dp"],
+    against the unsharded model on the whole batch. Both DDPs train the DTensor
+    parameters' local tensors (NOTE [DTensor parameters under
+    DistributedDataParallel] in torch_tp/ddp.py), so their gradients and values are
+    unsharded through the DTensor parameters the TP plan made."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     config = llama_model.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
     torch.manual_seed(0)
@@ -474,9 +472,18 @@ def _check_2d(steps=3):
     reference.init_weights()
     model = copy.deepcopy(reference)
     torch_tp.parallelize_module(model, mesh["tp"], llama_model.tp_plan("torch_tp", loss_parallel=False))
-    ddp = torch_tp.DistributedDataParallel(model, device_mesh=mesh["dp"], bucket_cap_mb=0.01)
+    layouts = [p for p in model.parameters()]  # the DTensor parameters: mesh, placements, global shape
+    assert all(isinstance(p, DTensor) for p in layouts)
+    ddp = ddp_class(model, device_mesh=mesh["dp"], bucket_cap_mb=0.01)
+    trained = list(ddp.parameters())  # what each DDP reduces and the optimizer updates: local tensors
+    assert len(trained) == len(layouts) and not any(isinstance(p, DTensor) for p in trained)
+
+    def full(layout, local):
+        return DTensor.from_local(local, layout.device_mesh, layout.placements, run_check=False, shape=layout.shape,
+                                  stride=layout.stride()).full_tensor()
+
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-4)
-    opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3, eps=1e-4)
+    opt_ddp = torch.optim.AdamW(trained, lr=1e-3, eps=1e-4)
     dp_rank = mesh["dp"].get_local_rank()
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
@@ -485,16 +492,21 @@ def _check_2d(steps=3):
         F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
         mine = slice(2 * dp_rank, 2 * dp_rank + 2)  # this dp rank's half of the batch
         F.cross_entropy(ddp(inputs[mine]).flatten(0, 1), targets[mine].flatten()).backward()
-        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-            _close(_full(q, q.grad), p.grad, f"step {step} grad {name}")
+        for (name, p), layout, q in zip(reference.named_parameters(), layouts, trained):
+            _close(full(layout, q.grad), p.grad, f"step {step} grad {name}")
         opt_ref.step()
         opt_ddp.step()
         opt_ref.zero_grad()
         opt_ddp.zero_grad()
-        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-            _close(_full(q, q.detach()), p.detach(), f"step {step} param {name}", PARAM_SCALE_FLOOR)
-    assert ddp.reducer.has_rebuilt_buckets() and len(ddp.reducer.bucket_indices()) > 1
+        for (name, p), layout, q in zip(reference.named_parameters(), layouts, trained):
+            _close(full(layout, q.detach()), p.detach(), f"step {step} param {name}", PARAM_SCALE_FLOOR)
+    if ddp_class is torch_tp.DistributedDataParallel:
+        assert ddp.reducer.has_rebuilt_buckets() and len(ddp.reducer.bucket_indices()) > 1
+    # Outside the forward, the modules hold the local parameters again.
+    assert all(p is q for p, q in zip(model.parameters(), trained))
 
 
-def test_2d_dp_tp_matches_unsharded(ranks):
-    ranks(4).run(_check_2d, timeout=300)
+@pytest.mark.parametrize("ddp_class", [torch_tp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel],
+                         ids=["torch_tp_ddp", "torch_ddp"])
+def test_2d_dp_tp_matches_unsharded(ranks, ddp_class):
+    ranks(4).run(_check_2d, ddp_class, timeout=300)

@@ -29,11 +29,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import torch.distributed.tensor.parallel as torch_tp_api
 
 import torch_tp
-from torch_tp.parallel._shard import get_shard_info
 
 # The example's Llama model and torchtitan-style plan (examples/llama_model.py).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -58,13 +57,26 @@ def _close(actual, expected, what, floor=1e-12):
 
 
 def _full_param(param):
-    """The unsharded value of a torch_tp parameter (gathered) or a torch DTensor parameter."""
-    if isinstance(param, DTensor):
-        return param.full_tensor()
-    info = get_shard_info(param)
-    if info is None:
-        return param
-    return torch.ops.torch_tp.all_gather(param.contiguous(), info.dim, info.group_name, info.full_shape[info.dim])
+    """The unsharded value of a DTensor parameter (or its gradient); a plain tensor as it is."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def _same_parameters(ours, theirs, what):
+    """torch_tp's parameters are what torch's parallelize_module makes: DTensor or not, placements,
+    mesh, global and local shapes, requires_grad, under the same names."""
+    ours, theirs = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert list(ours) == list(theirs), f"{what}: parameter names {list(ours)} != {list(theirs)}"
+    for name, p_theirs in theirs.items():
+        p_ours = ours[name]
+        assert isinstance(p_ours, nn.Parameter), f"{what}: {name} is a {type(p_ours).__name__}, not a Parameter"
+        assert isinstance(p_ours, DTensor) == isinstance(p_theirs, DTensor), f"{what}: {name} DTensor or not"
+        assert p_ours.shape == p_theirs.shape, f"{what}: {name} global shape {p_ours.shape} != {p_theirs.shape}"
+        assert p_ours.requires_grad == p_theirs.requires_grad, f"{what}: {name} requires_grad"
+        if isinstance(p_theirs, DTensor):
+            assert p_ours.placements == p_theirs.placements, \
+                f"{what}: {name} placements {p_ours.placements} != {p_theirs.placements}"
+            assert p_ours.device_mesh == p_theirs.device_mesh, f"{what}: {name} mesh"
+            assert p_ours.to_local().shape == p_theirs.to_local().shape, f"{what}: {name} local shape"
 
 
 class MLP(nn.Module):
@@ -186,6 +198,7 @@ def _check_against_torch(model_name, sequence_parallel, steps=3):
         for model in (ours, theirs):
             model.output.weight = model.tok_embeddings.weight
         reference.output.weight = reference.tok_embeddings.weight
+    _same_parameters(ours, theirs, model_name)
     models = {"reference": reference, "torch_tp": ours, "torch": theirs}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-4) for name, m in models.items()}
 
@@ -224,12 +237,12 @@ def _check_against_torch(model_name, sequence_parallel, steps=3):
 
 
 def _grad_as_param(param):
-    """A torch_tp parameter's gradient, unsharded as _full_param unshards the parameter."""
-    info = get_shard_info(param)
-    if info is None:
-        return param.grad
-    return torch.ops.torch_tp.all_gather(param.grad.contiguous(), info.dim, info.group_name,
-                                         info.full_shape[info.dim])
+    """A torch_tp parameter's gradient, unsharded; it has the parameter's placements (complete
+    gradients: the end-of-backward completion leaves no Partial ones)."""
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        assert grad.placements == param.placements, f"gradient placements {grad.placements} != {param.placements}"
+    return _full_param(grad)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -274,30 +287,32 @@ def _check_plan_resolution():
     # The warning names the key as it is left after the matched prefix, as torch's does.
     assert any("'nothing' could not be resolved" in str(w.message) for w in caught), [str(w.message) for w in caught]
     for layer in model.layers:
-        assert get_shard_info(layer.attention.wq.weight).dim == 0
-        assert get_shard_info(layer.attention.wk.weight).dim == 0
-        assert get_shard_info(layer.attention.wv.weight) is None, "wv does not match w[qk]"
-    assert get_shard_info(model.layers[1].feed_forward.w1.weight) is not None, "torch's style object applies"
-    assert get_shard_info(model.layers[0].feed_forward.w1.weight) is None
-    assert "tp=colwise" in repr(model.layers[0].attention.wq)
+        assert layer.attention.wq.weight.placements == (Shard(0),)
+        assert layer.attention.wk.weight.placements == (Shard(0),)
+        assert not isinstance(layer.attention.wv.weight, DTensor), "wv does not match w[qk]"
+    assert isinstance(model.layers[1].feed_forward.w1.weight, DTensor), "torch's style object applies"
+    assert not isinstance(model.layers[0].feed_forward.w1.weight, DTensor)
+    assert "tp=ColwiseParallel[weight" in repr(model.layers[0].attention.wq), repr(model.layers[0].attention.wq)
+    assert isinstance(model.layers[0].attention.wq, nn.Linear)
 
     with pytest.warns(UserWarning, match="No parallelize_plan"):
         torch_tp.parallelize_module(MLP(), mesh)
 
     root = MLP().w1
     torch_tp.parallelize_module(root, mesh, {"": torch_tp.ColwiseParallel()})
-    assert get_shard_info(root.weight).dim == 0
+    assert root.weight.placements == (Shard(0),)
 
     with mesh:
         ctx = torch_tp.parallelize_module(MLP(), parallelize_plan={"w2": torch_tp.RowwiseParallel()})
-    assert get_shard_info(ctx.w2.weight).dim == 1
+    assert ctx.w2.weight.placements == (Shard(1),)
 
     if world_size == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with pytest.raises(ValueError, match="only accepts a 1D DeviceMesh"):
             torch_tp.parallelize_module(MLP(), mesh2d, {"w1": torch_tp.ColwiseParallel()})
         sub = torch_tp.parallelize_module(MLP(), mesh2d["tp"], {"w1": torch_tp.ColwiseParallel()})
-        assert sub.w1.weight.shape == (20, 16)  # 40 rows over the 2 ranks of the tp dim
+        assert sub.w1.weight.to_local().shape == (20, 16)  # 40 rows over the 2 ranks of the tp dim
+        assert sub.w1.weight.device_mesh == mesh2d["tp"]
 
     with pytest.raises(NotImplementedError, match="ColwiseParallel currently only support nn.Linear and nn.Embedding"):
         torch_tp.parallelize_module(nn.LayerNorm(4), mesh, torch_tp.ColwiseParallel())
@@ -404,10 +419,12 @@ def _count_all_reduces(fn):
 
 
 def _check_replicated_grad_reduction():
-    """NOTE [deferred replicated-gradient all-reduce]: the norms' gradients match
-    torch's whichever way they are reduced: deferred to one all-reduce at the end
-    of a backward (also when .grad accumulates over two backwards), or at once
-    under torch.autograd.grad, create_graph and a data-parallel wrapper."""
+    """NOTE [partial gradients of sequence-parallel parameters]: the norms' gradients
+    equal torch's (summed), and after a backward they are Replicate DTensors, all
+    of a backward's completed by one all-reduce (also when .grad accumulates over
+    two backwards, and across a reentrant checkpoint's inner backward); under
+    torch.autograd.grad they are Partial, as torch's; under create_graph, complete
+    and differentiable."""
     world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
     xs = [torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -433,25 +450,26 @@ def _check_replicated_grad_reduction():
     if world_size > 1:
         assert reduces == [1, 1], f"all-reduces per backward: {reduces}, want one (deferred, coalesced)"
 
-    # A reentrant activation checkpoint runs an inner backward (its own graph
-    # task and end callback) inside the outer one: norm2's gradients, deferred
-    # by the outer backward, wait while the inner one defers and finishes norm1's.
+    # A reentrant activation checkpoint runs an inner backward (its own end
+    # callback) inside the outer one: norm1's gradients arrive there, norm2's in
+    # the outer backward; both end complete.
     from torch.utils.checkpoint import checkpoint
 
     def first_half(t):
         return ours.down(torch.relu(ours.up(ours.norm1(t))))
 
-    expected = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    expected = {n: p.grad.full_tensor() for n, p in ours.named_parameters()}
     ours.zero_grad(set_to_none=True)
     for x in xs:
         h = checkpoint(first_half, torch_tp.shard(x, 1).requires_grad_(), use_reentrant=True)
         out = ours.norm2(h)
         (out.to_local() if isinstance(out, DTensor) else out).square().sum().backward()
     for name, p in ours.named_parameters():
-        _close(p.grad, expected[name], f"reentrant checkpoint grad {name}")
+        _close(_grad_as_param(p), expected[name], f"reentrant checkpoint grad {name}")
 
-    # A backward that raises part-way never reaches its end: what it deferred
-    # is dropped at the next forward, and the next backward is right again.
+    # A backward that raises part-way never reaches its end: what it recorded
+    # stays recorded (Partial, still correct as DTensors), and the next backward
+    # completes whatever is still Partial.
     from torch_tp.parallel import _replicated_grad
 
     ours.zero_grad(set_to_none=True)
@@ -459,12 +477,13 @@ def _check_replicated_grad_reduction():
     def fail(_grad):
         raise RuntimeError("injected failure")
 
-    handle = ours.norm1.bias.register_hook(fail)  # runs after norm2's gradients were deferred
+    handle = ours.norm1.bias.register_hook(fail)  # runs after norm2's gradients arrived
     with pytest.raises(RuntimeError, match="injected failure"):
         loss(ours, xs[0]).backward()
     handle.remove()
     if world_size > 1:
         assert _replicated_grad._pending, "norm2's gradients should be pending after the failed backward"
+        assert ours.norm2.weight.grad.placements == (Partial(),)
     ours.zero_grad(set_to_none=True)
     loss(ours, xs[0]).backward()
     assert not _replicated_grad._pending
@@ -474,12 +493,14 @@ def _check_replicated_grad_reduction():
         _close(_grad_as_param(p), _full_param(dict(theirs.named_parameters())[name].grad),
                f"grad after a failed backward {name}")
 
-    # torch.autograd.grad: the hook's value is the result, so it must be the full gradient.
+    # torch.autograd.grad: nothing accumulates; the result is the Partial DTensor torch gives too.
     params = [dict(ours.named_parameters())[n] for n in norm_params]
     got = torch.autograd.grad(loss(ours, xs[0]), params)
     theirs.zero_grad()
     loss(theirs, xs[0]).backward()
     for name, g in zip(norm_params, got):
+        if world_size > 1:
+            assert g.placements == (Partial(),), f"autograd.grad {name}: {g.placements}"
         _close(g, _full_param(dict(theirs.named_parameters())[name].grad), f"autograd.grad {name}")
 
     # create_graph (a lone norm: torch_tp's linear backward is not differentiable
@@ -491,20 +512,8 @@ def _check_replicated_grad_reduction():
         (out.to_local() if isinstance(out, DTensor) else out).pow(3).sum().backward(create_graph=True)
     for (name, p_ours), p_theirs in zip(lone[0].named_parameters(), lone[1].parameters()):
         assert p_ours.grad.requires_grad, f"create_graph grad {name} is not differentiable"
+        assert p_ours.grad.placements == (Replicate(),), f"create_graph grad {name}: {p_ours.grad.placements}"
         _close(p_ours.grad.detach(), _full_param(p_theirs.grad.detach()), f"create_graph grad {name}")
-    ours.zero_grad(set_to_none=True)
-
-    # Inside torch's DistributedDataParallel (over a one-rank group, so it
-    # changes nothing numerically) the reduction is eager: one per norm parameter.
-    if world_size > 1:
-        solo = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
-        wrapped = torch.nn.parallel.DistributedDataParallel(ours, process_group=solo)
-        count = _count_all_reduces(lambda: wrapped(torch_tp.shard(xs[0], 1)).square().sum().backward())
-        for name in norm_params:
-            _close(dict(ours.named_parameters())[name].grad,
-                   _full_param(dict(theirs.named_parameters())[name].grad), f"grad under DDP {name}")
-        # 4 eager norm reductions on the TP group plus DDP's own bucket all-reduce(s).
-        assert count >= len(norm_params) + 1, f"{count} all-reduces under DDP"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -558,14 +567,15 @@ def _check_dtensor_inputs_and_src_rank():
     local_model = MLP()
     mine = local_model.w1.weight.detach().clone()
     torch_tp.parallelize_module(local_model, mesh, {"w1": torch_tp.ColwiseParallel()}, src_data_rank=None)
-    assert torch.equal(local_model.w1.weight, torch_tp.shard(mine, 0))
+    assert torch.equal(local_model.w1.weight.to_local(), torch_tp.shard(mine, 0))
 
     torch.manual_seed(rank)
     model = MLP()
     w1_rank0 = model.w1.weight.detach().clone()
     dist.broadcast(w1_rank0, 0)
     torch_tp.parallelize_module(model, mesh, {"w1": torch_tp.ColwiseParallel(), "w2": torch_tp.RowwiseParallel()})
-    assert torch.equal(model.w1.weight, torch_tp.shard(w1_rank0, 0)), "src_data_rank=0 scatters rank 0's weights"
+    assert torch.equal(model.w1.weight.to_local(), torch_tp.shard(w1_rank0, 0)), \
+        "src_data_rank=0 scatters rank 0's weights"
 
     x = torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(5))
     plain = model(x)

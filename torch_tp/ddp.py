@@ -10,12 +10,13 @@ starts and which outputs its backward will start from.
 
 import contextlib
 import inspect
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _C
@@ -96,9 +97,6 @@ class DistributedDataParallel(nn.Module):
         ...     model(torch.randn(8, 16)).sum().backward()
     """
 
-    # The wrapper whose forward is running, if any (see forward).
-    _active_module: Optional["DistributedDataParallel"] = None
-
     def __init__(
         self,
         module: nn.Module,
@@ -128,6 +126,7 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb={bucket_cap_mb} must be positive")
 
         self.module = module
+        self._dtensor_parameters = _localize_dtensor_parameters(module)
         self.process_group = process_group
         self.device_mesh = device_mesh
         self.broadcast_buffers = broadcast_buffers
@@ -217,14 +216,8 @@ class DistributedDataParallel(nn.Module):
                 device = self.device_ids[0]
                 move = lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x  # noqa: E731
                 inputs, kwargs = tree_map(move, inputs), tree_map(move, kwargs)
-            # Marks the forward as data-parallel for NOTE [deferred replicated-gradient
-            # all-reduce] (torch_tp/parallel/_replicated_grad.py): the reducer's hooks
-            # read each gradient as soon as it is accumulated.
-            outer, DistributedDataParallel._active_module = DistributedDataParallel._active_module, self
-            try:
+            with _dtensor_views(self._dtensor_parameters):
                 output = self.module(*inputs, **kwargs)
-            finally:
-                DistributedDataParallel._active_module = outer
             if grad_enabled and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
                 outputs: List[torch.Tensor] = []
@@ -283,6 +276,7 @@ class DistributedDataParallel(nn.Module):
         Example::
 
             >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.tensor import DTensor
             >>> ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         """
         if not callable(hook):
@@ -301,3 +295,60 @@ class DistributedDataParallel(nn.Module):
         else:
             self.reducer.register_comm_hook(lambda bucket: hook(state, bucket))
         self._has_comm_hook = True
+
+
+# NOTE [DTensor parameters under DistributedDataParallel]
+# The reducer buckets plain tensors, and a tensor-parallel model's parameters
+# are DTensors (NOTE [DTensor parameters, local forward] in
+# torch_tp/parallel/_params.py). As torch's DDP does on a sliced 2-D mesh
+# (torch.distributed.tensor.parallel.ddp), the wrapper registers each DTensor
+# parameter's local tensor (same storage) as the parameter the reducer and the
+# optimizer see, and around every forward puts a DTensor view of it
+# (DTensor.from_local, differentiable) where the module reads the parameter,
+# so the tensor-parallel modules see their DTensors. Gradients flow through
+# the view into the local parameter; a Partial one (a SequenceParallel
+# norm's) is summed over the TP group by from_local's backward, which
+# redistributes to the parameter's placement, before the reducer reads it.
+
+
+class _LocalizedParameter(NamedTuple):
+    module: nn.Module
+    name: str
+    local: nn.Parameter  # registered on `module` outside forwards; the DTensor's local tensor
+    spec: DTensor  # the original DTensor parameter: its mesh, placements, global shape and stride
+
+
+def _localize_dtensor_parameters(module: nn.Module) -> List[_LocalizedParameter]:
+    localized: List[_LocalizedParameter] = []
+    locals_by_id = {}  # a parameter shared by several modules (tied weights) gets one local parameter
+    for submodule in module.modules():
+        for name, param in list(submodule._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            local = locals_by_id.get(id(param))
+            if local is None:
+                local = nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
+                locals_by_id[id(param)] = local
+            submodule._parameters[name] = local
+            localized.append(_LocalizedParameter(submodule, name, local, param))
+    return localized
+
+
+@contextlib.contextmanager
+def _dtensor_views(localized: List[_LocalizedParameter]) -> Iterator[None]:
+    """NOTE [DTensor parameters under DistributedDataParallel]: DTensor views of the local parameters
+    where the modules read them, for the duration of a forward."""
+    views = {}
+    for entry in localized:
+        view = views.get(id(entry.local))
+        if view is None:
+            spec = entry.spec
+            view = DTensor.from_local(entry.local, spec.device_mesh, spec.placements, run_check=False,
+                                      shape=spec.shape, stride=spec.stride())
+            views[id(entry.local)] = view
+        entry.module._parameters[entry.name] = view
+    try:
+        yield
+    finally:
+        for entry in localized:
+            entry.module._parameters[entry.name] = entry.local

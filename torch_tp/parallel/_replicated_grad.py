@@ -1,115 +1,121 @@
 """The gradients of replicated parameters that see only a shard of the sequence.
 
+NOTE [partial gradients of sequence-parallel parameters]
 A SequenceParallel module (a norm) keeps its parameters whole on every rank
-but runs on this rank's sequence shard, so each rank computes only a partial
-sum of their gradient; the full gradient is the sum over the TP group.
+(``Replicate()`` DTensors) but runs on this rank's sequence shard, so each
+rank's gradient is a partial sum; the full gradient is the sum over the TP
+group. The style hands the module local tensors whose gradient is declared
+``Partial()`` (``to_local(grad_placements=...)``), so autograd delivers a
+``Partial(sum)`` DTensor: the truth, which every DTensor-aware reader reduces
+when it needs the value (FSDP2 before its reduce-scatter, torch's DDP through
+its DTensor views, DTensor's own ops). torch's SequenceParallel stops there:
+``.grad`` stays ``Partial`` after backward, and the optimizer's first DTensor
+op all-reduces each such gradient on its own.
 
-NOTE [deferred replicated-gradient all-reduce]
-Reducing each such gradient as backward produces it costs one small
-all-reduce per norm, in the middle of backward, where every one of them waits
-for the slowest rank (nine per step in the example model; on gloo each costs
-well over a millisecond there). So where it is safe, the gradient hook lets
-the partial gradient accumulate into ``.grad``, remembers it, and one engine
-callback at the end of the backward all-reduces all of them as one flat
-tensor per (group, dtype) and writes ``.grad = previous .grad + full sum``:
-the same value as the eager path's accumulation of the reduced gradient.
-DTensor also completes these gradients after backward (they are ``Partial``
-until redistributed).
+torch_tp completes them where it is cheapest. A tensor hook (it runs before
+AccumulateGrad) records every parameter whose gradient arrives ``Partial``,
+and one engine callback at the end of the backward all-reduces all recorded
+gradients as one flat tensor per (group, dtype, device) and makes each
+``.grad`` a ``Replicate()`` DTensor: one all-reduce per backward instead of
+one per norm (nine in the example model). A ``.grad`` that is already complete
+when a new partial gradient arrives (gradient accumulation) is first turned
+into partial sums without communication (rank 0 keeps it, the others hold
+zeros), so AccumulateGrad adds locally and the one all-reduce covers it too.
 
-It is safe only when nothing reads ``.grad`` before the end of the backward
-and the gradient goes to ``.grad`` at all, so the hook reduces eagerly when:
-  * the backward does not accumulate into this parameter (torch.autograd.grad
-    with it as an input: the hook's return value is the result);
-  * grad mode is on (create_graph: the gradient is itself differentiated);
-  * the forward ran inside a data-parallel wrapper (torch's or torch_tp's
-    DistributedDataParallel), whose hooks read ``.grad`` as soon as it is
-    accumulated.
-Every rank takes the same decisions in the same order, since they depend only
-on the program, so the deferred all-reduces line up across the ranks. A
-tensor hook a user adds to such a parameter sees the partial gradient when the
-reduction is deferred (as a DTensor hook sees a ``Partial`` one).
+The cases:
+  * ``torch.autograd.grad``: nothing accumulates, the caller gets the
+    ``Partial`` DTensor, as from torch's TP. (The hook cannot tell this case
+    apart: a ``.grad`` the parameter already holds is turned into partial sums
+    and completed again at the end, unchanged in value.)
+  * ``create_graph``: the gradient is itself differentiated, so the hook
+    reduces it at once (``redistribute``, differentiable).
+  * FSDP2, torch's and torch_tp's DistributedDataParallel: the tensor they make
+    the module use (FSDP2's unsharded parameter, DDP's DTensor view of its
+    local parameter) is not the hooked one; the ``Partial`` gradient reaches
+    them and they reduce it, each parameter eagerly, as with torch's TP.
+  * A backward that raises part-way: what it recorded stays recorded, with
+    ``Partial`` gradients (correct, as DTensors); the next backward's callback
+    completes them.
+
+Every rank records the same parameters (the same program), and the callback
+takes them in registration order, so the flat all-reduces line up across ranks.
 """
 
 import functools
-import weakref
-from typing import Dict, List, Optional, Tuple
+import itertools
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ..ddp import DistributedDataParallel
+__all__ = ["complete_partial_grads_after_backward"]
 
-__all__ = ["register_replicated_grad_reduction"]
-
-# Deferred gradients by the graph task (backward) that produced them: (group
-# name, dtype) -> [(parameter, partial gradient, .grad before this backward)].
-# Keyed by task because backwards nest: a reentrant activation checkpoint runs
-# an inner backward, with its own end-of-backward callback, inside the outer one.
-_Entry = Tuple[nn.Parameter, torch.Tensor, Optional[torch.Tensor]]
-_pending: Dict[int, Dict[Tuple[str, torch.dtype], List[_Entry]]] = {}
-
-
-def _inside_data_parallel_forward() -> bool:
-    return _TorchDDP._get_active_ddp_module() is not None or DistributedDataParallel._active_module is not None
+# id(parameter) -> (registration number, parameter): parameters whose .grad
+# holds Partial sums that the next end-of-backward callback completes. Strong
+# references, here and in the hooks: a weak reference to a parameter would
+# stop nn.Module._apply (to_empty, .to(), .double()) from swapping its
+# DTensor for a new one.
+_pending: Dict[int, Tuple[int, nn.Parameter]] = {}
+_registration = itertools.count()
 
 
-def _drop_unfinished_backwards() -> None:
-    """Forgets the deferred gradients of backwards that raised before their end
-    (their callback never ran). Called from a forward outside any backward, when
-    no backward through these modules is running (one at a time per process)."""
-    if torch._C._current_graph_task_id() == -1:
-        _pending.clear()
+def _is_partial(grad) -> bool:
+    return isinstance(grad, DTensor) and grad.placements[0].is_partial()
 
 
-def _finish_backward(task: int) -> None:
-    """Task ``task``'s end-of-backward callback: one all-reduce per (group, dtype),
-    then .grad = previous + sum for each parameter."""
+def _as_partial(grad: DTensor) -> DTensor:
+    """A complete (Replicate) gradient as partial sums whose sum is itself: rank 0 keeps it."""
+    local = grad.to_local()
+    if grad.device_mesh.get_local_rank() != 0:
+        local = torch.zeros_like(local)
+    return DTensor.from_local(local, grad.device_mesh, [Partial()], run_check=False, shape=grad.shape,
+                              stride=grad.stride())
+
+
+def _complete_pending() -> None:
+    """End-of-backward callback: one all-reduce per (group, dtype, device) of every recorded
+    Partial gradient, which then becomes Replicate. Queued by every recording hook; the first
+    one to run in a backward finds the work, the others find nothing."""
+    if not _pending:
+        return
+    entries = sorted(_pending.values(), key=lambda entry: entry[0])
+    _pending.clear()
+    buckets: Dict[Tuple[str, torch.dtype, torch.device], List[Tuple[nn.Parameter, DTensor]]] = {}
+    for _, param in entries:
+        grad = param.grad
+        if _is_partial(grad):
+            key = (grad.device_mesh.get_group().group_name, grad.dtype, grad.device)
+            buckets.setdefault(key, []).append((param, grad))
     with torch.no_grad():
-        for (group_name, _dtype), entries in _pending.pop(task).items():
-            flat = torch.cat([partial.reshape(-1) for _, partial, _ in entries])
-            flat = torch.ops.torch_tp.all_reduce(flat, "sum", group_name)
+        for (group_name, _, _), items in buckets.items():
+            locals_ = [grad.to_local() for _, grad in items]
+            flat = torch.ops.torch_tp.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), "sum", group_name)
             offset = 0
-            for param, partial, previous in entries:
-                full = flat[offset: offset + partial.numel()].view_as(partial)
-                offset += partial.numel()
-                param.grad.copy_(full if previous is None else previous + full)
+            for (param, grad), local in zip(items, locals_):
+                full = flat[offset: offset + local.numel()].view_as(local)
+                offset += local.numel()
+                param.grad = DTensor.from_local(full, grad.device_mesh, [Replicate()], run_check=False,
+                                                shape=grad.shape, stride=grad.stride())
 
 
-def register_replicated_grad_reduction(module: nn.Module, params: List[nn.Parameter], group_name: str) -> None:
-    """Sum the gradients of ``params`` (``module``'s own) over the group
-    ``group_name``: deferred to the end of the backward where NOTE [deferred
-    replicated-gradient all-reduce] allows, at once otherwise."""
-    module_ref = weakref.ref(module)
+def _record(param: nn.Parameter, number: int, grad: torch.Tensor):
+    if not _is_partial(grad):
+        return None
+    if torch.is_grad_enabled():  # create_graph: the gradient must stay part of the graph
+        return grad.redistribute(placements=[Replicate()])
+    previous = param.grad
+    if isinstance(previous, DTensor) and not _is_partial(previous):
+        param.grad = _as_partial(previous)
+    _pending[id(param)] = (number, param)
+    # Variable._execution_engine.queue_callback: no public API runs a function
+    # at the end of the current backward (torch's DDP and FSDP use it too).
+    torch.autograd.Variable._execution_engine.queue_callback(_complete_pending)
+    return None
 
-    def record_forward_context(_module, _inputs):
-        _drop_unfinished_backwards()
-        _module._tp_eager_grad_reduction = _inside_data_parallel_forward()
 
-    module.register_forward_pre_hook(record_forward_context)
-
-    def accumulates(param: nn.Parameter) -> bool:
-        # Whether this backward runs param's AccumulateGrad. torch answers for a
-        # leaf only in .backward(); under torch.autograd.grad it raises instead,
-        # which is the case where the gradient is captured, not accumulated.
-        try:
-            return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(param).node)
-        except RuntimeError:
-            return False
-
-    def reduce_grad(param_ref: "weakref.ref[nn.Parameter]", grad: torch.Tensor) -> torch.Tensor:
-        param, module = param_ref(), module_ref()
-        defer = (param is not None and module is not None and not torch.is_grad_enabled()
-                 and not getattr(module, "_tp_eager_grad_reduction", True) and accumulates(param))
-        if not defer:
-            return torch.ops.torch_tp.all_reduce(grad, "sum", group_name)
-        task = torch._C._current_graph_task_id()
-        if task not in _pending:  # this backward's first deferred gradient
-            _pending[task] = {}
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_finish_backward, task))
-        previous = None if param.grad is None else param.grad.detach().clone()
-        _pending[task].setdefault((group_name, grad.dtype), []).append((param, grad, previous))
-        return grad
-
+def complete_partial_grads_after_backward(params: List[nn.Parameter]) -> None:
+    """NOTE [partial gradients of sequence-parallel parameters] for ``params``
+    (Replicate DTensor parameters of one module, in a fixed order)."""
     for param in params:
-        param.register_hook(functools.partial(reduce_grad, weakref.ref(param)))
+        param.register_hook(functools.partial(_record, param, next(_registration)))

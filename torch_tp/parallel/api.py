@@ -4,11 +4,14 @@ import warnings
 from fnmatch import fnmatch
 from typing import Dict, Optional, Union
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import style as _torch_style
 
 from . import style as _style
+from ._params import naming_module
 
 __all__ = ["parallelize_module"]
 
@@ -67,13 +70,17 @@ def parallelize_module(
 
     A drop-in replacement for ``torch.distributed.tensor.parallel.parallelize_module``:
     same arguments, same plans (torch's own style objects are accepted too),
-    same numbers; parameters become plain ``nn.Parameter`` shards and the
-    forward runs torch_tp's ops on local tensors.
+    same numbers, and the same parameters: each one a style touches becomes
+    the ``nn.Parameter(DTensor)`` torch's ``parallelize_module`` makes, so
+    DCP, FSDP2, ``torch.distributed.checkpoint.state_dict`` and optimizers see
+    the layout. The forwards run torch_tp's ops on the local tensors.
 
     Plan keys are module paths split on ``.``; each part is matched with
     ``fnmatch`` against ``named_children()`` (``"layers.*.attention.w[qkv]"``);
     ``""`` applies a style to ``module`` itself. A key that matches nothing is
-    skipped with a warning.
+    skipped with a warning. A module takes one parameter style (Colwise,
+    Rowwise, SequenceParallel); a second one, or a parameter that is already a
+    DTensor on another mesh or in another placement, is an error naming it.
 
     Args:
         module (nn.Module): the module to parallelize, in place.
@@ -109,24 +116,56 @@ def parallelize_module(
                       "so this parallelize_module call will do nothing.", stacklevel=2)
         return module
 
-    if isinstance(parallelize_plan, _torch_style.ParallelStyle):
-        style = _from_torch(parallelize_plan)
-        style.src_data_rank = src_data_rank
-        return style._apply(module, device_mesh)
+    _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
+    if not getattr(module, "_tp_checks_loads", False):
+        module.register_load_state_dict_pre_hook(_check_load)
+        module._tp_checks_loads = True
+    return module
 
-    if not isinstance(parallelize_plan, dict):
+
+def _check_load(module: nn.Module, state_dict, prefix: str, *_args) -> None:
+    """Before ``module.load_state_dict`` copies anything: every DTensor parameter's value must
+    have its global shape, and a DTensor value must be on its mesh. One error lists every
+    mismatch (torch's own check runs per module, after earlier modules were already written)."""
+    errors = []
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor):
+            continue
+        theirs = f"{value.placements} on {value.device_mesh}" if isinstance(value, DTensor) else "a full tensor"
+        ours = f"{param.placements} on {param.device_mesh}"
+        if value.shape != param.shape:
+            errors.append(f"'{prefix}{name}': the state dict has global shape {tuple(value.shape)} ({theirs}), "
+                          f"the model {tuple(param.shape)} ({ours})")
+        elif isinstance(value, DTensor) and value.device_mesh != param.device_mesh:
+            errors.append(f"'{prefix}{name}': the state dict's value is {theirs}, the model's parameter {ours}")
+    if errors:
+        raise RuntimeError(f"torch_tp: error(s) loading a state dict into {type(module).__name__}; nothing was "
+                           "loaded:\n\t" + "\n\t".join(errors))
+
+
+def _parallelize(module: nn.Module, device_mesh: DeviceMesh, plan, src_data_rank: Optional[int], path: str):
+    """``parallelize_module`` below the root; ``path`` is ``module``'s name from the root, for errors."""
+    if isinstance(plan, _torch_style.ParallelStyle):
+        style = _from_torch(plan)
+        style.src_data_rank = src_data_rank
+        with naming_module(path):
+            return style._apply(module, device_mesh)
+
+    if not isinstance(plan, dict):
         raise TypeError("Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for"
-                        f" parallelize_plan, {type(parallelize_plan)} found!")
-    for module_path, style in parallelize_plan.items():
+                        f" parallelize_plan, {type(plan)} found!")
+    for module_path, style in plan.items():
         if module_path == "":
-            parallelize_module(module, device_mesh, style, src_data_rank=src_data_rank)
+            _parallelize(module, device_mesh, style, src_data_rank, path)
             continue
         token, _, rest = module_path.partition(".")
-        matched = [child for name, child in module.named_children() if fnmatch(name, token)]
+        matched = [(name, child) for name, child in module.named_children() if fnmatch(name, token)]
         if not matched:
             warnings.warn(f"Parallelize plan key '{module_path}' could not be resolved: no submodule matching "
-                          f"token '{token}' in module {module}, skipping this plan entry.", stacklevel=2)
+                          f"token '{token}' in module {module}, skipping this plan entry.", stacklevel=3)
             continue
-        for child in matched:
-            parallelize_module(child, device_mesh, {rest: style} if rest else style, src_data_rank=src_data_rank)
+        for name, child in matched:
+            _parallelize(child, device_mesh, {rest: style} if rest else style, src_data_rank,
+                         f"{path}.{name}" if path else name)
     return module

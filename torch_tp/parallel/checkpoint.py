@@ -1,23 +1,19 @@
 """Full (unsharded) state dicts and global gradient-norm clipping for parallelized modules.
 
-After :func:`~torch_tp.parallelize_module`, a sharded parameter is a plain
-``nn.Parameter`` holding this rank's ``torch.chunk`` piece, tagged with a
-:class:`~torch_tp.parallel._shard.ShardInfo`; ``model.state_dict()`` keeps the
-unsharded model's keys but holds those pieces. The functions here give the
-views that code written for the unsharded model expects:
+After :func:`~torch_tp.parallelize_module`, the parameters a style touched are
+DTensors (NOTE [DTensor parameters, local forward] in ``_params.py``), so
+``torch.distributed.checkpoint`` (DCP, with resharding), its ``state_dict``
+helpers (``get_state_dict``, ``set_state_dict``, ``full_state_dict=True``) and
+``torch.nn.utils.clip_grad_norm_`` work on a torch_tp model as on torch's. The
+functions here are shorter paths for the common cases:
 
-- :func:`get_full_state_dict` gathers the pieces into the unsharded model's
-  state dict (what ``torch.save`` of the unsharded model would hold), so a
-  checkpoint does not depend on the number of ranks that wrote it;
+- :func:`get_full_state_dict` gathers the model into the unsharded model's
+  state dict (what ``torch.save`` of the unsharded model would hold);
 - :func:`load_full_state_dict` loads such a state dict into a parallelized
-  model, each rank keeping its piece, in place;
-- :func:`clip_grad_norm_` clips by the norm of the unsharded gradients, as
-  ``torch.nn.utils.clip_grad_norm_`` on the unsharded model would.
-
-They play the part of ``torch.distributed.checkpoint.state_dict``'s
-``get_model_state_dict`` / ``set_model_state_dict`` with
-``StateDictOptions(full_state_dict=True)``, and of ``clip_grad_norm_`` on
-DTensor parameters, for torch_tp's plain-tensor parameters.
+  model, each rank keeping its piece, in place, after checking every shape;
+- :func:`clip_grad_norm_` clips by the norm of the unsharded gradients with
+  one all-reduce per group on the local pieces, where torch's reduces each
+  DTensor's norm through DTensor dispatch.
 """
 
 import types
@@ -28,15 +24,13 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._foreach_utils import (
     _device_has_foreach_support,
     _group_tensors_by_device_and_dtype,
     _has_foreach_support,
 )
-
-from ..ops import chunk_range
-from ._shard import ShardInfo, get_shard_info
 
 __all__ = ["clip_grad_norm_", "get_full_state_dict", "load_full_state_dict"]
 
@@ -48,18 +42,13 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _local_range(info: ShardInfo) -> Tuple[int, int]:
-    """``(start, length)`` of this rank's piece along ``info.dim`` (torch.chunk's split)."""
-    group = dist.distributed_c10d._resolve_process_group(info.group_name)
-    return chunk_range(info.full_shape[info.dim], group.size(), group.rank())
-
-
 def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[str, Any]:
     r"""The state dict of the unsharded model, gathered from a parallelized one.
 
-    Every sharded parameter is all-gathered over its group into the full
-    tensor (uneven ``torch.chunk`` pieces included); replicated parameters and
-    buffers are taken as they are. The values are bit-for-bit those the
+    Every DTensor (a sharded or replicated parameter) becomes its full tensor
+    (``full_tensor()``: sharded ones are all-gathered over their mesh, uneven
+    ``torch.chunk`` pieces included); plain parameters and buffers are taken
+    as they are. The values are bit-for-bit those the
     unsharded model would hold: gathering only moves data. The result has the
     unsharded model's keys, in ``model.state_dict()``'s order, and can be saved
     with ``torch.save``, loaded into the unsharded model with
@@ -114,12 +103,12 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[s
                 if keep:
                     full[key] = done[id(value)]
                 continue
-            info = get_shard_info(value)
-            if info is not None:
+            if isinstance(value, DTensor):
                 # Every rank gathers, kept or not (the others wait on it), and
                 # gathers each tensor once: the same calls in the same order.
-                gathered = torch.ops.torch_tp.all_gather(value.detach().contiguous(), info.dim, info.group_name,
-                                                         info.full_shape[info.dim])
+                gathered = value.detach().full_tensor()
+                if all(p.is_replicate() for p in value.placements):
+                    gathered = gathered.clone()  # full_tensor() hands back the local tensor itself
             else:
                 gathered = value.detach().clone() if keep else value
             done[id(value)] = gathered
@@ -136,9 +125,9 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[s
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> _IncompatibleKeys:
     r"""Load the state dict of the unsharded model into a parallelized one.
 
-    For a sharded parameter, this rank's ``torch.chunk`` piece of the full
-    tensor (the rows :func:`~torch_tp.chunk_range` names, as
-    :func:`~torch_tp.shard` cuts them) is copied into the parameter in place;
+    For a DTensor parameter, this rank's piece of the full tensor (for
+    ``Shard(d)`` the ``torch.chunk`` piece :func:`~torch_tp.shard` cuts,
+    without communication) is copied into its local tensor in place;
     replicated parameters and buffers are copied whole. The parameters stay the
     same objects, so an optimizer built on them stays valid. Values are copied
     bit for bit (``copy_`` casts when the checkpoint has another dtype, as
@@ -146,7 +135,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
 
     Every rank must hold the whole ``state_dict``; nothing is communicated.
     It is checked before anything is copied: a shape that differs from the
-    unsharded one (``ShardInfo.full_shape`` for a sharded parameter) is always
+    unsharded one (a DTensor's global shape) is always
     an error, and with ``strict``, so is a missing or unexpected key. The
     copying itself is done by ``model.load_state_dict`` on the local pieces,
     so the module's load hooks and ``set_extra_state`` run as usual.
@@ -192,22 +181,26 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
         if not isinstance(target, torch.Tensor):
             pieces[key] = value  # unexpected keys and extra state: load_state_dict sorts them out
             continue
-        info = get_shard_info(target)
-        expected = tuple(info.full_shape) if info is not None else tuple(target.shape)
+        expected = tuple(target.shape)
         if not isinstance(value, torch.Tensor):
             errors.append(f"{key!r} should be a tensor of shape {expected}, got a {type(value).__name__}")
             continue
+        if isinstance(value, DTensor):
+            errors.append(f"{key!r} is a DTensor ({value.placements} on {value.device_mesh}); this function takes "
+                          "full tensors (a DTensor state dict loads with model.load_state_dict or DCP)")
+            continue
         if tuple(value.shape) != expected:
-            where = f"sharded on dim {info.dim} over its group" if info is not None else "replicated"
+            where = (f"{target.placements[0]!r} on {target.device_mesh}" if isinstance(target, DTensor)
+                     else "not sharded")
             errors.append(f"size mismatch for {key!r}: the state dict has shape {tuple(value.shape)}, "
                           f"the unsharded model has {expected} ({where})")
             continue
-        if info is None:
-            pieces[key] = value
-        else:
-            start, length = _local_range(info)
-            # A view is enough: load_state_dict copies it into the parameter.
-            pieces[key] = value.detach().narrow(info.dim, start, length)
+        if isinstance(target, DTensor):
+            # This rank's piece, cut locally (src_data_rank=None: no communication);
+            # load_state_dict copies it into the parameter's local tensor.
+            value = distribute_tensor(value.detach().to(target.device), target.device_mesh, target.placements,
+                                      src_data_rank=None)
+        pieces[key] = value
     if errors:
         raise RuntimeError(f"torch_tp.load_full_state_dict: error(s) loading the state dict into "
                            f"{type(model).__name__}:\n\t" + "\n\t".join(errors))
@@ -258,16 +251,19 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     r"""Clip the gradients of a parallelized model by the norm of its unsharded gradients.
 
-    ``torch.nn.utils.clip_grad_norm_`` for parameters that may be torch_tp
-    shards: the norm is that of all the unsharded gradients viewed as one
-    vector, as ``clip_grad_norm_`` on the unsharded model computes it, and
-    every gradient is scaled in place by ``min(max_norm / (total_norm + 1e-6), 1)``
-    (torch's ``clip_grads_with_norm_``).
+    ``torch.nn.utils.clip_grad_norm_`` for the DTensor parameters of a
+    parallelized model, on their local tensors: the norm is that of all the
+    unsharded gradients viewed as one vector, as ``clip_grad_norm_`` on the
+    unsharded model computes it, and every gradient is scaled in place by
+    ``min(max_norm / (total_norm + 1e-6), 1)`` (torch's ``clip_grads_with_norm_``).
+    torch's own ``clip_grad_norm_`` gives the same result on these parameters
+    through DTensor dispatch (and is what this calls for parameters on an N-D
+    mesh, e.g. under FSDP2).
 
-    For a p-norm, ``sum |g|^p`` over the local pieces of the sharded gradients
-    is all-reduced (sum) over their group, one all-reduce per group; the
-    replicated gradients, the same on every rank, are counted once, without
-    communication. The inf-norm takes maxima and all-reduces with max.
+    For a p-norm, ``sum |g|^p`` over the local pieces of the ``Shard``
+    gradients is all-reduced (sum) over their group, one all-reduce per group;
+    the replicated gradients, the same on every rank, are counted once, without
+    communication (a ``Partial`` gradient is completed first). The inf-norm takes maxima and all-reduces with max.
     Parameters without a gradient are skipped, and a rank holding an empty
     piece contributes nothing. Every rank returns the same total norm. The sum
     runs in a different order than on one process, so the total matches
@@ -279,8 +275,8 @@ def clip_grad_norm_(
 
     Args:
         parameters (Iterable[Tensor] or Tensor): the parameters of a model
-            parallelized by :func:`~torch_tp.parallelize_module` (sharded or
-            replicated); their gradients are modified in place.
+            parallelized by :func:`~torch_tp.parallelize_module` (DTensors or
+            plain tensors); their gradients are modified in place.
         max_norm (float): max norm of the gradients.
         norm_type (float, optional): type of the used p-norm; ``p > 0`` or
             ``'inf'`` for the infinity norm. Default: 2.0.
@@ -312,21 +308,33 @@ def clip_grad_norm_(
     if not norm_type > 0:
         raise ValueError(f"torch_tp.clip_grad_norm_: norm_type must be a p-norm with p > 0 or 'inf', got {norm_type}")
 
+    if any(isinstance(p, DTensor) and p.device_mesh.ndim != 1 for p in parameters):
+        # N-D meshes (FSDP2 x TP): torch's DTensor clipping knows those layouts.
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
     with torch.no_grad():
-        # The groups come from every parameter, with a gradient or not, so that
-        # all ranks run the same all-reduces in the same order.
-        replicated: List[torch.Tensor] = []
-        groups: Dict[str, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}  # name -> (params, grads)
+        # Local tensors only. The groups come from every parameter, with a
+        # gradient or not, so that all ranks run the same all-reduces in the
+        # same order.
+        replicated: List[torch.Tensor] = []  # complete gradients, the same on every rank: counted once
+        groups: Dict[str, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}  # group name -> (params, grads)
+        local_grads: List[torch.Tensor] = []  # every gradient's local tensor, scaled at the end
         for param in parameters:
-            info = get_shard_info(param)
-            if info is None:
-                if param.grad is not None:
-                    replicated.append(param.grad)
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                if grad.placements != param.placements:  # pending Partial sums: complete them first
+                    param.grad = grad = grad.redistribute(placements=param.placements)
+                grad = grad.to_local()
+            if grad is not None:
+                local_grads.append(grad)
+            if not (isinstance(param, DTensor) and isinstance(param.placements[0], Shard)):
+                if grad is not None:
+                    replicated.append(grad)
                 continue
-            params, grads = groups.setdefault(info.group_name, ([], []))
-            params.append(param)
-            if param.grad is not None:
-                grads.append(param.grad)
+            params, grads = groups.setdefault(param.device_mesh.get_group().group_name, ([], []))
+            params.append(param.to_local())
+            if grad is not None:
+                grads.append(grad)
 
         all_grads = replicated + [g for _, grads in groups.values() for g in grads]
         if not all_grads and not groups:
@@ -374,6 +382,18 @@ def clip_grad_norm_(
                 "`parameters` is non-finite, so it cannot be clipped. To disable "
                 "this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`")
-        # torch's own scaling: grad *= clamp(max_norm / (total_norm + 1e-6), max=1).
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+        # torch's own scaling (clip_grads_with_norm_) on the local tensors:
+        # grad *= clamp(max_norm / (total_norm + 1e-6), max=1).
+        if not local_grads:
+            return total_norm
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([local_grads]).items():
+            if (foreach is None and _has_foreach_support(device_grads, device)) or (
+                    foreach and _device_has_foreach_support(device)):
+                torch._foreach_mul_(device_grads, clip_coef.to(device))
+            elif foreach:
+                raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+            else:
+                for g in device_grads:
+                    g.mul_(clip_coef.to(device))
     return total_norm

@@ -1,19 +1,20 @@
 """Parallel styles with the signatures and defaults of ``torch.distributed.tensor.parallel``.
 
-A style turns a module into its tensor-parallel form on a 1-D mesh. Unlike
-torch's styles, parameters stay plain ``nn.Parameter``\\ s holding this rank's
-``torch.chunk`` piece (tagged with a :class:`~torch_tp.parallel._shard.ShardInfo`),
-activations stay plain local tensors, and the work is done by the torch_tp ops:
+A style turns a module into its tensor-parallel form on a 1-D mesh. The
+parameters it touches become the ``nn.Parameter(DTensor)`` torch's style would
+make (NOTE [DTensor parameters, local forward] in ``_params.py``); activations
+stay plain local tensors, and the work is done by the torch_tp ops:
 
 =====================  ==========================  ===================================
 style                  module                      forward
 =====================  ==========================  ===================================
 ColwiseParallel        nn.Linear                   column_parallel_linear (W, b: Shard(0))
 ColwiseParallel        nn.Embedding                column_parallel_embedding (W: Shard(1))
-RowwiseParallel        nn.Linear                   row_parallel_linear (W: Shard(1), b replicated)
+RowwiseParallel        nn.Linear                   row_parallel_linear (W: Shard(1), b Replicate)
 RowwiseParallel        nn.Embedding                vocab_parallel_embedding (W: Shard(0))
-SequenceParallel       any (norms, dropout)        the module on the sequence shard; parameter
-                                                   gradients all-reduced over the group
+SequenceParallel       any (norms, dropout)        the module's own forward on the sequence shard
+                                                   and local parameters (Replicate); their
+                                                   gradients Partial, completed after backward
 PrepareModuleInput/    any                         layouts changed with all-gather / split
 Output
 =====================  ==========================  ===================================
@@ -22,20 +23,30 @@ Where torch hands back a DTensor (``use_local_output=False``), these styles
 hand back a DTensor too, wrapping the local result (``DTensor.from_local``, no
 communication), and every style accepts DTensor inputs, so code written for
 torch's styles keeps working.
+
+NOTE [torch_tp forwards without replacing module.forward]
+A column- or row-parallel ``nn.Linear``/``nn.Embedding`` must run a torch_tp
+op, not its own forward (``F.linear`` on the local shards would skip the
+collectives). The style therefore changes the instance's class to a subclass
+of its own class whose ``forward`` calls the op, which is how FSDP2's
+``fully_shard`` adds its behaviour (``FSDPLinear``): ``isinstance``, the
+state-dict keys, hooks, further wrappers (``fully_shard``, DDP) and
+``torch.compile`` all see an ordinary subclass, and its name says what it
+does (``ColwiseParallelLinear``). A class that overrides ``forward`` itself
+(a LoRA or quantized linear) keeps it: torch's own style parallelizes that
+module (DTensor parameters, its forward on DTensors), which runs its
+computation as written and composes with the torch_tp modules around it.
 """
 
-import types
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle as _TorchParallelStyle
+from torch.distributed.tensor.parallel import style as _torch_style
 
-from ..ops import shard
 from ._layout import (
     convert,
     from_dtensor,
@@ -43,11 +54,10 @@ from ._layout import (
     gather_to_replicated_dtensor,
     normalize,
     partial_grad_local,
-    split_replicated,
     to_dtensor,
 )
-from ._replicated_grad import register_replicated_grad_reduction
-from ._shard import ShardInfo, get_shard_info, set_shard_info
+from ._params import distribute_parameter, local_tensor, module_path
+from ._replicated_grad import complete_partial_grads_after_backward
 
 __all__ = [
     "ColwiseParallel",
@@ -64,59 +74,47 @@ def _group_name(mesh: DeviceMesh) -> str:
     return mesh.get_group().group_name
 
 
-def _src_global_rank(mesh: DeviceMesh, src_data_rank: int) -> int:
-    return dist.get_global_rank(mesh.get_group(), src_data_rank)
+def _claim(module: nn.Module, style: "ParallelStyle") -> None:
+    """Mark ``module`` as parallelized by ``style``; a second parameter style on it is an error."""
+    previous = getattr(module, "_tp_style", None)
+    if previous is not None:
+        where = f"'{module_path()}'" if module_path() else "the root module"
+        raise ValueError(
+            f"torch_tp.{type(style).__name__}: {where} ({type(module).__name__}) was already parallelized by "
+            f"{previous}; the plan applies {style!r} to it too. Give each module one of ColwiseParallel, "
+            "RowwiseParallel and SequenceParallel (PrepareModuleInput/Output may be added to any).")
+    module._tp_style = repr(style)
 
 
-def _distribute(param: nn.Parameter, mesh: DeviceMesh, dim: Optional[int], src_data_rank: Optional[int]) -> nn.Parameter:
-    """This rank's piece of ``param`` along ``dim`` (or all of it for ``dim=None``),
-    as a new Parameter. With ``src_data_rank`` set, the values are those of that
-    rank's ``param`` (broadcast first), so every rank starts from one model, as
-    ``distribute_tensor`` does; with ``None`` each rank keeps its own values."""
-    full = param.detach()
-    if src_data_rank is not None and mesh.size() > 1:
-        full = full.clone()
-        dist.broadcast(full, src=_src_global_rank(mesh, src_data_rank), group=mesh.get_group())
-    if dim is None:
-        return nn.Parameter(full, requires_grad=param.requires_grad)
-    new = nn.Parameter(shard(full, dim, mesh.get_group()), requires_grad=param.requires_grad)
-    set_shard_info(new, ShardInfo(dim, full.shape, _group_name(mesh)))
-    return new
+def _describe(module: nn.Module) -> str:
+    """``tp=ColwiseParallel[weight (32, 16) of (64, 16) Shard(0), bias ...] over 2 ranks``."""
+    parts = []
+    for name, param in module.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            parts.append(f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)} {param.placements[0]!r}")
+        else:
+            parts.append(f"{name} local")
+    return f"tp={type(module)._tp_kind}[{', '.join(parts) or 'no parameters'}] over {module._tp_mesh.size()} ranks"
 
 
-def _describe(module: nn.Module, style: str, mesh: DeviceMesh) -> None:
-    """Append the sharding to the module's repr: ``Linear(in_features=16, out_features=64,
-    bias=True, tp=colwise: weight rows 0:32, group '1')``."""
-    original = module.extra_repr
-
-    def extra_repr(self) -> str:
-        shards = []
-        for name, param in self.named_parameters(recurse=False):
-            info = get_shard_info(param)
-            if info is None:
-                shards.append(f"{name} replicated")
-            else:
-                shards.append(f"{name} {tuple(param.shape)} of {tuple(info.full_shape)} (dim {info.dim})")
-        detail = ", ".join(shards) if shards else "no parameters"
-        base = original()
-        return f"{base}{', ' if base else ''}tp={style}[{detail}] over {mesh.size()} ranks"
-
-    module.extra_repr = types.MethodType(extra_repr, module)
+_PARALLEL_CLASSES: Dict[Tuple[type, str], type] = {}
 
 
-def _install(module: nn.Module, mesh: DeviceMesh, style, forward, kind: str) -> nn.Module:
-    """Give a sharded module its layouts and its torch_tp forward."""
-    module._tp_mesh = mesh
-    module._tp_group_name = _group_name(mesh)
-    module._tp_input_layout = style.input_layouts[0]
-    module._tp_output_layout = style.output_layouts[0]
-    module._tp_use_local_output = style.use_local_output
-    module.forward = types.MethodType(forward, module)
-    _describe(module, kind, mesh)
-    return module
+def _parallel_class(cls: type, kind: str, forward: Callable) -> type:
+    """``cls`` with torch_tp's ``forward`` (NOTE [torch_tp forwards without replacing module.forward]),
+    one class per (class, style)."""
+    made = _PARALLEL_CLASSES.get((cls, kind))
+    if made is None:
+        def extra_repr(self) -> str:
+            base = cls.extra_repr(self)
+            return f"{base}, {_describe(self)}" if base else _describe(self)
+
+        made = type(f"{kind}{cls.__name__}", (cls,), {"forward": forward, "extra_repr": extra_repr, "_tp_kind": kind})
+        _PARALLEL_CLASSES[(cls, kind)] = made
+    return made
 
 
-class ParallelStyle(_TorchParallelStyle, ABC):
+class ParallelStyle(_torch_style.ParallelStyle, ABC):
     """Base of the torch_tp styles: ``_apply(module, device_mesh)`` parallelizes
     ``module`` in place and returns it. ``src_data_rank`` is set by
     :func:`parallelize_module` (default 0)."""
@@ -131,14 +129,63 @@ def _placement_tuple(layout) -> Tuple[Placement, ...]:
     return (layout,) if isinstance(layout, Placement) else tuple(layout)
 
 
-class ColwiseParallel(ParallelStyle):
+class _ShardedModuleStyle(ParallelStyle):
+    """What ColwiseParallel and RowwiseParallel share: shard the parameters of an
+    ``nn.Linear``/``nn.Embedding`` and give it torch_tp's forward for that module type."""
+
+    # module type -> ({parameter name: placement}, forward); the subclasses fill it in.
+    _layouts: Dict[type, Tuple[Dict[str, Placement], Callable]] = {}
+
+    def __init__(self, *, input_layouts: Optional[Placement], output_layouts: Optional[Placement],
+                 use_local_output: bool):
+        super().__init__()
+        self.input_layouts = (input_layouts,)
+        self.output_layouts = (output_layouts,)
+        self.use_local_output = use_local_output
+
+    def _torch_equivalent(self) -> _torch_style.ParallelStyle:
+        style = getattr(_torch_style, type(self).__name__)(
+            input_layouts=self.input_layouts[0], output_layouts=self.output_layouts[0],
+            use_local_output=self.use_local_output)
+        style.src_data_rank = self.src_data_rank
+        return style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        base = next((t for t in self._layouts if isinstance(module, t)), None)
+        if base is None:
+            raise NotImplementedError(
+                f"{name} currently only support nn.Linear and nn.Embedding! got {type(module).__name__}")
+        _claim(module, self)
+        if type(module).forward is not base.forward:
+            # Its own computation: torch's style runs it on DTensors (NOTE [torch_tp
+            # forwards without replacing module.forward]).
+            return self._torch_equivalent()._apply(module, device_mesh)
+        placements, forward = self._layouts[base]
+        for param_name, placement in placements.items():
+            if module._parameters.get(param_name) is not None:
+                distribute_parameter(module, param_name, device_mesh, placement, self.src_data_rank, name)
+        module._tp_mesh = device_mesh
+        module._tp_group_name = _group_name(device_mesh)
+        module._tp_input_layout = self.input_layouts[0]
+        module._tp_output_layout = self.output_layouts[0]
+        module._tp_use_local_output = self.use_local_output
+        module.__class__ = _parallel_class(type(module), name, forward)
+        return module
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, "
+                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
+
+
+class ColwiseParallel(_ShardedModuleStyle):
     r"""Partition an ``nn.Linear`` or ``nn.Embedding`` column-wise.
 
     ``nn.Linear``: weight and bias sharded on dim 0 (output features);
     ``nn.Embedding``: weight sharded on dim 1 (embedding dim). The input is
     replicated (with ``input_layouts=Shard(d)`` it is gathered along ``d``
     first, and its gradient reduce-scattered); the output is sharded on the
-    last dim.
+    last dim. The parameters become ``DTensor``\ s with those placements.
 
     Keyword Args:
         input_layouts (Placement, optional): layout of the module input;
@@ -159,32 +206,12 @@ class ColwiseParallel(ParallelStyle):
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
                  use_local_output: bool = True):
-        super().__init__()
-        self.input_layouts = (input_layouts or Replicate(),)
-        self.output_layouts = (output_layouts or Shard(-1),)
+        super().__init__(input_layouts=input_layouts or Replicate(), output_layouts=output_layouts or Shard(-1),
+                         use_local_output=use_local_output)
         self.desired_input_layouts = (Replicate(),)
-        self.use_local_output = use_local_output
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Linear):
-            module.weight = _distribute(module.weight, device_mesh, 0, self.src_data_rank)
-            if module.bias is not None:
-                module.bias = _distribute(module.bias, device_mesh, 0, self.src_data_rank)
-            forward = _colwise_linear_forward
-        elif isinstance(module, nn.Embedding):
-            module.weight = _distribute(module.weight, device_mesh, 1, self.src_data_rank)
-            forward = _colwise_embedding_forward
-        else:
-            raise NotImplementedError(
-                f"ColwiseParallel currently only support nn.Linear and nn.Embedding! got {type(module).__name__}")
-        return _install(module, device_mesh, self, forward, "colwise")
-
-    def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, "
-                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
 
 
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_ShardedModuleStyle):
     r"""Partition an ``nn.Linear`` or ``nn.Embedding`` row-wise.
 
     ``nn.Linear``: weight sharded on dim 1 (input features), bias replicated and
@@ -192,7 +219,8 @@ class RowwiseParallel(ParallelStyle):
     ``nn.Embedding``: weight sharded on dim 0 (the vocabulary: ids outside this
     rank's rows are masked, their rows zeroed, then summed over the ranks); the
     input is replicated. The output is replicated (all-reduce) or, with
-    ``output_layouts=Shard(d)``, sharded along ``d`` (reduce-scatter).
+    ``output_layouts=Shard(d)``, sharded along ``d`` (reduce-scatter). The
+    parameters become ``DTensor``\ s with those placements.
 
     Keyword Args:
         input_layouts (Placement, optional): layout of the module input;
@@ -213,35 +241,19 @@ class RowwiseParallel(ParallelStyle):
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
                  use_local_output: bool = True):
-        super().__init__()
-        self.input_layouts = (input_layouts or Shard(-1),)
-        self.output_layouts = (output_layouts or Replicate(),)
-        self.use_local_output = use_local_output
+        super().__init__(input_layouts=input_layouts or Shard(-1), output_layouts=output_layouts or Replicate(),
+                         use_local_output=use_local_output)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Linear):
-            self.desired_input_layouts = (Shard(-1),)
-            module.weight = _distribute(module.weight, device_mesh, 1, self.src_data_rank)
-            if module.bias is not None:
-                module.bias = _distribute(module.bias, device_mesh, None, self.src_data_rank)
-            forward = _rowwise_linear_forward
-        elif isinstance(module, nn.Embedding):
-            self.desired_input_layouts = (Replicate(),)
-            module.weight = _distribute(module.weight, device_mesh, 0, self.src_data_rank)
-            forward = _rowwise_embedding_forward
-        else:
-            raise NotImplementedError(
-                f"RowwiseParallel currently only support nn.Linear and nn.Embedding! got {type(module).__name__}")
-        return _install(module, device_mesh, self, forward, "rowwise")
-
-    def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, "
-                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
+        # As torch: the layout the module's computation wants its input in.
+        self.desired_input_layouts = (Replicate(),) if isinstance(module, nn.Embedding) else (Shard(-1),)
+        return super()._apply(module, device_mesh)
 
 
 # ---------------------------------------------------------------- forwards of the sharded modules
-# Each reads its input (a plain tensor in the declared layout, or a DTensor),
-# runs one torch_tp op, and hands back the output in the requested layout.
+# Each reads its input (a plain tensor in the declared layout, or a DTensor)
+# and its parameters' local tensors, runs one torch_tp op, and hands back the
+# output in the requested layout.
 
 
 def _finish(self, local: torch.Tensor, placement: Placement, global_shape) -> Any:
@@ -278,13 +290,14 @@ def _colwise_linear_forward(self, x):
         # made x replicated (NOTE [partial grad_x] in linear.cpp; NOTE
         # [replicated DTensor inputs without DTensor] in _layout.py).
         local = partial_grad_local(x)
-        out = torch.ops.torch_tp.column_parallel_linear(local, self.weight, self.bias, self._tp_group_name,
-                                                         partial_grad_input=True)
+        out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
+                                                         self._tp_group_name, partial_grad_input=True)
         return _output_sharded_on_last(self, out, self.out_features)
     local, layout, global_shape = from_dtensor(x, self._tp_input_layout)
     dim = _gather_dim(self, layout, local.dim())
     full = None if dim is None or global_shape is None else global_shape[dim]
-    out = torch.ops.torch_tp.column_parallel_linear(local, self.weight, self.bias, self._tp_group_name, dim, full)
+    out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
+                                                     self._tp_group_name, dim, full)
     return _output_sharded_on_last(self, out, self.out_features)
 
 
@@ -292,8 +305,8 @@ def _colwise_embedding_forward(self, ids):
     local, layout, global_shape = from_dtensor(ids, self._tp_input_layout)
     dim = _gather_dim(self, layout, local.dim() + 1)
     full = None if dim is None or global_shape is None else global_shape[dim]
-    out = torch.ops.torch_tp.column_parallel_embedding(local, self.weight, self._tp_group_name, self.padding_idx,
-                                                        dim, full)
+    out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_group_name,
+                                                        self.padding_idx, dim, full)
     return _output_sharded_on_last(self, out, self.embedding_dim)
 
 
@@ -314,7 +327,8 @@ def _rowwise_linear_forward(self, x):
         local = convert(local, layout, last, self._tp_group_name, None)
     out_ndim = local.dim()
     dim = _rowwise_scatter_dim(self, out_ndim)
-    out = torch.ops.torch_tp.row_parallel_linear(local, self.weight, self.bias, self._tp_group_name, dim)
+    out = torch.ops.torch_tp.row_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
+                                                  self._tp_group_name, dim)
     global_shape = local.shape[:-1] + (self.out_features,)
     return _finish(self, out, Replicate() if dim is None else Shard(dim), global_shape)
 
@@ -325,23 +339,51 @@ def _rowwise_embedding_forward(self, ids):
         full = None if global_shape is None else global_shape[layout.dim]
         local = torch.ops.torch_tp.all_gather(local, layout.dim, self._tp_group_name, full)
     dim = _rowwise_scatter_dim(self, local.dim() + 1)
-    out = torch.ops.torch_tp.vocab_parallel_embedding(local, self.weight, self._tp_group_name, self.num_embeddings,
-                                                       self.padding_idx, dim)
+    out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), self._tp_group_name,
+                                                       self.num_embeddings, self.padding_idx, dim)
     global_shape = local.shape + (self.embedding_dim,)
     return _finish(self, out, Replicate() if dim is None else Shard(dim), global_shape)
+
+
+ColwiseParallel._layouts = {
+    nn.Linear: ({"weight": Shard(0), "bias": Shard(0)}, _colwise_linear_forward),
+    nn.Embedding: ({"weight": Shard(1)}, _colwise_embedding_forward),
+}
+RowwiseParallel._layouts = {
+    nn.Linear: ({"weight": Shard(1), "bias": Replicate()}, _rowwise_linear_forward),
+    nn.Embedding: ({"weight": Shard(0)}, _rowwise_embedding_forward),
+}
 
 
 # ---------------------------------------------------------------- sequence parallel
 
 
+def _parameter_slot(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The tensor ``module.<name>`` reads: a registered parameter, or an attribute that
+    stands in for it (torch's DDP sets DTensor views of its local parameters as attributes)."""
+    if name in module._parameters:
+        return module._parameters[name]
+    return module.__dict__.get(name)
+
+
+def _set_parameter_slot(module: nn.Module, name: str, value: Optional[torch.Tensor]) -> None:
+    if name in module._parameters:
+        module._parameters[name] = value
+    else:
+        module.__dict__[name] = value
+
+
 class SequenceParallel(ParallelStyle):
     r"""Run a module (a norm, dropout) on this rank's shard of the sequence.
 
-    The module's parameters stay replicated. Each rank's gradient for them
-    covers only its shard of the sequence, so the gradients are all-reduced
-    over the group: every rank ends the backward with the full one (all of a
-    backward's in one all-reduce at its end where that is safe; see
-    NOTE [deferred replicated-gradient all-reduce] in ``_replicated_grad.py``).
+    The module's parameters become ``Replicate()`` DTensors (rank
+    ``src_data_rank``'s values). Its own forward runs on the local sequence
+    shard with the parameters' local tensors, so each rank's gradient for them
+    covers only its shard of the sequence: it arrives as a ``Partial(sum)``
+    DTensor, as with torch's style, and torch_tp completes all of a
+    backward's with one all-reduce at its end, leaving ``Replicate()``
+    gradients (NOTE [partial gradients of sequence-parallel parameters] in
+    ``_replicated_grad.py``).
 
     Keyword Args:
         sequence_dim (int, optional): the sharded dimension of the input and
@@ -364,45 +406,57 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        group_name = _group_name(device_mesh)
-        reduced = []
-        for name, param in list(module.named_parameters(recurse=False)):
-            replicated = _distribute(param, device_mesh, None, self.src_data_rank)
-            setattr(module, name, replicated)
-            if replicated.requires_grad:
-                reduced.append(replicated)
-        if reduced and device_mesh.size() > 1:
-            register_replicated_grad_reduction(module, reduced, group_name)
         for child in module.children():
             if any(True for _ in child.parameters()):
                 raise NotImplementedError("torch_tp: SequenceParallel applies to leaf modules (norms, dropout); "
                                           f"{type(module).__name__} has submodules with parameters")
+        _claim(module, self)
+        names = [name for name, param in module._parameters.items() if param is not None]
+        params = [distribute_parameter(module, name, device_mesh, Replicate(), self.src_data_rank,
+                                       "SequenceParallel") for name in names]
+        if device_mesh.size() > 1:
+            complete_partial_grads_after_backward([p for p in params if p.requires_grad])
+        partial_grad = device_mesh.size() > 1  # one rank's gradient is already the whole sum
+        group_name = _group_name(device_mesh)
         sharding = self.sequence_sharding[0]
         use_local_output = self.use_local_output
+        # One frame per forward in flight: the DTensor parameters set aside while
+        # the module runs on their local tensors, and the input's global shape.
+        frames: List[Tuple[Dict[str, DTensor], Optional[torch.Size]]] = []
 
-        def prepare_input(_module, inputs):
-            if not inputs:
-                return inputs
-            local, layout, global_shape = from_dtensor(inputs[0], sharding)
-            wanted = normalize(sharding, local.dim())
-            if layout != wanted:
-                local = convert(local, layout, wanted, group_name, global_shape)
-            module._tp_global_shape = global_shape if global_shape is not None else None
-            return (local,) + tuple(inputs[1:])
+        def enter(mod: nn.Module, inputs: Tuple[Any, ...]):
+            set_aside: Dict[str, DTensor] = {}
+            frames.append((set_aside, None))  # first, so that leave() always finds its frame
+            global_shape = None
+            if inputs:
+                local, layout, global_shape = from_dtensor(inputs[0], sharding)
+                wanted = normalize(sharding, local.dim())
+                if layout != wanted:
+                    local = convert(local, layout, wanted, group_name, global_shape)
+                inputs = (local,) + tuple(inputs[1:])
+            frames[-1] = (set_aside, global_shape)
+            for name in names:
+                value = _parameter_slot(mod, name)
+                if isinstance(value, DTensor):
+                    set_aside[name] = value
+                    _set_parameter_slot(mod, name, local_tensor(value, partial_grad))
+            return inputs
 
-        def prepare_output(_module, _inputs, output):
+        def leave(mod: nn.Module, _inputs: Tuple[Any, ...], output: Any):
+            set_aside, global_shape = frames.pop()
+            for name, value in set_aside.items():
+                _set_parameter_slot(mod, name, value)
             if use_local_output or not isinstance(output, torch.Tensor):
                 return output
             wanted = normalize(sharding, output.dim())
-            global_shape = module._tp_global_shape
             if global_shape is None:
                 global_shape = list(output.shape)
                 global_shape[wanted.dim] *= device_mesh.size()
             return to_dtensor(output, device_mesh, wanted, global_shape)
 
-        module.register_forward_pre_hook(prepare_input)
-        module.register_forward_hook(prepare_output)
-        _describe(module, f"sequence({sharding.dim})", device_mesh)
+        module.register_forward_pre_hook(enter)
+        # always_call: the parameters are put back even when the forward raises.
+        module.register_forward_hook(leave, always_call=True)
         return module
 
     def __repr__(self) -> str:

@@ -1,0 +1,137 @@
+"""Parameters of parallelized modules: DTensors at the boundary, local tensors in the forward.
+
+NOTE [DTensor parameters, local forward]
+Everything in PyTorch that learns a parameter's layout learns it from a DTensor
+parameter: DCP (which keeps one copy of a plain tensor saved under the same key
+by every rank, silently), FSDP2's 2-D sharding, ``get_state_dict`` with
+``full_state_dict=True``, DTensor-aware ``clip_grad_norm_``, optimizers' state.
+So a style turns each parameter it touches into exactly the
+``nn.Parameter(DTensor)`` that torch's style gives it (``distribute_tensor``
+with the same placement, ``torch.chunk`` pieces, ``src_data_rank``), and keeps
+the parameter's ``requires_grad``.
+
+What stays free of DTensor is the hot path: a torch_tp forward takes each
+parameter's local tensor (:func:`local_tensor`, ``DTensor.to_local``: one
+autograd node per parameter and forward, no communication) and runs the C++
+ops on plain tensors. The gradient comes back through that node as a DTensor
+with the parameter's placement (the ops' gradients are complete for the local
+piece: NOTE [partial grad_x] in linear.cpp), so ``.grad`` is what a
+DTensor-aware reader expects. The parameter is read at every forward, never
+cached: FSDP2 swaps in its unsharded parameter (a DTensor on the TP mesh)
+before the forward, and torch's DDP rebuilds DTensor views of its local
+parameters before every forward; both are read the same way.
+"""
+
+import contextlib
+import contextvars
+from typing import Iterator, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+__all__ = ["distribute_parameter", "local_tensor", "module_path", "naming_module"]
+
+# The qualified name (from the module parallelize_module was given) of the
+# module a style is being applied to, for error messages.
+_module_path: contextvars.ContextVar[str] = contextvars.ContextVar("torch_tp_module_path", default="")
+
+
+@contextlib.contextmanager
+def naming_module(path: str) -> Iterator[None]:
+    token = _module_path.set(path)
+    try:
+        yield
+    finally:
+        _module_path.reset(token)
+
+
+def module_path() -> str:
+    return _module_path.get()
+
+
+def _qualified(name: str) -> str:
+    path = module_path()
+    return f"{path}.{name}" if path else name
+
+
+def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
+                         src_data_rank: Optional[int], style: str) -> nn.Parameter:
+    """Replace ``module``'s parameter ``name`` by ``nn.Parameter(distribute_tensor(...))`` with
+    ``placement`` on ``mesh``, as torch's styles do, keeping its ``requires_grad``; returns it.
+
+    A parameter that already is a DTensor is kept only if it is exactly that
+    (torch's ``distribute_tensor`` contract); on another mesh, or in another
+    placement (a plan that shards it twice), it is an error naming the
+    parameter, both layouts and both meshes. Nothing is changed before the check.
+    """
+    param = module._parameters[name]
+    if isinstance(param, DTensor):
+        if param.device_mesh != mesh:
+            raise ValueError(
+                f"torch_tp.{style}: parameter '{_qualified(name)}' is already a DTensor on {param.device_mesh} "
+                f"with placements {param.placements}, not on the mesh this style shards over, {mesh}. Parallelize "
+                "a module on one mesh (for 2-D parallelism: tensor parallelism on mesh['tp'] first, then "
+                "fully_shard or DistributedDataParallel over mesh['dp']).")
+        if param.placements != (placement,):
+            raise ValueError(
+                f"torch_tp.{style}: parameter '{_qualified(name)}' of global shape {tuple(param.shape)} is already "
+                f"{param.placements[0]!r} on {mesh}; the plan shards it a second time, as {placement!r}. "
+                "Give each parameter one style.")
+        return param
+    if param.is_meta:
+        src_data_rank = None  # no values to send: shapes only (meta-device initialization)
+    with torch.no_grad():
+        value = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=src_data_rank)
+    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    module._parameters[name] = new
+    return new
+
+
+class _LocalTensor(torch.autograd.Function):
+    """``param`` (a DTensor) -> a view of its local tensor; the local gradient goes back
+    wrapped as a DTensor with ``grad_spec`` (NOTE [unwrapping a parameter])."""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
+        ctx.grad_spec = grad_spec
+        local = param._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.grad_spec
+        if torch.is_grad_enabled():  # create_graph: the gradient must stay differentiable
+            return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                      stride=spec.stride), None
+        return DTensor(grad.contiguous(), spec, requires_grad=False), None
+
+
+# NOTE [unwrapping a parameter]
+# DTensor.to_local() is the public way, and what runs under torch.compile. In
+# eager mode its backward rebuilds the gradient DTensor through
+# DTensor.from_local (another autograd Function and a spec recomputation),
+# which measured ~0.1-0.2 ms per parameter and step on the 2-core CI machine:
+# a few percent of the example model's step. _LocalTensor does the same with
+# the parameter's own spec (or its Partial twin) and DTensor's constructor.
+# The gradient is contiguous, as the local tensor is, so AccumulateGrad can
+# take it as .grad without a copy.
+
+
+def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> Optional[torch.Tensor]:
+    """This rank's plain tensor of a (DTensor) parameter, differentiable (NOTE [DTensor
+    parameters, local forward]). Its gradient reaches the parameter with the parameter's
+    placements, or as ``Partial()`` sums with ``partial_grad`` (a replicated parameter
+    used on a sequence shard). Plain tensors and ``None`` are returned as they are."""
+    if not isinstance(param, DTensor):
+        return param
+    if not torch.is_grad_enabled() or not param.requires_grad:
+        return param._local_tensor
+    if torch.compiler.is_compiling():
+        return param.to_local(grad_placements=(Partial(),) if partial_grad else None)
+    spec = param._spec
+    if partial_grad:
+        spec = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
+    return _LocalTensor.apply(param, spec)
