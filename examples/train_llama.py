@@ -5,20 +5,28 @@ Launch (2 ranks on CPU, about a minute):
     torchrun --nproc-per-node 2 examples/train_llama.py                 # torch_tp
     torchrun --nproc-per-node 2 examples/train_llama.py --impl torch    # torch.distributed.tensor.parallel
     torchrun --nproc-per-node 2 examples/train_llama.py --resume        # continue from --out-dir's checkpoint
+    torchrun --nproc-per-node 4 examples/train_llama.py --resume        # ... at another TP degree
+    torchrun --nproc-per-node 4 examples/train_llama.py --dp 2          # FSDP2 over 2 x TP over 2
     torchrun --nproc-per-node 2 examples/train_llama.py --check         # TP vs unsharded losses, then exit
 
 The model and torchtitan's TP plan (sequence parallel, loss_parallel) are in
 llama_model.py; --impl picks whose parallelize_module and styles apply it:
-``torch_tp`` (the drop-in replacement) or ``torch`` (DTensor). The 1-D mesh spans
-all ranks, every rank sees the same batch, and all ranks start from the same
-seed. Tokens are bytes (vocab 256) or, with --tokenizer char, the corpus's
-distinct characters (a vocabulary the TP degree need not divide). On CPU the
-ranks talk through torch_tp's shared-memory backend (``--backend gloo``: torch's).
+``torch_tp`` (the drop-in replacement) or ``torch`` (DTensor). The ranks form a
+("dp", "tp") mesh of --dp x (world size / --dp): tensor parallelism over "tp"
+(the whole world by default), and with --dp > 1 torchtitan's 2-D recipe,
+FSDP2's ``fully_shard`` of every block and of the model over "dp", each dp rank
+taking its slice of the batch. All ranks start from the same seed. Tokens are
+bytes (vocab 256) or, with --tokenizer char, the corpus's distinct characters
+(a vocabulary the TP degree need not divide). On CPU the ranks talk through
+torch_tp's shared-memory backend (``--backend gloo``: torch's).
 
 Rank 0 shows a progress bar (loss, tokens/s) on stderr, and writes to --out-dir:
-loss_curve.png, metrics.json, and checkpoint/ckpt_rank{r}.pt (every --ckpt-every
-steps and at the end; --resume restores model, optimizer and step, and the
-resumed run sees the batches the uninterrupted one would have).
+loss_curve.png, metrics.json, and checkpoint/ (every --ckpt-every steps and at
+the end): a torch.distributed.checkpoint (DCP) of the model and optimizer
+state, and train_state.json (step, losses). --resume restores them at any
+--dp and TP degree, and with either --impl (the parameters are DTensors, which
+DCP reshards), and the resumed run sees the batches the uninterrupted one
+would have.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from llama_model import (  # noqa: E402
     cross_entropy_loss,
     load_tp_api,
     loss_context,
+    make_optimizer,
     to_full,
     tp_plan,
 )
@@ -63,7 +72,10 @@ def parse_args(argv=None):
                    help="process-group backend (default: torch_tp's shared-memory backend on cpu, nccl on cuda; "
                    "gloo works too)")
     g.add_argument("--out-dir", default="llama_out", help="plot, metrics and checkpoints (default ./llama_out)")
-    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out-dir")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --out-dir (written at any --dp, TP degree or --impl)")
+    g.add_argument("--dp", type=int, default=1,
+                   help="data-parallel degree: FSDP2 over dp x tensor parallelism over world/dp ranks (default 1)")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every K steps, 0: only at the end")
     g.add_argument("--stop-after", type=int, default=None, metavar="K",
                    help="end this run after step K (checkpointed), keeping --steps' schedule: an interruption "
@@ -77,7 +89,7 @@ def parse_args(argv=None):
     g.add_argument("--corpus", default=DEFAULT_CORPUS)
     g.add_argument("--tokenizer", choices=["byte", "char"], default="byte",
                    help="byte: vocab 256; char: the corpus's distinct characters")
-    g.add_argument("--batch", type=int, default=8)
+    g.add_argument("--batch", type=int, default=8, help="global batch, split over the --dp ranks (default 8)")
     g.add_argument("--seq", type=int, default=128)
     g = p.add_argument_group("model")
     g.add_argument("--dim", type=int, default=128)
@@ -143,53 +155,60 @@ class Corpus:
 # ----------------------------------------------------------------------------- checkpoint
 
 CKPT_SUBDIR = "checkpoint"
+TRAIN_STATE = "train_state.json"
 
 
 def save_checkpoint(out_dir: str, model, optimizer, step: int, meta: Dict[str, Any]) -> str:
-    """Write this rank's model and optimizer state, ``checkpoint/ckpt_rank{r}.pt``.
+    """Write the model and optimizer state with torch.distributed.checkpoint into
+    ``checkpoint/``, and the rest (step, losses, configuration) into its
+    ``train_state.json``.
 
-    Per-rank files hold each rank's shards as the model has them (DTensors with
-    --impl torch, whatever torch_tp's parameters are with --impl torch_tp), so
-    they are correct for both implementations and reload only on the same
-    number of ranks. This is the one place to switch to full (unsharded) state
-    dicts once torch_tp.parallel.checkpoint has them.
+    Every parameter is a DTensor (torch_tp's and torch's TP, FSDP2), so DCP
+    records each one's global shape and which piece every rank holds, and a
+    checkpoint loads at another TP or data-parallel degree. It goes to
+    ``checkpoint.tmp/`` first and replaces ``checkpoint/`` once complete: a crash
+    mid-write leaves the previous checkpoint intact.
     """
-    rank = dist.get_rank()
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     ckpt_dir = os.path.join(out_dir, CKPT_SUBDIR)
-    os.makedirs(ckpt_dir, exist_ok=True)
-    path = os.path.join(ckpt_dir, f"ckpt_rank{rank}.pt")
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": step,
-        "world_size": dist.get_world_size(),
-        "rank": rank,
-        **meta,
-    }
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint intact
+    tmp_dir = ckpt_dir + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_dir)
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp_dir, TRAIN_STATE), "w") as f:
+            json.dump({**meta, "step": step}, f)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        os.replace(tmp_dir, ckpt_dir)
     dist.barrier()
     return ckpt_dir
 
 
-def load_checkpoint(out_dir: str, model, optimizer, expect: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``; return the
-    rest of the saved state (step, losses, ...). Refuses a checkpoint from another world size,
-    implementation or model configuration."""
-    rank = dist.get_rank()
-    path = os.path.join(out_dir, CKPT_SUBDIR, f"ckpt_rank{rank}.pt")
+def load_checkpoint(out_dir: str, model, optimizer, expect: Dict[str, Any]) -> Dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``, resharded
+    to this run's layout; return train_state.json. Refuses a checkpoint of another model
+    configuration or tokenizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ckpt_dir = os.path.join(out_dir, CKPT_SUBDIR)
+    path = os.path.join(ckpt_dir, TRAIN_STATE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--resume: no checkpoint {path}")
-    # Our own file, with DTensors and DeviceMesh inside: not a weights-only pickle.
-    state = torch.load(path, map_location=device, weights_only=False)
-    if state["world_size"] != dist.get_world_size():
-        raise RuntimeError(f"--resume: {path} was written by {state['world_size']} ranks, "
-                           f"this run has {dist.get_world_size()}")
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir} ({TRAIN_STATE} is missing)")
+    with open(path) as f:
+        state = json.load(f)
     for key, want in expect.items():
         if state.get(key) != want:
-            raise RuntimeError(f"--resume: {path} has {key}={state.get(key)!r}, this run {want!r}")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+            raise RuntimeError(f"--resume: {ckpt_dir} has {key}={state.get(key)!r}, this run {want!r}")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=ckpt_dir)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     return state
 
 
@@ -276,6 +295,15 @@ def scalar(loss) -> float:
     return to_full(loss).item()
 
 
+def dp_mean(value: float, dp_mesh, device) -> float:
+    """The mean of a per-rank loss over the data-parallel ranks (the global batch's loss)."""
+    if dp_mesh.size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=dp_mesh.get_group())
+    return t.item() / dp_mesh.size()
+
+
 @torch.no_grad()
 def evaluate(model, corpus: Corpus, args, device, tp, batches: int = 4) -> float:
     total = 0.0
@@ -348,7 +376,14 @@ def main(argv=None):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    if args.dp < 1 or world % args.dp or args.batch % args.dp:
+        if is_main:
+            print(f"train_llama.py: --dp {args.dp} must divide the world size ({world}) and --batch ({args.batch})",
+                  file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
+    mesh_2d = init_device_mesh(device.type, (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
+    mesh, dp_mesh = mesh_2d["tp"], mesh_2d["dp"]
 
     if args.check:
         results = check_tp_against_reference(mesh, tp, device=device.type, loss_parallel=not args.no_loss_parallel)
@@ -362,27 +397,40 @@ def main(argv=None):
     corpus = Corpus(args.corpus, args.tokenizer)
     config = LlamaConfig(vocab_size=corpus.vocab_size, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                          n_kv_heads=args.kv_heads, max_seq_len=args.seq)
-    check_tp_degree(config, world)
+    check_tp_degree(config, mesh.size())
 
     torch.manual_seed(args.seed)  # the same init on every rank; parallelize_module keeps rank 0's
     model = Llama(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     tp.parallelize_module(model, mesh, tp_plan(tp, loss_parallel=not args.no_loss_parallel))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if args.dp > 1:
+        # torchtitan's 2-D recipe: FSDP2 over "dp" of every block, then of the root,
+        # on top of the TP DTensor parameters.
+        from torch.distributed.fsdp import fully_shard
 
-    meta = {"impl": args.impl, "config": config.to_dict(), "tokenizer": args.tokenizer}
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+
+    # What a resumed run must share with the checkpoint; --impl, --dp and the TP degree may differ.
+    meta = {"config": config.to_dict(), "tokenizer": args.tokenizer}
     start, losses, tok_rates = 0, [], []
     if args.resume:
-        state = load_checkpoint(args.out_dir, model, optimizer, meta, device)
+        state = load_checkpoint(args.out_dir, model, optimizer, meta)
         start, losses, tok_rates = state["step"], list(state["losses"]), list(state.get("tok_rates", []))
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
-        print(f"train_llama: --impl {args.impl}, {world} ranks on {device.type} ({backend}), torch {torch.__version__}; "
+        layout = f"TP {mesh.size()}" + (f" x FSDP2 {args.dp}" if args.dp > 1 else "")
+        print(f"train_llama: --impl {args.impl}, {world} ranks ({layout}) on {device.type} ({backend}), "
+              f"torch {torch.__version__}; "
               f"model {n_params / 1e6:.2f}M params (dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads, "
               f"vocab {config.vocab_size}), batch {args.batch} x seq {args.seq}, corpus {corpus.train.numel():,} "
               f"train tokens" + (f"; resumed at step {start}" if args.resume else ""), flush=True)
 
-    tokens_per_step = args.batch * args.seq  # every rank processes the same (global) batch
+    tokens_per_step = args.batch * args.seq  # the global batch; each dp rank takes args.batch // args.dp rows
+    rows = args.batch // args.dp
+    dp_rows = slice(dp_mesh.get_local_rank() * rows, (dp_mesh.get_local_rank() + 1) * rows)
     end = args.steps if args.stop_after is None else max(start, min(args.steps, args.stop_after))
     progress = Progress(args.steps, start, is_main)
     for step in range(start, end):
@@ -390,14 +438,14 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         inputs, targets = corpus.batch("train", step, args.batch, args.seq, args.seed)
-        inputs, targets = inputs.to(device), targets.to(device)
+        inputs, targets = inputs[dp_rows].to(device), targets[dp_rows].to(device)
         with loss_context(tp, not args.no_loss_parallel):
             with autocast(args, device):
                 loss = cross_entropy_loss(model(inputs), targets)
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = scalar(loss)  # syncs the device, so the step time is real
+        value = dp_mean(scalar(loss), dp_mesh, device)  # syncs the device, so the step time is real
         dt = time.perf_counter() - t0
         if not math.isfinite(value):
             raise FloatingPointError(f"step {step + 1}: loss is {value}")
@@ -406,11 +454,12 @@ def main(argv=None):
         progress.update(step + 1, value, tok_rates[-1])
         done = step + 1
         if args.ckpt_every and done % args.ckpt_every == 0 and done < end:
-            save_checkpoint(args.out_dir, model, optimizer, done, {**meta, "losses": losses, "tok_rates": tok_rates})
+            save_checkpoint(args.out_dir, model, optimizer, done,
+                            {**meta, "impl": args.impl, "losses": losses, "tok_rates": tok_rates})
     progress.close()
 
     ckpt_dir = save_checkpoint(args.out_dir, model, optimizer, end,
-                               {**meta, "losses": losses, "tok_rates": tok_rates})
+                               {**meta, "impl": args.impl, "losses": losses, "tok_rates": tok_rates})
     val = evaluate(model, corpus, args, device, tp)
     text = sample(model, corpus, args, device, args.sample) if args.sample > 0 else None
 
@@ -419,11 +468,12 @@ def main(argv=None):
         # which is all tokens over all time (not the mean of per-step rates).
         rates = tok_rates[1:] if len(tok_rates) > 1 else tok_rates
         mean_rate = len(rates) * tokens_per_step / sum(tokens_per_step / r for r in rates) if rates else float("nan")
-        title = (f"Llama {n_params / 1e6:.2f}M, --impl {args.impl}, TP={world} on {device.type}, "
+        title = (f"Llama {n_params / 1e6:.2f}M, --impl {args.impl}, {layout} on {device.type}, "
                  f"{mean_rate:,.0f} tokens/s")
         plotted = plot_losses(os.path.join(args.out_dir, "loss_curve.png"), losses, val, title)
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-            json.dump({"impl": args.impl, "world_size": world, "device": device.type, "backend": backend,
+            json.dump({"impl": args.impl, "world_size": world, "dp": args.dp, "tp": mesh.size(),
+                       "device": device.type, "backend": backend,
                        "torch": torch.__version__, "config": config.to_dict(), "batch": args.batch,
                        "seq": args.seq, "steps": end, "losses": losses, "tokens_per_s": tok_rates,
                        "mean_tokens_per_s": mean_rate, "val_loss": val}, f, indent=1)
@@ -432,11 +482,11 @@ def main(argv=None):
         elif args.sample > 0:
             print("sample: skipped (the model's logits are not gatherable to the full vocabulary)")
         written = ([f"{args.out_dir}/loss_curve.png"] if plotted else []) + [f"{args.out_dir}/metrics.json",
-                                                                          f"{ckpt_dir}/ckpt_rank*.pt"]
+                                                                          f"{ckpt_dir}/ (DCP)"]
         print("wrote " + ", ".join(written))
         first = losses[0] if losses else float("nan")
         print(f"final: step {end}  loss {losses[-1] if losses else float('nan'):.4f} (step 1: {first:.4f})  "
-              f"val loss {val:.4f}  mean {mean_rate:,.0f} tokens/s  (--impl {args.impl}, {world} ranks, {device.type})",
+              f"val loss {val:.4f}  mean {mean_rate:,.0f} tokens/s  (--impl {args.impl}, {layout}, {device.type})",
               flush=True)
     dist.destroy_process_group()
 

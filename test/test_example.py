@@ -1,0 +1,59 @@
+"""The main job, examples/train_llama.py, as a user launches it: torchrun processes on gloo.
+
+A run stopped after 3 of 6 steps resumes from its DCP checkpoint at other
+layouts (TP 4; FSDP2 2 x TP 2; TP 1 with torch's own TP) and must reach the
+losses of the run that never stopped. Tolerance: LOSS_RTOL = 1e-5 relative. The
+layouts sum the same float32 products in other orders (sharded GEMMs,
+reductions over ranks), which moves a loss by ~1e-7 relative per step; a
+checkpoint that lost or misplaced a piece of a parameter or of the optimizer
+state moves it by far more (a missing AdamW state alone changes the next
+update by a factor of ~3).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "train_llama.py")
+SMALL = ["--dim", "32", "--layers", "2", "--heads", "4", "--seq", "16", "--batch", "4", "--steps", "6",
+         "--sample", "0", "--ckpt-every", "0", "--backend", "gloo"]
+LOSS_RTOL = 1e-5
+
+
+def _train(out_dir, nproc, *extra):
+    """One torchrun job of the example; its metrics.json's losses."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", EXAMPLE,
+           *SMALL, "--out-dir", str(out_dir), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    with open(os.path.join(out_dir, "metrics.json")) as f:
+        return json.load(f)["losses"]
+
+
+def _assert_losses_close(got, want, what):
+    assert len(got) == len(want), f"{what}: {len(got)} losses, want {len(want)}"
+    for step, (a, b) in enumerate(zip(got, want), 1):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"{what}: step {step} loss {a!r} vs {b!r}"
+
+
+def test_resume_at_other_layouts(tmp_path):
+    straight = _train(tmp_path / "straight", 2)
+    stopped = _train(tmp_path / "stopped", 2, "--stop-after", "3")
+    assert stopped == straight[:3]
+    for name, nproc, extra in [("tp4", 4, ()), ("fsdp2x2_tp2", 4, ("--dp", "2")), ("tp1_torch", 1, ("--impl", "torch"))]:
+        out = tmp_path / name
+        shutil.copytree(tmp_path / "stopped", out)
+        resumed = _train(out, nproc, "--resume", *extra)
+        _assert_losses_close(resumed, straight, f"resumed at {name}")
+
+
+def test_bad_dp_degree_is_refused(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", EXAMPLE, *SMALL,
+           "--out-dir", str(tmp_path), "--dp", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "--dp 3 must divide the world size (2)" in done.stderr, done.stderr[-2000:]
