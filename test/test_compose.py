@@ -1,0 +1,453 @@
+"""torch_tp models in PyTorch's distributed training stack, against torch's own TP and the unsharded model.
+
+torch_tp's parameters are the DTensors torch's parallelize_module makes (NOTE
+[DTensor parameters, local forward] in torch_tp/parallel/_params.py), so what
+learns the layout from a DTensor parameter works on them unchanged:
+state_dict/load_state_dict, torch.distributed.checkpoint (DCP) with
+resharding, its state_dict helpers, FSDP2 on a 2-D mesh, optimizers,
+meta-device initialization. Each test runs the same script on torch_tp's model,
+on torch's TP model and on the unsharded model.
+
+The model is the example's Llama (examples/llama_model.py) with 6 heads, so
+that TP degrees 2 and 3 both divide them, a vocabulary of 67 (uneven pieces at
+2, 3 and 4 ranks) and sequences of 12 tokens (even sequence shards at 1 to 4
+ranks, as sequence shards entering a model as plain tensors are assumed to be).
+
+Tolerance: the models run in float64, so sums taken in another order (sharded
+GEMMs, reductions over ranks, FSDP2's reduce-scatter) differ by ~1e-16
+relative. AdamW's first steps divide each gradient by its own magnitude plus
+eps (1e-8), which amplifies a gradient's roundoff by up to lr / eps = 1e5 where
+the exact gradient is ~0: ~1e-11 of a weight. F64_RTOL = 1e-9, relative to each
+tensor's largest magnitude (a bug, such as a norm weight updated from its
+partial gradient, moves values by 1e-3 and more). Checkpoint round trips at
+the same TP degree are compared bitwise: they only move data.
+"""
+
+import copy
+import os
+import sys
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+import torch.distributed.tensor.parallel as torch_tp_api
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_tp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import llama_model  # noqa: E402
+
+F64_RTOL = 1e-9
+# multiple_of=48: an FFN hidden size of 144, which 2, 3 and 4 divide (torch's TP needs an even split there).
+CONFIG = dict(vocab_size=67, dim=48, n_layers=2, n_heads=6, multiple_of=48, max_seq_len=12)
+BATCH, SEQ = 4, 12
+LIBS = {"torch_tp": torch_tp, "torch": torch_tp_api}
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _close(actual, expected, what, rtol=F64_RTOL):
+    actual, expected = _full(actual).detach(), _full(expected).detach()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().clamp_min(1e-30) if expected.numel() else 1.0
+    error = ((actual - expected).abs().max() / scale).item() if expected.numel() else 0.0
+    assert error <= rtol, f"{what}: relative error {error:.2e} > {rtol:.0e}"
+
+
+def _llama(seed, device=None):
+    torch.manual_seed(seed)
+    with torch.device(device or "cpu"):
+        return llama_model.Llama(llama_model.LlamaConfig(**CONFIG)).double()
+
+
+def _parallelize(model, lib, mesh, sequence_parallel=True, loss_parallel=True):
+    if lib is not None:
+        LIBS[lib].parallelize_module(model, mesh, llama_model.tp_plan(
+            LIBS[lib], loss_parallel=loss_parallel, sequence_parallel=sequence_parallel))
+    return model
+
+
+def _batch(step, rows=slice(None)):
+    tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return tokens[rows, :-1], tokens[rows, 1:]
+
+
+def _train(model, optimizer, lib, steps, loss_parallel=True, rows=slice(None)) -> List[float]:
+    """Train on the batches of ``steps``; the losses (this rank's rows' mean)."""
+    losses = []
+    for step in steps:
+        inputs, targets = _batch(step, rows)
+        context = LIBS[lib].loss_parallel() if (lib and loss_parallel) else torch.enable_grad()
+        with context:
+            loss = llama_model.cross_entropy_loss(model(inputs), targets)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_full(loss).item())
+    return losses
+
+
+def _adamw(model, **kwargs):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
+
+
+def _reference(steps, seed=0):
+    """The unsharded model after training on ``steps``, and its losses."""
+    model = _llama(seed)
+    losses = _train(model, _adamw(model), None, steps)
+    return model, losses
+
+
+def _assert_model_equals_reference(model, reference, what):
+    params = dict(model.named_parameters())
+    for name, expected in reference.named_parameters():
+        _close(params[name], expected, f"{what}: {name}")
+
+
+# ---------------------------------------------------------------- state dicts
+
+
+def _check_state_dict_interchange():
+    """model.state_dict() holds DTensors with torch's placements and global shapes, and a
+    torch_tp model and a torch TP model load each other's state dicts exactly."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = {lib: _parallelize(_llama(0), lib, mesh) for lib in LIBS}
+    states = {lib: m.state_dict() for lib, m in models.items()}
+    assert list(states["torch_tp"]) == list(states["torch"])
+    for key, theirs in states["torch"].items():
+        ours = states["torch_tp"][key]
+        assert isinstance(ours, DTensor) and isinstance(theirs, DTensor), key
+        assert (ours.placements, ours.shape, ours.device_mesh) == (theirs.placements, theirs.shape,
+                                                                  theirs.device_mesh), key
+    # One step of torch's model moves its weights; torch_tp's model takes them, bitwise, and back.
+    _train(models["torch"], _adamw(models["torch"]), "torch", [0])
+    models["torch_tp"].load_state_dict(models["torch"].state_dict())
+    for (name, ours), theirs in zip(models["torch_tp"].named_parameters(), models["torch"].parameters()):
+        assert torch.equal(ours.to_local(), theirs.to_local()), name
+    reference, _ = _reference([0])
+    _assert_model_equals_reference(models["torch_tp"], reference, "loaded from torch's TP")
+    fresh = _parallelize(_llama(1), "torch", mesh)
+    fresh.load_state_dict(models["torch_tp"].state_dict())
+    for (name, ours), theirs in zip(models["torch_tp"].named_parameters(), fresh.parameters()):
+        assert torch.equal(ours.to_local(), theirs.to_local()), name
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_state_dict_interchange_with_torch(ranks, world_size):
+    ranks(world_size).run(_check_state_dict_interchange, timeout=300)
+
+
+# ---------------------------------------------------------------- DCP
+
+
+def _dcp_save(path, steps):
+    """torch_tp at this world size trains on ``steps`` and saves model and optimizer with DCP."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _parallelize(_llama(0), "torch_tp", mesh)
+    optimizer = _adamw(model)
+    losses = _train(model, optimizer, "torch_tp", steps)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return losses
+
+
+def _dcp_resume(path, lib, done, more):
+    """A model of other weights, parallelized by ``lib`` (None: unsharded) at this world size,
+    loads the checkpoint of ``done`` steps and trains ``more``; its losses and parameters must
+    be the unsharded model's trained on all of them."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _parallelize(_llama(1), lib, mesh)
+    optimizer = _adamw(model)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    losses = _train(model, optimizer, lib, more)
+    reference, expected = _reference(list(done) + list(more))
+    for step, got, want in zip(more, losses, expected[len(done):]):
+        assert abs(got - want) <= F64_RTOL * abs(want), f"{lib} step {step}: loss {got!r} vs unsharded {want!r}"
+    _assert_model_equals_reference(model, reference, f"{lib} after resuming")
+    return losses
+
+
+def test_dcp_reshards_across_tp_degrees(ranks, tmp_path):
+    """Saved by torch_tp at TP=2, loaded at TP=3 into torch_tp and into torch's TP, and into
+    the unsharded model: training continues to the unsharded model's numbers."""
+    path = str(tmp_path / "tp2")
+    ranks(2).run(_dcp_save, path, range(2), timeout=300)
+    for lib in ("torch_tp", "torch", None):
+        ranks(3).run(_dcp_resume, path, lib, range(2), range(2, 4), timeout=300)
+    ranks(1).run(_dcp_resume, path, None, range(2), range(2, 4), timeout=300)
+
+
+def _check_resume_bitwise(path):
+    """Save after 2 steps, load into a fresh model and optimizer at the same TP degree, train 2
+    more: bit for bit the run that never stopped."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    straight = _parallelize(_llama(0), "torch_tp", mesh)
+    straight_opt = _adamw(straight)
+    expected = _train(straight, straight_opt, "torch_tp", range(4))
+
+    _dcp_save(path, range(2))
+    resumed = _parallelize(_llama(1), "torch_tp", mesh)
+    optimizer = _adamw(resumed)
+    model_state, optim_state = get_state_dict(resumed, optimizer)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    set_state_dict(resumed, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    losses = _train(resumed, optimizer, "torch_tp", range(2, 4))
+    assert losses == expected[2:], f"{losses} vs {expected[2:]}"
+    for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(_local(optimizer.state[a][key]), _local(straight_opt.state[b][key])), (name, key)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_dcp_resume_same_degree_is_bitwise(ranks, world_size, tmp_path):
+    ranks(world_size).run(_check_resume_bitwise, str(tmp_path / "ckpt"), timeout=300)
+
+
+# ---------------------------------------------------------------- FSDP2 x TP
+
+
+def _check_fsdp_tp(lib, sequence_parallel, loss_parallel, steps=3):
+    """torchtitan's 2-D recipe on 4 ranks: the TP plan on mesh["tp"], fully_shard on each block
+    and the root over mesh["dp"], each dp rank on half the batch; the global loss after each
+    step and the full state dict after the last equal the unsharded model's."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _parallelize(_llama(0), lib, mesh["tp"], sequence_parallel, loss_parallel)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = _adamw(model)
+    dp_rank = mesh["dp"].get_local_rank()
+    rows = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
+    reference, expected = _reference(range(steps))
+    for step in range(steps):
+        loss = torch.tensor(_train(model, optimizer, lib, [step], loss_parallel, rows), dtype=torch.float64)
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # the dp halves' means -> the batch mean
+        got = loss.item() / 2
+        assert abs(got - expected[step]) <= F64_RTOL * abs(expected[step]), \
+            f"{lib} step {step}: loss {got!r} vs unsharded {expected[step]!r}"
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    for name, want in reference.state_dict().items():
+        assert not isinstance(full[name], DTensor) and full[name].shape == want.shape, name
+        _close(full[name], want, f"{lib} full state dict {name}")
+
+
+@pytest.mark.parametrize("lib", ["torch_tp", "torch"])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp_loss_parallel", "tp"])
+def test_fsdp2_tp_2d_matches_unsharded(ranks, lib, sequence_parallel):
+    ranks(4).run(_check_fsdp_tp, lib, sequence_parallel, sequence_parallel, timeout=600)
+
+
+# ---------------------------------------------------------------- optimizers
+
+
+OPTIMIZERS = {
+    "adamw_for_loop": lambda m: _adamw(m, foreach=False),
+    "adamw_foreach": lambda m: _adamw(m, foreach=True),
+    "adamw_fused": lambda m: _adamw(m, fused=True),
+    "sgd_momentum_foreach": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=True),
+}
+
+
+def _check_optimizers():
+    """torch's optimizers on torch_tp's DTensor parameters: the same steps as on torch's TP and
+    on the unsharded model (F64_RTOL), for each implementation of the update."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name, make in OPTIMIZERS.items():
+        models = {"reference": _llama(0), **{lib: _parallelize(_llama(0), lib, mesh) for lib in LIBS}}
+        for lib, model in models.items():
+            _train(model, make(model), None if lib == "reference" else lib, range(3))
+        for lib in LIBS:
+            _assert_model_equals_reference(models[lib], models["reference"], f"{name}, {lib}")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_torch_optimizers_on_dtensor_parameters(ranks, world_size):
+    ranks(world_size).run(_check_optimizers, timeout=600)
+
+
+# ---------------------------------------------------------------- meta-device initialization
+
+
+class _PlainAllocations(TorchDispatchMode):
+    """The shapes of the plain tensors ops produce. A DTensor op's output is a DTensor
+    holding only this rank's piece; a full parameter would show up as a plain tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def _check_meta_init():
+    """Build under the meta device, parallelize, to_empty(device="cpu"), init_weights: no
+    sharded parameter's full shape is ever allocated, and the values and a training step are
+    torch's TP's under the same recipe (DTensor's own random ops fill both)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = {}
+    for lib in LIBS:
+        model = _parallelize(_llama(0, device="meta"), lib, mesh)
+        assert all(p.is_meta for p in model.parameters())
+        with _PlainAllocations() as allocations:
+            model.to_empty(device="cpu")
+            torch.manual_seed(5)
+            model.init_weights()
+        full_shapes = {tuple(p.shape) for p in model.parameters()
+                       if isinstance(p, DTensor) and p.to_local().shape != p.shape}
+        assert not full_shapes & allocations.shapes, f"{lib}: allocated {full_shapes & allocations.shapes}"
+        models[lib] = model
+    for (name, ours), theirs in zip(models["torch_tp"].named_parameters(), models["torch"].parameters()):
+        assert ours.device.type == "cpu" and torch.equal(ours.to_local(), theirs.to_local()), name
+    losses = {lib: _train(m, _adamw(m), lib, range(2)) for lib, m in models.items()}
+    for a, b in zip(losses["torch_tp"], losses["torch"]):
+        assert abs(a - b) <= F64_RTOL * abs(b), losses
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_meta_device_initialization(ranks, world_size):
+    ranks(world_size).run(_check_meta_init, timeout=300)
+
+
+# ---------------------------------------------------------------- modules torch_tp does not own
+
+
+class _ScaledLinear(nn.Linear):
+    """Its own forward: torch_tp must run it, not replace it."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+class _TaggedLinear(nn.Linear):
+    """A subclass that keeps nn.Linear's forward: torch_tp's fast path, its class kept as a base."""
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.up, self.down = kind(16, 24), kind(24, 16)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))
+
+
+def _check_subclasses():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.randn(2, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for kind in (_ScaledLinear, _TaggedLinear):
+        results = {}
+        for lib, api in LIBS.items():
+            torch.manual_seed(1)
+            model = api.parallelize_module(_TwoLayers(kind).double(), mesh,
+                                           {"up": api.ColwiseParallel(), "down": api.RowwiseParallel()})
+            out = model(x)
+            out.square().sum().backward()
+            results[lib] = (out, {n: p.grad for n, p in model.named_parameters()}, model)
+        model = results["torch_tp"][2]
+        assert isinstance(model.up, kind) and isinstance(model.up.weight, DTensor)
+        if kind is _ScaledLinear:
+            assert type(model.up) is kind, "a module with its own forward keeps its class"
+        else:
+            assert type(model.up).__name__ == "ColwiseParallel_TaggedLinear", type(model.up).__name__
+        _close(results["torch_tp"][0], results["torch"][0], f"{kind.__name__} output")
+        for name, grad in results["torch"][1].items():
+            _close(results["torch_tp"][1][name], grad, f"{kind.__name__} grad {name}")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_linear_subclasses(ranks, world_size):
+    ranks(world_size).run(_check_subclasses)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _unchanged(model, snapshot: Dict[str, torch.Tensor], what):
+    for name, p in model.named_parameters():
+        assert torch.equal(_local(p), snapshot[name]), f"{what}: {name} was written"
+
+
+def _check_bad_input(path):
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh2d["tp"]
+
+    # A parameter that is already a DTensor on another mesh.
+    model = torch_tp_api.parallelize_module(_TwoLayers(nn.Linear), mesh2d["dp"], {"up": torch_tp_api.ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"parameter 'up.weight' is already a DTensor on DeviceMesh") as caught:
+        torch_tp.parallelize_module(model, tp, {"up": torch_tp.ColwiseParallel()})
+    assert str(mesh2d["dp"]) in str(caught.value) and str(tp) in str(caught.value)
+
+    # Sharded twice: by torch's style, then by torch_tp's in another placement.
+    model = torch_tp_api.parallelize_module(_TwoLayers(nn.Linear), tp, {"up": torch_tp_api.ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"'up.weight' .* is already Shard\(dim=0\) .* a second time, as "
+                                         r"Shard\(dim=1\)"):
+        torch_tp.parallelize_module(model, tp, {"up": torch_tp.RowwiseParallel()})
+    # A plan that gives one module two styles.
+    with pytest.raises(ValueError, match=r"'up' \(ColwiseParallelLinear\) was already parallelized by "
+                                         r"ColwiseParallel"):
+        torch_tp.parallelize_module(_TwoLayers(nn.Linear), tp, {"up": torch_tp.ColwiseParallel(),
+                                                                "u*": torch_tp.RowwiseParallel()})
+
+    # Loading other global shapes: every mismatch named with both shapes and meshes, nothing written.
+    small = _parallelize(_llama(0), "torch_tp", tp)
+    other = copy.deepcopy(CONFIG)
+    other["vocab_size"] += 1
+    torch.manual_seed(0)
+    big = torch_tp.parallelize_module(llama_model.Llama(llama_model.LlamaConfig(**other)).double(), tp,
+                                      llama_model.tp_plan("torch_tp"))
+    snapshot = {n: _local(p).clone() for n, p in big.named_parameters()}
+    with pytest.raises(RuntimeError, match="nothing was loaded") as caught:
+        big.load_state_dict(small.state_dict())
+    message = str(caught.value)
+    for needle in ("'tok_embeddings.weight'", "'output.weight'", "(67, 48)", "(68, 48)", str(tp)):
+        assert needle in message, f"{needle!r} not in {message!r}"
+    _unchanged(big, snapshot, "load_state_dict with other shapes")
+
+    # The same shapes on another mesh.
+    on_dp = torch_tp.parallelize_module(_TwoLayers(nn.Linear), mesh2d["dp"], {"up": torch_tp.ColwiseParallel()})
+    on_tp = torch_tp.parallelize_module(_TwoLayers(nn.Linear), tp, {"up": torch_tp.ColwiseParallel()})
+    snapshot = {n: _local(p).clone() for n, p in on_tp.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"'up.weight': the state dict's value is .* on DeviceMesh"):
+        on_tp.load_state_dict(on_dp.state_dict())
+    _unchanged(on_tp, snapshot, "load_state_dict from another mesh")
+
+    # DCP: the planner refuses before reading anything.
+    dcp.save(small.state_dict(), checkpoint_id=path)
+    snapshot = {n: _local(p).clone() for n, p in big.named_parameters()}
+    with pytest.raises(BaseException, match=r"Size mismatch between saved torch.Size\(\[67, 48\]\) and current: "
+                                            r"torch.Size\(\[68, 48\]\) for (tok_embeddings|output).weight"):
+        dcp.load(big.state_dict(), checkpoint_id=path)
+    _unchanged(big, snapshot, "dcp.load with other shapes")
+
+
+def test_bad_input(ranks, tmp_path):
+    ranks(4).run(_check_bad_input, str(tmp_path / "ckpt"), timeout=300)
