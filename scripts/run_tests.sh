@@ -20,8 +20,10 @@ source scripts/setup_env.sh
 status=0
 ctest --test-dir build/cmake --output-on-failure --timeout 300 || status=1
 "$PYTHON" -m pytest test -q -rs || status=1
-# The ops, the TP module API and DDP once more with torch_tp's own backend
-# under them (the backend's own tests above already run on it).
+# The ops, the TP module API, DDP and the composition with DCP and FSDP2 once
+# more with torch_tp's own backend under them (the backend's own tests above
+# already run on it).
 TORCH_TP_TEST_BACKEND=torch_tp "$PYTHON" -m pytest -q -rs \
-  test/test_collectives.py test/test_linear.py test/test_parallelize.py test/test_ddp.py || status=1
+  test/test_collectives.py test/test_linear.py test/test_parallelize.py test/test_ddp.py \
+  test/test_compose.py || status=1
 exit $status

@@ -156,6 +156,39 @@ def test_state_dict_interchange_with_torch(ranks, world_size):
     ranks(world_size).run(_check_state_dict_interchange, timeout=300)
 
 
+def _check_full_state_dicts():
+    """torch's get_state_dict(full_state_dict=True) gathers model and optimizer state into the
+    unsharded model's (torch_tp.get_full_state_dict gives the same model part, bitwise)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _parallelize(_llama(0), "torch_tp", mesh)
+    optimizer = _adamw(model)
+    _train(model, optimizer, "torch_tp", range(2))
+    reference = _llama(0)
+    reference_opt = _adamw(reference)
+    _train(reference, reference_opt, None, range(2))
+    options = StateDictOptions(full_state_dict=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    want_model, want_optim = get_state_dict(reference, reference_opt, options=options)
+    assert list(model_state) == list(want_model)
+    ours = torch_tp.get_full_state_dict(model)
+    for key, want in want_model.items():
+        assert not isinstance(model_state[key], DTensor), key
+        _close(model_state[key], want, f"model state {key}")
+        assert torch.equal(ours[key], model_state[key]), f"torch_tp.get_full_state_dict {key}"
+    assert optim_state["param_groups"] == want_optim["param_groups"]
+    assert set(optim_state["state"]) == set(want_optim["state"])
+    for fqn, state in want_optim["state"].items():
+        for key, want in state.items():
+            got = optim_state["state"][fqn][key]
+            assert not isinstance(got, DTensor) and got.shape == want.shape, (fqn, key)
+            _close(got, want, f"optimizer state {fqn}.{key}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_full_model_and_optimizer_state_dicts(ranks, world_size):
+    ranks(world_size).run(_check_full_state_dicts, timeout=300)
+
+
 # ---------------------------------------------------------------- DCP
 
 
