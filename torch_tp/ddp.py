@@ -61,7 +61,9 @@ class DistributedDataParallel(nn.Module):
     Args:
         module (nn.Module): the module to replicate. With tensor parallelism,
             a module already parallelized by :func:`torch_tp.parallelize_module`
-            on another mesh dimension.
+            (or torch's) on another mesh dimension: its DTensor parameters are
+            then trained as their local tensors, which become the module's
+            parameters (NOTE [DTensor parameters under DistributedDataParallel]).
         device_ids (list of int or torch.device, optional): for a module on
             one CUDA device, that device; inputs are moved to it. ``None`` for
             CPU and multi-device modules.
