@@ -211,6 +211,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeat-scale", type=float, default=1.0,
                    help="multiply each configuration's number of timed repeats by this factor (default: %(default)s)")
     p.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still writes json, png)")
+    p.add_argument("--optimizer", choices=["fused", "for-loop"], default="fused",
+                   help="the AdamW timed after each step: the example's fused one (default), or torch's for-loop "
+                   "implementation (foreach=False: one DTensor dispatch per parameter and op)")
     p.add_argument("--backend", choices=["gloo", "torch_tp"], default="gloo",
                    help="process-group backend for both implementations (default: %(default)s; torch_tp writes "
                    "tp_block_torch_tp.* and its own RESULTS.md section)")
@@ -284,7 +287,7 @@ class Case:
     """One configuration on one mesh: ``steps[impl]()`` runs one timed step and returns its loss;
     ``resets[impl]()`` sets the gradients to None (untimed); ``check()`` is NOTE [same computation]."""
 
-    def __init__(self, cfg: Config, lm, mesh: DeviceMesh) -> None:
+    def __init__(self, cfg: Config, lm, mesh: DeviceMesh, optimizer: str) -> None:
         self.cfg = cfg
         self.lm = lm
         self.mesh = mesh
@@ -338,7 +341,10 @@ class Case:
         self.resets: Dict[str, Callable[[], None]] = {impl: self._make_reset(impl) for impl in IMPLS}
         # The example's optimizer (examples/train_llama.py: fused AdamW), stepped after each timed forward +
         # backward; a small lr keeps hundreds of repeats well away from divergence.
-        self.optimizers = {impl: lm.make_optimizer(m, lr=1e-5) for impl, m in self.models.items()}
+        self.optimizers = {impl: lm.make_optimizer(m, lr=1e-5) if optimizer == "fused" else
+                           torch.optim.AdamW(m.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
+                                             foreach=False)
+                           for impl, m in self.models.items()}
 
     # -- the timed step
 
@@ -541,7 +547,7 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
     records = []
     for cfg in args.configs:
         t_cfg = time.perf_counter()
-        case = Case(cfg, lm, mesh)
+        case = Case(cfg, lm, mesh, args.optimizer)
         # also the first (untimed) step of each
         agreement = check_everywhere(
             case.check,
@@ -787,7 +793,7 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         "batch, and ends when every parameter holds its complete gradient: DTensor leaves the SequenceParallel "
         "norm weights' gradients `Partial(sum)` (pending all-reduces an optimizer step would do); the step "
         "`redistribute`s them to the parameters' `Replicate()` (torch_tp completes them at the end of backward); "
-        "After it, `optimizer.step()` runs (the example's fused AdamW, lr 1e-5) and is timed on its own: its "
+        f"After it, `optimizer.step()` runs ({meta['optimizer']} AdamW, lr 1e-5) and is timed on its own: its "
         "median, its share of the training step (step + optimizer) and the training step's ratio are in the "
         "table, beside DTensor's time until `backward()` returns. "
         "`model*`: `cross_entropy(model(inputs), targets)` inside `loss_parallel()` (vocab-sharded logits), as the example trains. `block*`: one `TransformerBlock` "
@@ -841,6 +847,7 @@ def main(argv: Sequence[str]) -> int:
             "quick": args.quick,
             "machine": machine_info(world),
             "dtype": "float32",
+            "optimizer": args.optimizer,
             "device": "cpu",
             "model_source": "examples/llama_model.py: Llama, LlamaConfig, tp_plan, cross_entropy_loss",
             "impls": IMPL_LABELS,

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 import torch.distributed.tensor.parallel as torch_tp_api
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -444,6 +444,9 @@ def _check_bad_input(path):
     with pytest.raises(ValueError, match=r"'up.weight' .* is already Shard\(dim=0\) .* a second time, as "
                                          r"Shard\(dim=1\)"):
         torch_tp.parallelize_module(model, tp, {"up": torch_tp.RowwiseParallel()})
+    # Refused before anything changed: the module is as torch's style left it.
+    assert type(model.up) is nn.Linear and not hasattr(model.up, "_tp_style")
+    assert model.up.weight.placements == (Shard(0),) and model.up.bias.placements == (Shard(0),)
     # A plan that gives one module two styles.
     with pytest.raises(ValueError, match=r"'up' \(ColwiseParallelLinear\) was already parallelized by "
                                          r"ColwiseParallel"):

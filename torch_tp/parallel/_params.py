@@ -11,9 +11,9 @@ with the same placement, ``torch.chunk`` pieces, ``src_data_rank``), and keeps
 the parameter's ``requires_grad``.
 
 What stays free of DTensor is the hot path: a torch_tp forward takes each
-parameter's local tensor (:func:`local_tensor`, ``DTensor.to_local``: one
-autograd node per parameter and forward, no communication) and runs the C++
-ops on plain tensors. The gradient comes back through that node as a DTensor
+parameter's local tensor (:func:`local_tensor`: one autograd node per
+parameter and forward, no communication; NOTE [unwrapping a parameter]) and
+runs the C++ ops on plain tensors. The gradient comes back through that node as a DTensor
 with the parameter's placement (the ops' gradients are complete for the local
 piece: NOTE [partial grad_x] in linear.cpp), so ``.grad`` is what a
 DTensor-aware reader expects. The parameter is read at every forward, never
@@ -24,7 +24,7 @@ parameters before every forward; both are read the same way.
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-__all__ = ["distribute_parameter", "local_tensor", "module_path", "naming_module"]
+__all__ = ["distribute_parameters", "local_tensor", "module_path", "naming_module"]
 
 # The qualified name (from the module parallelize_module was given) of the
 # module a style is being applied to, for error messages.
@@ -57,30 +57,33 @@ def _qualified(name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
-                         src_data_rank: Optional[int], style: str) -> nn.Parameter:
-    """Replace ``module``'s parameter ``name`` by ``nn.Parameter(distribute_tensor(...))`` with
-    ``placement`` on ``mesh``, as torch's styles do, keeping its ``requires_grad``; returns it.
-
-    A parameter that already is a DTensor is kept only if it is exactly that
-    (torch's ``distribute_tensor`` contract); on another mesh, or in another
-    placement (a plan that shards it twice), it is an error naming the
-    parameter, both layouts and both meshes. Nothing is changed before the check.
-    """
+def check_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement, style: str) -> bool:
+    """Whether ``module``'s parameter ``name`` still has to be distributed: False when it
+    already is exactly the DTensor the style would make (torch's ``distribute_tensor``
+    contract); a DTensor on another mesh, or in another placement (a plan that shards it
+    twice), is an error naming the parameter, both layouts and both meshes."""
     param = module._parameters[name]
-    if isinstance(param, DTensor):
-        if param.device_mesh != mesh:
-            raise ValueError(
-                f"torch_tp.{style}: parameter '{_qualified(name)}' is already a DTensor on {param.device_mesh} "
-                f"with placements {param.placements}, not on the mesh this style shards over, {mesh}. Parallelize "
-                "a module on one mesh (for 2-D parallelism: tensor parallelism on mesh['tp'] first, then "
-                "fully_shard or DistributedDataParallel over mesh['dp']).")
-        if param.placements != (placement,):
-            raise ValueError(
-                f"torch_tp.{style}: parameter '{_qualified(name)}' of global shape {tuple(param.shape)} is already "
-                f"{param.placements[0]!r} on {mesh}; the plan shards it a second time, as {placement!r}. "
-                "Give each parameter one style.")
-        return param
+    if not isinstance(param, DTensor):
+        return True
+    if param.device_mesh != mesh:
+        raise ValueError(
+            f"torch_tp.{style}: parameter '{_qualified(name)}' is already a DTensor on {param.device_mesh} "
+            f"with placements {param.placements}, not on the mesh this style shards over, {mesh}. Parallelize "
+            "a module on one mesh (for 2-D parallelism: tensor parallelism on mesh['tp'] first, then "
+            "fully_shard or DistributedDataParallel over mesh['dp']).")
+    if param.placements != (placement,):
+        raise ValueError(
+            f"torch_tp.{style}: parameter '{_qualified(name)}' of global shape {tuple(param.shape)} is already "
+            f"{param.placements[0]!r} on {mesh}; the plan shards it a second time, as {placement!r}. "
+            "Give each parameter one style.")
+    return False
+
+
+def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
+                         src_data_rank: Optional[int]) -> nn.Parameter:
+    """Replace ``module``'s (plain) parameter ``name`` by ``nn.Parameter(distribute_tensor(...))``
+    with ``placement`` on ``mesh``, as torch's styles do, keeping its ``requires_grad``."""
+    param = module._parameters[name]
     if param.is_meta:
         src_data_rank = None  # no values to send: shapes only (meta-device initialization)
     with torch.no_grad():
@@ -88,6 +91,18 @@ def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placeme
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     module._parameters[name] = new
     return new
+
+
+def distribute_parameters(module: nn.Module, placements: Dict[str, Placement], mesh: DeviceMesh,
+                          src_data_rank: Optional[int], style: str) -> List[nn.Parameter]:
+    """:func:`distribute_parameter` for each of ``module``'s parameters named in ``placements``
+    (those it has), after :func:`check_parameter` passed for all of them: nothing is changed
+    when one is refused. Returns the module's parameters, in ``placements``' order."""
+    names = [name for name in placements if module._parameters.get(name) is not None]
+    todo = [name for name in names if check_parameter(module, name, mesh, placements[name], style)]
+    for name in todo:
+        distribute_parameter(module, name, mesh, placements[name], src_data_rank)
+    return [module._parameters[name] for name in names]
 
 
 class _LocalTensor(torch.autograd.Function):

@@ -56,7 +56,7 @@ from ._layout import (
     partial_grad_local,
     to_dtensor,
 )
-from ._params import distribute_parameter, local_tensor, module_path
+from ._params import distribute_parameters, local_tensor, module_path
 from ._replicated_grad import complete_partial_grads_after_backward
 
 __all__ = [
@@ -74,8 +74,8 @@ def _group_name(mesh: DeviceMesh) -> str:
     return mesh.get_group().group_name
 
 
-def _claim(module: nn.Module, style: "ParallelStyle") -> None:
-    """Mark ``module`` as parallelized by ``style``; a second parameter style on it is an error."""
+def _refuse_second_style(module: nn.Module, style: "ParallelStyle") -> None:
+    """A module takes one parameter style (its parallelizing style sets ``_tp_style``)."""
     previous = getattr(module, "_tp_style", None)
     if previous is not None:
         where = f"'{module_path()}'" if module_path() else "the root module"
@@ -83,7 +83,6 @@ def _claim(module: nn.Module, style: "ParallelStyle") -> None:
             f"torch_tp.{type(style).__name__}: {where} ({type(module).__name__}) was already parallelized by "
             f"{previous}; the plan applies {style!r} to it too. Give each module one of ColwiseParallel, "
             "RowwiseParallel and SequenceParallel (PrepareModuleInput/Output may be added to any).")
-    module._tp_style = repr(style)
 
 
 def _describe(module: nn.Module) -> str:
@@ -133,8 +132,8 @@ class _ShardedModuleStyle(ParallelStyle):
     """What ColwiseParallel and RowwiseParallel share: shard the parameters of an
     ``nn.Linear``/``nn.Embedding`` and give it torch_tp's forward for that module type."""
 
-    # module type -> ({parameter name: placement}, forward); the subclasses fill it in.
-    _layouts: Dict[type, Tuple[Dict[str, Placement], Callable]] = {}
+    # module type -> ({parameter name: placement}, forward); each subclass sets its own.
+    _layouts: Dict[type, Tuple[Dict[str, Placement], Callable]]
 
     def __init__(self, *, input_layouts: Optional[Placement], output_layouts: Optional[Placement],
                  use_local_output: bool):
@@ -156,15 +155,16 @@ class _ShardedModuleStyle(ParallelStyle):
         if base is None:
             raise NotImplementedError(
                 f"{name} currently only support nn.Linear and nn.Embedding! got {type(module).__name__}")
-        _claim(module, self)
+        _refuse_second_style(module, self)
         if type(module).forward is not base.forward:
             # Its own computation: torch's style runs it on DTensors (NOTE [torch_tp
             # forwards without replacing module.forward]).
-            return self._torch_equivalent()._apply(module, device_mesh)
+            self._torch_equivalent()._apply(module, device_mesh)
+            module._tp_style = repr(self)
+            return module
         placements, forward = self._layouts[base]
-        for param_name, placement in placements.items():
-            if module._parameters.get(param_name) is not None:
-                distribute_parameter(module, param_name, device_mesh, placement, self.src_data_rank, name)
+        distribute_parameters(module, placements, device_mesh, self.src_data_rank, name)
+        module._tp_style = repr(self)
         module._tp_mesh = device_mesh
         module._tp_group_name = _group_name(device_mesh)
         module._tp_input_layout = self.input_layouts[0]
@@ -410,10 +410,11 @@ class SequenceParallel(ParallelStyle):
             if any(True for _ in child.parameters()):
                 raise NotImplementedError("torch_tp: SequenceParallel applies to leaf modules (norms, dropout); "
                                           f"{type(module).__name__} has submodules with parameters")
-        _claim(module, self)
+        _refuse_second_style(module, self)
         names = [name for name, param in module._parameters.items() if param is not None]
-        params = [distribute_parameter(module, name, device_mesh, Replicate(), self.src_data_rank,
-                                       "SequenceParallel") for name in names]
+        params = distribute_parameters(module, dict.fromkeys(names, Replicate()), device_mesh, self.src_data_rank,
+                                       "SequenceParallel")
+        module._tp_style = repr(self)
         if device_mesh.size() > 1:
             complete_partial_grads_after_backward([p for p in params if p.requires_grad])
         partial_grad = device_mesh.size() > 1  # one rank's gradient is already the whole sum
