@@ -421,6 +421,63 @@ def test_linear_subclasses(ranks, world_size):
     ranks(world_size).run(_check_subclasses)
 
 
+class _HalvingRowwise(torch_tp_api.RowwiseParallel):
+    """A subclass of torch's style that changes what the module computes (as torchao's
+    Float8ColwiseParallel does): torch_tp must apply it as it is, not as the plain style."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return 0.5 * torch_tp_api.RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs,
+                                                                     device_mesh)
+
+
+class _ReplicatedParameters(torch_tp_api.ParallelStyle):
+    """A style of its own (torchtitan's NoParallel): parameters replicated, DTensor in, local out."""
+
+    def _apply(self, module, device_mesh):
+        from torch.distributed.tensor import Replicate, distribute_module
+
+        def to_dtensor(mod, inputs, mesh):
+            return DTensor.from_local(inputs[0], mesh, (Replicate(),), run_check=False)
+
+        return distribute_module(module, device_mesh, None, to_dtensor, lambda mod, out, mesh: out.to_local())
+
+
+class _ThreeLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(16, 24), nn.Linear(24, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.head(self.down(F.relu(self.up(x))))
+
+
+def _check_foreign_styles():
+    """Styles torch_tp does not know run through their own _apply, in a plan with torch_tp's
+    styles: the same outputs, gradients and parameters as torch's parallelize_module."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.randn(2, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for lib, api in LIBS.items():
+        torch.manual_seed(1)
+        model = api.parallelize_module(_ThreeLayers().double(), mesh, {
+            "up": api.ColwiseParallel(), "down": _HalvingRowwise(), "head": _ReplicatedParameters()})
+        out = model(x)
+        out.square().sum().backward()
+        results[lib] = (out, model)
+    ours, theirs = results["torch_tp"][1], results["torch"][1]
+    assert type(ours.up).__name__ == "ColwiseParallelLinear" and type(ours.down) is nn.Linear
+    _close(results["torch_tp"][0], results["torch"][0], "output")
+    for (name, p_ours), p_theirs in zip(ours.named_parameters(), theirs.parameters()):
+        assert type(p_ours) is type(p_theirs) and p_ours.placements == p_theirs.placements, name
+        _close(p_ours.grad, p_theirs.grad, f"grad {name}")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_foreign_styles_apply_themselves(ranks, world_size):
+    ranks(world_size).run(_check_foreign_styles)
+
+
 # ---------------------------------------------------------------- bad input
 
 

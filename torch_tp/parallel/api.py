@@ -26,37 +26,43 @@ def _current_mesh() -> Optional[DeviceMesh]:
         return None
 
 
-def _from_torch(style: _torch_style.ParallelStyle) -> _style.ParallelStyle:
-    """The torch_tp style with the settings of one of torch's own styles, so a
-    plan written with torch's classes works unchanged."""
-    if isinstance(style, _style.ParallelStyle):
-        return style
-    if isinstance(style, _torch_style.ColwiseParallel):
-        ours = _style.ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+def _from_torch(style: _torch_style.ParallelStyle) -> _torch_style.ParallelStyle:
+    """The style ``parallelize_module`` applies for a plan entry.
+
+    One of torch's own style classes (exactly that class) becomes the torch_tp
+    style with its settings, so a plan written with torch's classes runs on
+    torch_tp's ops. Any other style, such as a subclass of one of torch's
+    (torchao's ``Float8ColwiseParallel``) or a style of its own (torchtitan's),
+    is applied as it is, through its own ``_apply``: it is a DTensor style, and
+    torch_tp's parameters and layouts are DTensors where it meets them, so it
+    composes with the torch_tp modules around it. Turning a subclass into the
+    plain style would silently drop what the subclass adds (float8 GEMMs).
+    """
+    kind = type(style)
+    if kind is _torch_style.ColwiseParallel:
+        return _style.ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                                       use_local_output=style.use_local_output)
-    elif isinstance(style, _torch_style.RowwiseParallel):
-        ours = _style.RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+    if kind is _torch_style.RowwiseParallel:
+        return _style.RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                                       use_local_output=style.use_local_output)
-    elif isinstance(style, _torch_style.SequenceParallel):
-        ours = _style.SequenceParallel(sequence_dim=style.sequence_sharding[0].dim,
+    if kind is _torch_style.SequenceParallel:
+        return _style.SequenceParallel(sequence_dim=style.sequence_sharding[0].dim,
                                        use_local_output=style.use_local_output)
-    elif isinstance(style, _torch_style.PrepareModuleInputOutput):
+    if kind is _torch_style.PrepareModuleInputOutput:
         ours = _style.PrepareModuleInputOutput.__new__(_style.PrepareModuleInputOutput)
         ours.prepare_module_input = _from_torch(style.prepare_module_input)
         ours.prepare_module_output = _from_torch(style.prepare_module_output)
-    elif isinstance(style, _torch_style.PrepareModuleInput):
-        ours = _style.PrepareModuleInput(
+        return ours
+    if kind is _torch_style.PrepareModuleInput:
+        return _style.PrepareModuleInput(
             input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
             input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
             desired_input_kwarg_layouts=style.desired_input_kwarg_layouts, use_local_output=style.use_local_output)
-    elif isinstance(style, _torch_style.PrepareModuleOutput):
-        ours = _style.PrepareModuleOutput(output_layouts=style.output_layouts,
+    if kind is _torch_style.PrepareModuleOutput:
+        return _style.PrepareModuleOutput(output_layouts=style.output_layouts,
                                           desired_output_layouts=style.desired_output_layouts,
                                           use_local_output=style.use_local_output)
-    else:
-        raise TypeError(f"torch_tp.parallelize_module: unsupported parallel style {type(style).__name__}; "
-                        "use ColwiseParallel, RowwiseParallel, SequenceParallel or PrepareModule*")
-    return ours
+    return style
 
 
 def parallelize_module(
