@@ -1,6 +1,7 @@
 // Every torch_tp op schema, and nothing else. Kernels are registered beside
 // their code: collectives.cpp (CPU, CUDA), collectives_autograd.cpp (Autograd),
 // linear.cpp (CPU, Autograd; CUDA backward), linear_cuda.cpp (CUDA forward),
+// autocast.cpp (AutocastCPU, AutocastCUDA: the linear ops),
 // embedding.cpp (CompositeImplicitAutograd), meta.cpp (Meta).
 //
 // `group_name` is what ProcessGroup.group_name returns, the same string torch's
