@@ -24,6 +24,7 @@ the same TP degree are compared bitwise: they only move data.
 """
 
 import copy
+import io
 import os
 import sys
 from typing import Dict, List
@@ -472,6 +473,13 @@ def _check_subclasses():
             assert type(model.up) is kind, "a module with its own forward keeps its class"
         else:
             assert type(model.up).__name__ == "ColwiseParallel_TaggedLinear", type(model.up).__name__
+            # torch.save(model) pickles the made class by its base class and style.
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+            assert type(loaded.up) is type(model.up) and type(loaded.down) is type(model.down)
+            _close(loaded(x), results["torch_tp"][0], "output of the unpickled model")
         _close(results["torch_tp"][0], results["torch"][0], f"{kind.__name__} output")
         for name, grad in results["torch"][1].items():
             _close(results["torch_tp"][1][name], grad, f"{kind.__name__} grad {name}")

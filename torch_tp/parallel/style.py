@@ -32,7 +32,8 @@ of its own class whose ``forward`` calls the op, which is how FSDP2's
 ``fully_shard`` adds its behaviour (``FSDPLinear``): ``isinstance``, the
 state-dict keys, hooks, further wrappers (``fully_shard``, DDP) and
 ``torch.compile`` all see an ordinary subclass, and its name says what it
-does (``ColwiseParallelLinear``). A class that overrides ``forward`` itself
+does (``ColwiseParallelLinear``; it pickles as its base class and style, so
+``torch.save(model)`` works). A class that overrides ``forward`` itself
 (a LoRA or quantized linear) keeps it: torch's own style parallelizes that
 module (DTensor parameters, its forward on DTensors), which runs its
 computation as written and composes with the torch_tp modules around it.
@@ -99,18 +100,33 @@ def _describe(module: nn.Module) -> str:
 _PARALLEL_CLASSES: Dict[Tuple[type, str], type] = {}
 
 
-def _parallel_class(cls: type, kind: str, forward: Callable) -> type:
-    """``cls`` with torch_tp's ``forward`` (NOTE [torch_tp forwards without replacing module.forward]),
-    one class per (class, style)."""
+def _parallel_class(cls: type, kind: str) -> type:
+    """``cls`` with the ``forward`` of the style named ``kind`` (NOTE [torch_tp forwards
+    without replacing module.forward]), one class per (class, style)."""
     made = _PARALLEL_CLASSES.get((cls, kind))
     if made is None:
+        layouts = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel}[kind]._layouts
+        forward = next(forward for base, (_, forward) in layouts.items() if issubclass(cls, base))
+
         def extra_repr(self) -> str:
             base = cls.extra_repr(self)
             return f"{base}, {_describe(self)}" if base else _describe(self)
 
-        made = type(f"{kind}{cls.__name__}", (cls,), {"forward": forward, "extra_repr": extra_repr, "_tp_kind": kind})
+        def __reduce_ex__(self, protocol):
+            # Pickle (torch.save(model)) names the class by import path, which a made
+            # class lacks: rebuild it from (cls, kind) instead; the state is nn.Module's.
+            _, _, *rest = object.__reduce_ex__(self, protocol)
+            return (_new_parallel_module, (cls, kind), *rest)
+
+        made = type(f"{kind}{cls.__name__}", (cls,), {"forward": forward, "extra_repr": extra_repr,
+                                                        "__reduce_ex__": __reduce_ex__, "_tp_kind": kind})
         _PARALLEL_CLASSES[(cls, kind)] = made
     return made
+
+
+def _new_parallel_module(cls: type, kind: str) -> nn.Module:
+    """An empty instance of ``_parallel_class(cls, kind)``, for unpickling."""
+    return object.__new__(_parallel_class(cls, kind))
 
 
 class ParallelStyle(_torch_style.ParallelStyle, ABC):
@@ -162,7 +178,7 @@ class _ShardedModuleStyle(ParallelStyle):
             self._torch_equivalent()._apply(module, device_mesh)
             module._tp_style = repr(self)
             return module
-        placements, forward = self._layouts[base]
+        placements, _ = self._layouts[base]
         distribute_parameters(module, placements, device_mesh, self.src_data_rank, name)
         module._tp_style = repr(self)
         module._tp_mesh = device_mesh
@@ -170,7 +186,7 @@ class _ShardedModuleStyle(ParallelStyle):
         module._tp_input_layout = self.input_layouts[0]
         module._tp_output_layout = self.output_layouts[0]
         module._tp_use_local_output = self.use_local_output
-        module.__class__ = _parallel_class(type(module), name, forward)
+        module.__class__ = _parallel_class(type(module), name)
         return module
 
     def __repr__(self) -> str:
