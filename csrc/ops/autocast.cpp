@@ -13,10 +13,9 @@
 // composite, so their aten::embedding runs as it does under autocast (in the
 // weight's dtype), and the collectives move whatever dtype they are handed.
 
-#include "common.h"
-
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
+#include <torch_tp/ops.h>
 
 namespace torch_tp {
 namespace {
@@ -26,28 +25,23 @@ at::Tensor column_parallel_linear_autocast(const at::Tensor& x, const at::Tensor
                                            const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                            std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
                                            c10::string_view activation, bool partial_grad_input) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
-                         std::optional<int64_t>, std::optional<int64_t>, c10::string_view, bool)>(
-          "torch_tp::column_parallel_linear");
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(Device));
   const at::ScalarType dtype = at::autocast::get_lower_precision_fp_from_device_type(Device);
-  return op.call(at::autocast::cached_cast(dtype, x, Device), at::autocast::cached_cast(dtype, weight, Device),
-                 at::autocast::cached_cast(dtype, bias, Device), group_name, gather_dim, full_size, activation,
-                 partial_grad_input);
+  return column_parallel_linear(at::autocast::cached_cast(dtype, x, Device),
+                                at::autocast::cached_cast(dtype, weight, Device),
+                                at::autocast::cached_cast(dtype, bias, Device), group_name, gather_dim, full_size,
+                                activation, partial_grad_input);
 }
 
 template <c10::DeviceType Device>
 at::Tensor row_parallel_linear_autocast(const at::Tensor& x, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                         std::optional<int64_t> scatter_dim) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
-                         std::optional<int64_t>)>("torch_tp::row_parallel_linear");
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(Device));
   const at::ScalarType dtype = at::autocast::get_lower_precision_fp_from_device_type(Device);
-  return op.call(at::autocast::cached_cast(dtype, x, Device), at::autocast::cached_cast(dtype, weight, Device),
-                 at::autocast::cached_cast(dtype, bias, Device), group_name, scatter_dim);
+  return row_parallel_linear(at::autocast::cached_cast(dtype, x, Device),
+                             at::autocast::cached_cast(dtype, weight, Device),
+                             at::autocast::cached_cast(dtype, bias, Device), group_name, scatter_dim);
 }
 
 } // namespace
