@@ -278,7 +278,6 @@ class DistributedDataParallel(nn.Module):
         Example::
 
             >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.tensor import DTensor
             >>> ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
         """
         if not callable(hook):
