@@ -24,6 +24,7 @@ parameters before every forward; both are read the same way.
 
 import contextlib
 import contextvars
+import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -148,5 +149,20 @@ def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> O
         return param.to_local(grad_placements=(Partial(),) if partial_grad else None)
     spec = param._spec
     if partial_grad:
-        spec = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
+        spec = _partial_twin(param)
     return _LocalTensor.apply(param, spec)
+
+
+# A spec's Partial() twin, while the spec lives (the specs of the DTensor views
+# torch's DDP rebuilds every forward come and go).
+_partial_twins: "weakref.WeakKeyDictionary[DTensorSpec, DTensorSpec]" = weakref.WeakKeyDictionary()
+
+
+def _partial_twin(param: DTensor) -> DTensorSpec:
+    """``param``'s spec with a ``Partial()`` placement, made once per spec: building a
+    DTensorSpec costs more than the rest of the unwrap, and it would run every forward."""
+    spec = param._spec
+    twin = _partial_twins.get(spec)
+    if twin is None:
+        twin = _partial_twins[spec] = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
+    return twin

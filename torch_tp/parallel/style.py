@@ -97,16 +97,15 @@ def _describe(module: nn.Module) -> str:
     return f"tp={type(module)._tp_kind}[{', '.join(parts) or 'no parameters'}] over {module._tp_mesh.size()} ranks"
 
 
-_PARALLEL_CLASSES: Dict[Tuple[type, str], type] = {}
+_PARALLEL_CLASSES: Dict[Tuple[type, type], type] = {}
 
 
-def _parallel_class(cls: type, kind: str) -> type:
-    """``cls`` with the ``forward`` of the style named ``kind`` (NOTE [torch_tp forwards
-    without replacing module.forward]), one class per (class, style)."""
-    made = _PARALLEL_CLASSES.get((cls, kind))
+def _parallel_class(cls: type, style: type) -> type:
+    """``cls`` with the ``forward`` the style class ``style`` gives it (NOTE [torch_tp
+    forwards without replacing module.forward]), one class per (class, style)."""
+    made = _PARALLEL_CLASSES.get((cls, style))
     if made is None:
-        layouts = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel}[kind]._layouts
-        forward = next(forward for base, (_, forward) in layouts.items() if issubclass(cls, base))
+        forward = next(forward for base, (_, forward) in style._layouts.items() if issubclass(cls, base))
 
         def extra_repr(self) -> str:
             base = cls.extra_repr(self)
@@ -114,19 +113,20 @@ def _parallel_class(cls: type, kind: str) -> type:
 
         def __reduce_ex__(self, protocol):
             # Pickle (torch.save(model)) names the class by import path, which a made
-            # class lacks: rebuild it from (cls, kind) instead; the state is nn.Module's.
+            # class lacks: rebuild it from (cls, style) instead; the state is nn.Module's.
             _, _, *rest = object.__reduce_ex__(self, protocol)
-            return (_new_parallel_module, (cls, kind), *rest)
+            return (_new_parallel_module, (cls, style), *rest)
 
-        made = type(f"{kind}{cls.__name__}", (cls,), {"forward": forward, "extra_repr": extra_repr,
-                                                        "__reduce_ex__": __reduce_ex__, "_tp_kind": kind})
-        _PARALLEL_CLASSES[(cls, kind)] = made
+        made = type(f"{style.__name__}{cls.__name__}", (cls,), {
+            "forward": forward, "extra_repr": extra_repr, "__reduce_ex__": __reduce_ex__,
+            "_tp_kind": style.__name__})
+        _PARALLEL_CLASSES[(cls, style)] = made
     return made
 
 
-def _new_parallel_module(cls: type, kind: str) -> nn.Module:
-    """An empty instance of ``_parallel_class(cls, kind)``, for unpickling."""
-    return object.__new__(_parallel_class(cls, kind))
+def _new_parallel_module(cls: type, style: type) -> nn.Module:
+    """An empty instance of ``_parallel_class(cls, style)``, for unpickling."""
+    return object.__new__(_parallel_class(cls, style))
 
 
 class ParallelStyle(_torch_style.ParallelStyle, ABC):
@@ -186,7 +186,7 @@ class _ShardedModuleStyle(ParallelStyle):
         module._tp_input_layout = self.input_layouts[0]
         module._tp_output_layout = self.output_layouts[0]
         module._tp_use_local_output = self.use_local_output
-        module.__class__ = _parallel_class(type(module), name)
+        module.__class__ = _parallel_class(type(module), type(self))
         return module
 
     def __repr__(self) -> str:
