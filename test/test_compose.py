@@ -50,6 +50,8 @@ import torch_tp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import llama_model  # noqa: E402
+from test_checkpoint import _local  # noqa: E402
+from test_parallelize import _close as _close_within, _full_param as _full  # noqa: E402
 
 F64_RTOL = 1e-9
 # multiple_of=48: an FFN hidden size of 144, which 2, 3 and 4 divide (torch's TP needs an even split there).
@@ -58,20 +60,8 @@ BATCH, SEQ = 4, 12
 LIBS = {"torch_tp": torch_tp, "torch": torch_tp_api}
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _close(actual, expected, what, rtol=F64_RTOL):
-    actual, expected = _full(actual).detach(), _full(expected).detach()
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    scale = expected.abs().max().clamp_min(1e-30) if expected.numel() else 1.0
-    error = ((actual - expected).abs().max() / scale).item() if expected.numel() else 0.0
-    assert error <= rtol, f"{what}: relative error {error:.2e} > {rtol:.0e}"
+def _close(actual, expected, what):
+    _close_within(actual, expected, what, floor=1e-30, rtol=F64_RTOL)
 
 
 def _llama(seed, device=None):
