@@ -64,10 +64,10 @@ def _close(actual, expected, what):
     _close_within(actual, expected, what, floor=1e-30, rtol=F64_RTOL)
 
 
-def _llama(seed, device=None):
+def _llama(seed, device=None, **config):
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
-        return llama_model.Llama(llama_model.LlamaConfig(**CONFIG)).double()
+        return llama_model.Llama(llama_model.LlamaConfig(**{**CONFIG, **config})).double()
 
 
 def _parallelize(model, lib, mesh, sequence_parallel=True, loss_parallel=True):
@@ -372,6 +372,60 @@ def test_bf16_autocast_tracks_unsharded(ranks, world_size):
 def test_fp16_autocast_with_grad_scaler_cuda(ranks, world_size):
     # gloo moves CUDA tensors, so two ranks may share one GPU.
     ranks(world_size, "gloo").run(_check_autocast, "cuda", torch.float16, timeout=300)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+def _check_compiled(steps=2):
+    """torchtitan compiles each transformer block with ``fullgraph=True``: on the Llama plan (SP,
+    loss_parallel) every block traces whole, forward and backward, and the compiled model trains
+    as the eager one does (loss and every gradient at each step within F64_RTOL: inductor fuses
+    the elementwise work, so sums round in another order). The blocks share one compiled graph
+    (recompile_limit=1: a per-module guard, such as an always-called hook's id, would recompile
+    for every block and a deep model would hit torch's limit of 8). The whole model compiled
+    without fullgraph must do the same, with no graph break either."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        _run_compiled(steps)
+
+
+def _run_compiled(steps):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = {name: _parallelize(_llama(0, n_layers=3), "torch_tp", mesh) for name in ("eager", "blocks", "model")}
+    for block in models["blocks"].layers.values():
+        block.compile(fullgraph=True)  # in place: the parameter names stay the eager model's
+    models["model"].compile()
+    optimizers = {name: _adamw(m) for name, m in models.items()}
+    torch._dynamo.utils.counters.clear()
+    for step in range(steps):
+        inputs, targets = _batch(step)
+        losses, grads = {}, {}
+        for name, model in models.items():
+            with torch_tp.loss_parallel():
+                loss = llama_model.cross_entropy_loss(model(inputs), targets)
+                loss.backward()
+            losses[name] = loss
+            grads[name] = {pname: p.grad for pname, p in model.named_parameters()}
+        for name in ("blocks", "model"):
+            _close(losses[name], losses["eager"], f"compiled {name}: loss at step {step}")
+            assert grads[name].keys() == grads["eager"].keys()
+            for pname, grad in grads[name].items():
+                assert grad.placements == grads["eager"][pname].placements, (name, pname, grad.placements)
+                _close(grad, grads["eager"][pname], f"compiled {name}: {pname}.grad at step {step}")
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    reference = _llama(0, n_layers=3)
+    _train(reference, _adamw(reference), None, range(steps))
+    _assert_model_equals_reference(models["blocks"], reference, "compiled blocks")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_compiled_blocks_and_model_match_eager(ranks, world_size):
+    ranks(world_size).run(_check_compiled, timeout=600)
 
 
 # ---------------------------------------------------------------- meta-device initialization

@@ -10,14 +10,17 @@ is differentiated by taking this rank's piece of the gradient, and a split
 from ``Replicate`` by gathering the pieces; neither sums.
 """
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from ..ops import chunk_range
 
 __all__ = [
+    "TPGroup",
+    "convert",
     "from_dtensor",
     "gather_replicated",
     "gather_to_replicated_dtensor",
@@ -25,7 +28,23 @@ __all__ = [
     "partial_grad_local",
     "split_replicated",
     "to_dtensor",
+    "tp_group",
 ]
+
+
+class TPGroup(NamedTuple):
+    """A 1-D mesh's process group as the layouts use it: its registered name (what the
+    ops take), this rank's position in it and its size (which ``torch.chunk`` piece is
+    ours). Read once, when a style is applied: resolving a group by name while the
+    model runs is a C++ call that torch.compile cannot trace, and a per-call cost."""
+
+    name: str
+    rank: int
+    size: int
+
+
+def tp_group(mesh: DeviceMesh) -> TPGroup:
+    return TPGroup(mesh.get_group().group_name, mesh.get_local_rank(), mesh.size())
 
 
 def normalize(placement: Placement, ndim: int) -> Placement:
@@ -39,30 +58,29 @@ class _GatherReplicated(torch.autograd.Function):
     """Shard(dim) -> Replicate: all-gather forward, this rank's piece of the (complete) gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, dim, group_name, full_size):
-        ctx.dim, ctx.group_name, ctx.local = dim, group_name, x.size(dim)
+    def forward(ctx, x, dim, group_name, rank, size, full_size):
+        ctx.dim, ctx.rank, ctx.size = dim, rank, size
         return torch.ops.torch_tp.all_gather(x, dim, group_name, full_size)
 
     @staticmethod
     def backward(ctx, grad):
-        pg = torch.distributed.distributed_c10d._resolve_process_group(ctx.group_name)
-        start, length = chunk_range(grad.size(ctx.dim), pg.size(), pg.rank())
-        return grad.narrow(ctx.dim, start, length).contiguous(), None, None, None
+        start, length = chunk_range(grad.size(ctx.dim), ctx.size, ctx.rank)
+        return grad.narrow(ctx.dim, start, length).contiguous(), None, None, None, None, None
 
 
 class _SplitReplicated(torch.autograd.Function):
     """Replicate -> Shard(dim): this rank's piece forward, all-gather of the pieces' gradients backward."""
 
     @staticmethod
-    def forward(ctx, x, dim, group_name):
-        pg = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+    def forward(ctx, x, dim, group_name, rank, size):
         ctx.dim, ctx.group_name, ctx.full = dim, group_name, x.size(dim)
-        start, length = chunk_range(x.size(dim), pg.size(), pg.rank())
+        start, length = chunk_range(x.size(dim), size, rank)
         return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, grad):
-        return torch.ops.torch_tp.all_gather(grad.contiguous(), ctx.dim, ctx.group_name, ctx.full), None, None
+        full = torch.ops.torch_tp.all_gather(grad.contiguous(), ctx.dim, ctx.group_name, ctx.full)
+        return full, None, None, None, None
 
 
 class _CompleteGradAsPartial(torch.autograd.Function):
@@ -71,14 +89,13 @@ class _CompleteGradAsPartial(torch.autograd.Function):
     over the ranks exactly and without communication."""
 
     @staticmethod
-    def forward(ctx, x, group_name):
-        ctx.group_name = group_name
+    def forward(ctx, x, rank):
+        ctx.rank = rank
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        pg = torch.distributed.distributed_c10d._resolve_process_group(ctx.group_name)
-        return (grad if pg.rank() == 0 else torch.zeros_like(grad)), None
+        return (grad if ctx.rank == 0 else torch.zeros_like(grad)), None
 
 
 # NOTE [replicated DTensor inputs without DTensor]
@@ -108,11 +125,11 @@ PARTIAL_LOCAL_ATTR = "_torch_tp_partial_grad_local"
 LOCAL_ATTR = "_torch_tp_local"
 
 
-def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh, group_name: str,
+def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh, group: TPGroup,
                                  full_size: Optional[int]) -> DTensor:
     """Shard(dim) -> a Replicate DTensor (NOTE [replicated DTensor inputs without DTensor])."""
-    full = torch.ops.torch_tp.all_gather(local, dim, group_name, full_size)
-    dt = to_dtensor(_CompleteGradAsPartial.apply(full, group_name), mesh, Replicate(), full.shape)
+    full = torch.ops.torch_tp.all_gather(local, dim, group.name, full_size)
+    dt = to_dtensor(_CompleteGradAsPartial.apply(full, group.rank), mesh, Replicate(), full.shape)
     setattr(dt, PARTIAL_LOCAL_ATTR, full)
     return dt
 
@@ -125,12 +142,12 @@ def partial_grad_local(x: DTensor) -> torch.Tensor:
     return x.to_local(grad_placements=(Partial(),))
 
 
-def gather_replicated(x: torch.Tensor, dim: int, group_name: str, full_size: Optional[int]) -> torch.Tensor:
-    return _GatherReplicated.apply(x, dim, group_name, full_size)
+def gather_replicated(x: torch.Tensor, dim: int, group: TPGroup, full_size: Optional[int]) -> torch.Tensor:
+    return _GatherReplicated.apply(x, dim, group.name, group.rank, group.size, full_size)
 
 
-def split_replicated(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    return _SplitReplicated.apply(x, dim, group_name)
+def split_replicated(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
+    return _SplitReplicated.apply(x, dim, group.name, group.rank, group.size)
 
 
 def from_dtensor(x, declared: Placement) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
@@ -162,14 +179,14 @@ def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape) ->
     return dt
 
 
-def convert(local: torch.Tensor, src: Placement, dst: Placement, group_name: str,
+def convert(local: torch.Tensor, src: Placement, dst: Placement, group: TPGroup,
             global_shape: Optional[torch.Size]) -> torch.Tensor:
     """Move ``local`` from layout ``src`` to ``dst`` (both normalized)."""
     if src == dst:
         return local
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         full = None if global_shape is None else global_shape[src.dim]
-        return gather_replicated(local, src.dim, group_name, full)
+        return gather_replicated(local, src.dim, group, full)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return split_replicated(local, dst.dim, group_name)
+        return split_replicated(local, dst.dim, group)
     raise NotImplementedError(f"torch_tp: redistributing a tensor from {src} to {dst} is not supported")

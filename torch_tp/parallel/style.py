@@ -37,10 +37,16 @@ does (``ColwiseParallelLinear``; it pickles as its base class and style, so
 (a LoRA or quantized linear) keeps it: torch's own style parallelizes that
 module (DTensor parameters, its forward on DTensors), which runs its
 computation as written and composes with the torch_tp modules around it.
+SequenceParallel swaps the class the same way (``SequenceParallelRMSNorm``):
+its ``forward`` wraps the class's own. A class swap, not hooks, also keeps
+``torch.compile`` to one graph for all blocks: an ``always_call`` forward hook
+(which a hook-based SequenceParallel needs to put the parameters back when the
+forward raises) is looked up by its id, which dynamo guards on, so each block
+would compile anew and a deep model would hit the recompile limit.
 """
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -49,6 +55,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import style as _torch_style
 
 from ._layout import (
+    TPGroup,
     convert,
     from_dtensor,
     gather_replicated,
@@ -56,6 +63,7 @@ from ._layout import (
     normalize,
     partial_grad_local,
     to_dtensor,
+    tp_group,
 )
 from ._params import distribute_parameters, local_tensor, module_path
 from ._replicated_grad import complete_partial_grads_after_backward
@@ -69,10 +77,6 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
 ]
-
-
-def _group_name(mesh: DeviceMesh) -> str:
-    return mesh.get_group().group_name
 
 
 def _refuse_second_style(module: nn.Module, style: "ParallelStyle") -> None:
@@ -119,7 +123,7 @@ def _parallel_class(cls: type, style: type) -> type:
 
         made = type(f"{style.__name__}{cls.__name__}", (cls,), {
             "forward": forward, "extra_repr": extra_repr, "__reduce_ex__": __reduce_ex__,
-            "_tp_kind": style.__name__})
+            "_tp_kind": style.__name__, "_tp_base_forward": cls.forward})
         _PARALLEL_CLASSES[(cls, style)] = made
     return made
 
@@ -182,7 +186,7 @@ class _ShardedModuleStyle(ParallelStyle):
         distribute_parameters(module, placements, device_mesh, self.src_data_rank, name)
         module._tp_style = repr(self)
         module._tp_mesh = device_mesh
-        module._tp_group_name = _group_name(device_mesh)
+        module._tp_group = tp_group(device_mesh)
         module._tp_input_layout = self.input_layouts[0]
         module._tp_output_layout = self.output_layouts[0]
         module._tp_use_local_output = self.use_local_output
@@ -285,7 +289,7 @@ def _output_sharded_on_last(self, out: torch.Tensor, features: int):
     if wanted == Shard(out.dim() - 1):
         return _finish(self, out, wanted, global_shape)
     if isinstance(wanted, Replicate):
-        return _finish(self, gather_replicated(out, out.dim() - 1, self._tp_group_name, features), wanted, global_shape)
+        return _finish(self, gather_replicated(out, out.dim() - 1, self._tp_group, features), wanted, global_shape)
     raise NotImplementedError(f"torch_tp: ColwiseParallel output_layouts={wanted} is not supported "
                               "(use Shard(-1) or Replicate())")
 
@@ -307,13 +311,13 @@ def _colwise_linear_forward(self, x):
         # [replicated DTensor inputs without DTensor] in _layout.py).
         local = partial_grad_local(x)
         out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                         self._tp_group_name, partial_grad_input=True)
+                                                         self._tp_group.name, partial_grad_input=True)
         return _output_sharded_on_last(self, out, self.out_features)
     local, layout, global_shape = from_dtensor(x, self._tp_input_layout)
     dim = _gather_dim(self, layout, local.dim())
     full = None if dim is None or global_shape is None else global_shape[dim]
     out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                     self._tp_group_name, dim, full)
+                                                     self._tp_group.name, dim, full)
     return _output_sharded_on_last(self, out, self.out_features)
 
 
@@ -321,7 +325,7 @@ def _colwise_embedding_forward(self, ids):
     local, layout, global_shape = from_dtensor(ids, self._tp_input_layout)
     dim = _gather_dim(self, layout, local.dim() + 1)
     full = None if dim is None or global_shape is None else global_shape[dim]
-    out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_group_name,
+    out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
                                                         self.padding_idx, dim, full)
     return _output_sharded_on_last(self, out, self.embedding_dim)
 
@@ -340,11 +344,11 @@ def _rowwise_linear_forward(self, x):
     local, layout, _ = from_dtensor(x, self._tp_input_layout)
     last = Shard(local.dim() - 1)
     if layout != last:
-        local = convert(local, layout, last, self._tp_group_name, None)
+        local = convert(local, layout, last, self._tp_group, None)
     out_ndim = local.dim()
     dim = _rowwise_scatter_dim(self, out_ndim)
     out = torch.ops.torch_tp.row_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                  self._tp_group_name, dim)
+                                                  self._tp_group.name, dim)
     global_shape = local.shape[:-1] + (self.out_features,)
     return _finish(self, out, Replicate() if dim is None else Shard(dim), global_shape)
 
@@ -353,9 +357,9 @@ def _rowwise_embedding_forward(self, ids):
     local, layout, global_shape = from_dtensor(ids, self._tp_input_layout)
     if isinstance(layout, Shard):
         full = None if global_shape is None else global_shape[layout.dim]
-        local = torch.ops.torch_tp.all_gather(local, layout.dim, self._tp_group_name, full)
+        local = torch.ops.torch_tp.all_gather(local, layout.dim, self._tp_group.name, full)
     dim = _rowwise_scatter_dim(self, local.dim() + 1)
-    out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), self._tp_group_name,
+    out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
                                                        self.num_embeddings, self.padding_idx, dim)
     global_shape = local.shape + (self.embedding_dim,)
     return _finish(self, out, Replicate() if dim is None else Shard(dim), global_shape)
@@ -430,50 +434,16 @@ class SequenceParallel(ParallelStyle):
         names = [name for name, param in module._parameters.items() if param is not None]
         params = distribute_parameters(module, dict.fromkeys(names, Replicate()), device_mesh, self.src_data_rank,
                                        "SequenceParallel")
-        module._tp_style = repr(self)
         if device_mesh.size() > 1:
             complete_partial_grads_after_backward([p for p in params if p.requires_grad])
-        partial_grad = device_mesh.size() > 1  # one rank's gradient is already the whole sum
-        group_name = _group_name(device_mesh)
-        sharding = self.sequence_sharding[0]
-        use_local_output = self.use_local_output
-        # One frame per forward in flight: the DTensor parameters set aside while
-        # the module runs on their local tensors, and the input's global shape.
-        frames: List[Tuple[Dict[str, DTensor], Optional[torch.Size]]] = []
-
-        def enter(mod: nn.Module, inputs: Tuple[Any, ...]):
-            set_aside: Dict[str, DTensor] = {}
-            frames.append((set_aside, None))  # first, so that leave() always finds its frame
-            global_shape = None
-            if inputs:
-                local, layout, global_shape = from_dtensor(inputs[0], sharding)
-                wanted = normalize(sharding, local.dim())
-                if layout != wanted:
-                    local = convert(local, layout, wanted, group_name, global_shape)
-                inputs = (local,) + tuple(inputs[1:])
-            frames[-1] = (set_aside, global_shape)
-            for name in names:
-                value = _parameter_slot(mod, name)
-                if isinstance(value, DTensor):
-                    set_aside[name] = value
-                    _set_parameter_slot(mod, name, local_tensor(value, partial_grad))
-            return inputs
-
-        def leave(mod: nn.Module, _inputs: Tuple[Any, ...], output: Any):
-            set_aside, global_shape = frames.pop()
-            for name, value in set_aside.items():
-                _set_parameter_slot(mod, name, value)
-            if use_local_output or not isinstance(output, torch.Tensor):
-                return output
-            wanted = normalize(sharding, output.dim())
-            if global_shape is None:
-                global_shape = list(output.shape)
-                global_shape[wanted.dim] *= device_mesh.size()
-            return to_dtensor(output, device_mesh, wanted, global_shape)
-
-        module.register_forward_pre_hook(enter)
-        # always_call: the parameters are put back even when the forward raises.
-        module.register_forward_hook(leave, always_call=True)
+        module._tp_style = repr(self)
+        module._tp_mesh = device_mesh
+        module._tp_group = tp_group(device_mesh)
+        module._tp_parameter_names = tuple(names)
+        module._tp_partial_grad = device_mesh.size() > 1  # one rank's gradient is already the whole sum
+        module._tp_sequence_sharding = self.sequence_sharding[0]
+        module._tp_use_local_output = self.use_local_output
+        module.__class__ = _parallel_class(type(module), SequenceParallel)
         return module
 
     def __repr__(self) -> str:
@@ -481,10 +451,45 @@ class SequenceParallel(ParallelStyle):
                f"use_local_output={self.use_local_output})"
 
 
+def _sequence_parallel_forward(self, *args, **kwargs):
+    """The module's own forward on this rank's sequence shard, its parameters' local tensors
+    in place of the DTensors while it runs (put back even when it raises); the output is a
+    ``Shard(sequence_dim)`` DTensor unless ``use_local_output``."""
+    sharding = self._tp_sequence_sharding
+    global_shape = None
+    if args:
+        local, layout, global_shape = from_dtensor(args[0], sharding)
+        wanted = normalize(sharding, local.dim())
+        if layout != wanted:
+            local = convert(local, layout, wanted, self._tp_group, global_shape)
+        args = (local,) + args[1:]
+    set_aside: Dict[str, DTensor] = {}
+    for name in self._tp_parameter_names:
+        value = _parameter_slot(self, name)
+        if isinstance(value, DTensor):
+            set_aside[name] = value
+            _set_parameter_slot(self, name, local_tensor(value, self._tp_partial_grad))
+    try:
+        output = type(self)._tp_base_forward(self, *args, **kwargs)
+    finally:
+        for name, value in set_aside.items():
+            _set_parameter_slot(self, name, value)
+    if self._tp_use_local_output or not isinstance(output, torch.Tensor):
+        return output
+    wanted = normalize(sharding, output.dim())
+    if global_shape is None:
+        global_shape = list(output.shape)
+        global_shape[wanted.dim] *= self._tp_group.size
+    return to_dtensor(output, self._tp_mesh, wanted, global_shape)
+
+
+SequenceParallel._layouts = {nn.Module: ({}, _sequence_parallel_forward)}
+
+
 # ---------------------------------------------------------------- layout preparation
 
 
-def _prepare(value, mesh: DeviceMesh, layout: Optional[Placement], desired: Optional[Placement],
+def _prepare(value, mesh: DeviceMesh, group: TPGroup, layout: Optional[Placement], desired: Optional[Placement],
              use_local_output: bool):
     """One input or output: annotate it with ``layout``, move it to ``desired``."""
     if layout is None:
@@ -492,10 +497,10 @@ def _prepare(value, mesh: DeviceMesh, layout: Optional[Placement], desired: Opti
     local, actual, global_shape = from_dtensor(value, layout)
     target = actual if desired is None else normalize(desired, local.dim())
     if use_local_output:
-        return local if target == actual else convert(local, actual, target, _group_name(mesh), global_shape)
+        return local if target == actual else convert(local, actual, target, group, global_shape)
     if isinstance(actual, Shard) and isinstance(target, Replicate):
         full_size = None if global_shape is None else global_shape[actual.dim]
-        return gather_to_replicated_dtensor(local, actual.dim, mesh, _group_name(mesh), full_size)
+        return gather_to_replicated_dtensor(local, actual.dim, mesh, group, full_size)
     # Other moves of a DTensor: let DTensor make them, so that the gradients of
     # what consumes it (partial or not) are reduced as torch reduces them.
     if global_shape is None:
@@ -547,27 +552,29 @@ class PrepareModuleInput(ParallelStyle):
         if self.with_kwargs and len(self.input_kwarg_layouts) != len(self.desired_input_kwarg_layouts):
             raise AssertionError("input_kwarg_layouts and desired_input_kwarg_layouts should have same length!")
 
-    def _prepare_inputs(self, inputs, mesh):
+    def _prepare_inputs(self, inputs, mesh: DeviceMesh, group: TPGroup):
         if self.input_layouts is None:
             return inputs
         if not isinstance(inputs, tuple):
             inputs = (inputs,)
         if len(inputs) != len(self.input_layouts):
             raise ValueError("module inputs and input_layouts should have same length!")
-        return tuple(_prepare(value, mesh, layout, desired, self.use_local_output)
+        return tuple(_prepare(value, mesh, group, layout, desired, self.use_local_output)
                      for value, layout, desired in zip(inputs, self.input_layouts, self.desired_input_layouts))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = tp_group(device_mesh)
         if self.with_kwargs:
             def hook(_module, inputs, kwargs):
-                prepared = {key: _prepare(value, device_mesh, self.input_kwarg_layouts.get(key),
+                prepared = {key: _prepare(value, device_mesh, group, self.input_kwarg_layouts.get(key),
                                           self.desired_input_kwarg_layouts.get(key), self.use_local_output)
                             for key, value in kwargs.items()}
-                return self._prepare_inputs(inputs, device_mesh), prepared
+                return self._prepare_inputs(inputs, device_mesh, group), prepared
 
             module.register_forward_pre_hook(hook, with_kwargs=True)
         else:
-            module.register_forward_pre_hook(lambda _module, inputs: self._prepare_inputs(inputs, device_mesh))
+            module.register_forward_pre_hook(
+                lambda _module, inputs: self._prepare_inputs(inputs, device_mesh, group))
         return module
 
     def __repr__(self) -> str:
@@ -605,17 +612,19 @@ class PrepareModuleOutput(ParallelStyle):
         if len(self.output_layouts) != len(self.desired_output_layouts):
             raise AssertionError("output_layouts and desired_output_layouts should have same length!")
 
-    def _prepare_outputs(self, outputs, mesh):
+    def _prepare_outputs(self, outputs, mesh: DeviceMesh, group: TPGroup):
         single = not isinstance(outputs, tuple)
         values = (outputs,) if single else outputs
         if len(values) != len(self.output_layouts):
             raise ValueError("module outputs and output_layouts should have same length!")
-        prepared = tuple(_prepare(value, mesh, layout, desired, self.use_local_output)
+        prepared = tuple(_prepare(value, mesh, group, layout, desired, self.use_local_output)
                          for value, layout, desired in zip(values, self.output_layouts, self.desired_output_layouts))
         return prepared[0] if single else prepared
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda _module, _inputs, outputs: self._prepare_outputs(outputs, device_mesh))
+        group = tp_group(device_mesh)
+        module.register_forward_hook(
+            lambda _module, _inputs, outputs: self._prepare_outputs(outputs, device_mesh, group))
         return module
 
     def __repr__(self) -> str:
