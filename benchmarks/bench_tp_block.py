@@ -8,7 +8,10 @@ tensors, float32, one intra-op thread per rank)::
 
 ``--backend torch_tp`` runs both implementations on torch_tp's shared-memory
 backend instead; its figures go to ``tp_block_torch_tp.{json,png}`` and a
-RESULTS.md section of their own.
+RESULTS.md section of their own. ``--compile`` adds a third implementation,
+torch_tp with every transformer block compiled (``block.compile(fullgraph=True)``,
+torchtitan's recipe), timed beside eager torch_tp and DTensor; its figures go to
+``tp_block_compile.{json,png}`` and their own RESULTS.md section.
 
 The model and the plan are examples/llama_model.py's: torchtitan's Llama module
 tree and its tensor-parallel plan with sequence parallelism
@@ -174,24 +177,37 @@ CONFIGS: List[Config] = [
 CONFIG_NAMES = [c.name for c in CONFIGS]
 
 IMPLS = ["torch_tp", "dtensor"]
+COMPILED = "torch_tp_compiled"  # with --compile
 IMPL_LABELS = {
     "torch_tp": "torch_tp (torch_tp.parallelize_module + torch_tp styles, torch_tp.loss_parallel)",
     "dtensor": "DTensor TP (torch.distributed.tensor.parallel, same plan, torch's loss_parallel)",
+    COMPILED: "torch_tp with every transformer block compiled, block.compile(fullgraph=True) (torchtitan's "
+    "recipe; block configs: the block)",
 }
-ORDERS = [("torch_tp", "dtensor"), ("dtensor", "torch_tp")]
+
+
+def impls_of(args: argparse.Namespace) -> List[str]:
+    return IMPLS + [COMPILED] if args.compile else list(IMPLS)
+
+
+def orders(impls: List[str]) -> List[List[str]]:
+    """Each repeat runs every impl once; the order rotates so that none always goes first."""
+    return [impls[i:] + impls[:i] for i in range(len(impls))]
 
 RTOL = 1e-4  # fp32
 ATOL_SCALE = 1e-5  # atol = this * max |reference| (per tensor)
 EXAMPLE_TARGET = 1.5  # DTensor / torch_tp on the example model
 LARGE_TARGET = 1.0  # DTensor / torch_tp at the large sizes ("no slower")
 
-def section_markers(backend: str) -> Tuple[str, str]:
+def section_markers(backend: str, compiled: bool) -> Tuple[str, str]:
     tag = "bench_tp_block" if backend == "gloo" else f"bench_tp_block backend={backend}"
+    tag += " compile" if compiled else ""
     return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
 
 
-def output_stem(backend: str) -> str:
-    return "tp_block" if backend == "gloo" else f"tp_block_{backend}"
+def output_stem(backend: str, compiled: bool) -> str:
+    stem = "tp_block" if backend == "gloo" else f"tp_block_{backend}"
+    return stem + ("_compile" if compiled else "")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -217,6 +233,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--backend", choices=["gloo", "torch_tp"], default="gloo",
                    help="process-group backend for both implementations (default: %(default)s; torch_tp writes "
                    "tp_block_torch_tp.* and its own RESULTS.md section)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time torch_tp with every transformer block compiled (block.compile(fullgraph=True), "
+                   "torchtitan's recipe; block configs: the block itself) against eager torch_tp and DTensor; "
+                   "writes tp_block_compile.* (tp_block_torch_tp_compile.*) and its own RESULTS.md section")
     args = p.parse_args(argv)
     if args.configs:
         names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -287,7 +307,7 @@ class Case:
     """One configuration on one mesh: ``steps[impl]()`` runs one timed step and returns its loss;
     ``resets[impl]()`` sets the gradients to None (untimed); ``check()`` is NOTE [same computation]."""
 
-    def __init__(self, cfg: Config, lm, mesh: DeviceMesh, optimizer: str) -> None:
+    def __init__(self, cfg: Config, lm, mesh: DeviceMesh, optimizer: str, impls: List[str]) -> None:
         self.cfg = cfg
         self.lm = lm
         self.mesh = mesh
@@ -297,7 +317,8 @@ class Case:
         lm.check_tp_degree(self.llama_config, world)
         if cfg.seq % world:
             raise ValueError(f"{cfg.name}: sequence length {cfg.seq} must be a multiple of the world size {world}")
-        self.apis = {"torch_tp": lm.load_tp_api("torch_tp"), "dtensor": lm.load_tp_api("torch")}
+        self.impls = impls
+        self.apis = {impl: lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp") for impl in impls}
 
         torch.manual_seed(1234)  # the same unsharded weights on every rank
         gen = torch.Generator().manual_seed(4321)  # the same batch on every rank
@@ -323,6 +344,9 @@ class Case:
                 prefix = "layers.*."
                 plan = {k[len(prefix):]: v for k, v in plan.items() if k.startswith(prefix)}
             api.parallelize_module(m, mesh, plan)
+            if impl == COMPILED:
+                for block in (m.layers.values() if cfg.kind == "model" else [m]):
+                    block.compile(fullgraph=True)
             self.models[impl] = m
             if cfg.kind == "block":
                 self.xs[impl] = self.x_local.clone().requires_grad_()
@@ -337,8 +361,8 @@ class Case:
         self.n_params = sum(p.numel() for p in self.reference.parameters())
         self.outputs: Dict[str, torch.Tensor] = {}  # block: the last step's output, for the check
         self.backward_done: Dict[str, float] = {}  # perf_counter when loss.backward() returned, last step
-        self.steps: Dict[str, Callable[[], torch.Tensor]] = {impl: self._make_step(impl) for impl in IMPLS}
-        self.resets: Dict[str, Callable[[], None]] = {impl: self._make_reset(impl) for impl in IMPLS}
+        self.steps: Dict[str, Callable[[], torch.Tensor]] = {impl: self._make_step(impl) for impl in impls}
+        self.resets: Dict[str, Callable[[], None]] = {impl: self._make_reset(impl) for impl in impls}
         # The example's optimizer (examples/train_llama.py: fused AdamW), stepped after each timed forward +
         # backward; a small lr keeps hundreds of repeats well away from divergence.
         self.optimizers = {impl: lm.make_optimizer(m, lr=1e-5) if optimizer == "fused" else
@@ -409,21 +433,21 @@ class Case:
 
     # -- NOTE [same computation]
 
-    def _full_grads_torch_tp(self) -> Dict[str, torch.Tensor]:
+    def _full_grads_torch_tp(self, impl: str) -> Dict[str, torch.Tensor]:
         """Every parameter's full gradient; torch_tp's gradients must already be complete (each with its
         parameter's placements: no Partial left after backward). The collectives all run first (the same on
         every rank), the comparisons after, so a rank that fails one does not leave the other waiting."""
         out = {}
-        params = list(self.models["torch_tp"].named_parameters())
+        params = list(self.models[impl].named_parameters())
         missing = [name for name, p in params if p.grad is None]
         if missing:  # the same parameters on every rank: every rank raises
-            raise AssertionError(f"torch_tp: no gradient for {missing}")
+            raise AssertionError(f"{impl}: no gradient for {missing}")
         for name, p in params:
             g = p.grad
             out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
         for name, p in params:
             if isinstance(p, DTensor) and p.grad.placements != p.placements:
-                raise AssertionError(f"torch_tp: {name}'s gradient is {p.grad.placements}, its parameter "
+                raise AssertionError(f"{impl}: {name}'s gradient is {p.grad.placements}, its parameter "
                                      f"{p.placements}")
         return out
 
@@ -455,7 +479,7 @@ class Case:
     def check(self) -> Dict[str, float]:
         """Run one step of each and compare; returns the largest relative difference per pair."""
         losses, grads, extras = {}, {}, {}
-        for impl in IMPLS:
+        for impl in self.impls:
             self.resets[impl]()
             loss = self.steps[impl]()
             loss_full = lm_to_full(loss).detach().clone()
@@ -467,12 +491,15 @@ class Case:
                     "x.grad": gather_pieces(materialize(self.xs[impl].grad).detach(), 1, self.cfg.seq, self.group),
                 }
             losses[impl] = loss_full
-            grads[impl] = self._full_grads_torch_tp() if impl == "torch_tp" else self._full_grads_dtensor()
+            grads[impl] = self._full_grads_dtensor() if impl == "dtensor" else self._full_grads_torch_tp(impl)
             self.resets[impl]()
         ref_loss, ref_grads, ref_extra = self._reference_step()
         losses["reference"], grads["reference"], extras["reference"] = ref_loss, ref_grads, ref_extra
         worst = {}
-        for a, b in [("torch_tp", "dtensor"), ("torch_tp", "reference"), ("dtensor", "reference")]:
+        pairs = [("torch_tp", "dtensor"), ("torch_tp", "reference"), ("dtensor", "reference")]
+        if COMPILED in self.impls:
+            pairs += [(COMPILED, "torch_tp"), (COMPILED, "reference")]
+        for a, b in pairs:
             what = f"{self.cfg.name}: {a} vs {b}"
             rel = close(losses[a], losses[b], f"{what}: loss")
             if set(grads[a]) != set(grads[b]):
@@ -547,34 +574,35 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
     records = []
     for cfg in args.configs:
         t_cfg = time.perf_counter()
-        case = Case(cfg, lm, mesh, args.optimizer)
+        impls = impls_of(args)
+        case = Case(cfg, lm, mesh, args.optimizer, impls)
         # also the first (untimed) step of each
         agreement = check_everywhere(
             case.check,
             f"bench_tp_block: torch_tp, DTensor and the unsharded model disagree on {case.cfg.name}",
             group,
         )
-        collectives = {impl: count_collectives(case, impl) for impl in IMPLS}  # rank 0's go in the json
+        collectives = {impl: count_collectives(case, impl) for impl in impls}  # rank 0's go in the json
         t_checked = time.perf_counter()
         repeats = max(3, round((cfg.quick_repeats if args.quick else cfg.repeats) * args.repeat_scale))
         warmup = cfg.quick_warmup if args.quick else cfg.warmup
         for _ in range(warmup):
-            for impl in IMPLS:
+            for impl in impls:
                 case.resets[impl]()
                 dist.barrier(group=group)
                 case.steps[impl]()
                 case.optimizers[impl].step()
         case.outputs.clear()
 
-        local = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # seconds, this rank
-        local_bwd = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # until loss.backward() returned
-        local_opt = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # optimizer.step() alone
+        local = torch.zeros(len(impls), repeats, dtype=torch.float64)  # seconds, this rank
+        local_bwd = torch.zeros(len(impls), repeats, dtype=torch.float64)  # until loss.backward() returned
+        local_opt = torch.zeros(len(impls), repeats, dtype=torch.float64)  # optimizer.step() alone
         gc.collect()
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
             for r in range(repeats):
-                for impl in ORDERS[r % len(ORDERS)]:
+                for impl in orders(impls)[r % len(impls)]:
                     step = case.steps[impl]
                     case.resets[impl]()
                     dist.barrier(group=group)
@@ -583,9 +611,9 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
                     t_opt = time.perf_counter()
                     case.optimizers[impl].step()
                     t1 = time.perf_counter()
-                    local[IMPLS.index(impl), r] = t_opt - t0
-                    local_opt[IMPLS.index(impl), r] = t1 - t_opt
-                    local_bwd[IMPLS.index(impl), r] = case.backward_done[impl] - t0
+                    local[impls.index(impl), r] = t_opt - t0
+                    local_opt[impls.index(impl), r] = t1 - t_opt
+                    local_bwd[impls.index(impl), r] = case.backward_done[impl] - t0
                     del loss
                 case.outputs.clear()
         finally:
@@ -627,7 +655,7 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
             "elapsed_s": elapsed,
             "impls": {},
         }
-        for ii, impl in enumerate(IMPLS):
+        for ii, impl in enumerate(impls):
             times = maxed[ii].tolist()
             st = {k.replace("_us", "_ms"): v / 1e3 for k, v in stats_us(times).items()}
             st["per_rank_median_ms"] = [quantile(sorted(g[ii].tolist()), 0.5) * 1e3 for g in gathered]
@@ -639,19 +667,22 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
             st["training_step_median_ms"] = quantile(sorted(maxed_train[ii].tolist()), 0.5) * 1e3
             st["optimizer_share"] = st["optimizer_median_ms"] / st["training_step_median_ms"]
             rec["impls"][impl] = st
-        med = {k: rec["impls"][k]["median_ms"] for k in IMPLS}
+        med = {k: rec["impls"][k]["median_ms"] for k in impls}
         rec["dtensor_over_torch_tp"] = med["dtensor"] / med["torch_tp"]
         rec["training_step_dtensor_over_torch_tp"] = (rec["impls"]["dtensor"]["training_step_median_ms"]
                                                       / rec["impls"]["torch_tp"]["training_step_median_ms"])
-        diffs = sorted(((maxed[IMPLS.index("dtensor")] - maxed[IMPLS.index("torch_tp")]) * 1e3).tolist())
+        if COMPILED in impls:  # how many times faster compiled blocks make torch_tp's step
+            rec["eager_over_compiled"] = med["torch_tp"] / med[COMPILED]
+            rec["dtensor_over_compiled"] = med["dtensor"] / med[COMPILED]
+        diffs = sorted(((maxed[impls.index("dtensor")] - maxed[impls.index("torch_tp")]) * 1e3).tolist())
         rec["dtensor_minus_torch_tp_ms"] = quantile(diffs, 0.5)
         rec["dtensor_minus_torch_tp_p10_p90_ms"] = [quantile(diffs, 0.1), quantile(diffs, 0.9)]
         records.append(rec)
         if rank == 0:
             print(
                 f"[bench_tp_block] {cfg.name:>11}: checked (max rel. diff {max(agreement.values()):.1e}), "
-                f"{repeats} repeats x {len(IMPLS)} impls in {elapsed:.1f} s; "
-                + ", ".join(f"{k} {med[k]:.2f} ms" for k in IMPLS)
+                f"{repeats} repeats x {len(impls)} impls in {elapsed:.1f} s; "
+                + ", ".join(f"{k} {med[k]:.2f} ms" for k in impls)
                 + f"; DTensor / torch_tp {rec['dtensor_over_torch_tp']:.2f}",
                 flush=True,
             )
@@ -699,10 +730,29 @@ def markdown_table(records: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def compiled_table(records: List[Dict]) -> str:
+    """With --compile: torch_tp with compiled blocks against eager torch_tp and DTensor."""
+    lines = [
+        "| config | torch_tp eager ms | torch_tp compiled blocks ms (p10-p90) | eager / compiled "
+        "| DTensor / compiled | compiled training step (+ optimizer) ms |",
+        "|:---|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        im = rec["impls"]
+        c = im[COMPILED]
+        lines.append(
+            f"| {rec['config']} | {fmt_ms(im['torch_tp']['median_ms'])} | "
+            f"{fmt_ms(c['median_ms'])} ({fmt_ms(c['p10_ms'])}-{fmt_ms(c['p90_ms'])}) | "
+            f"**{rec['eager_over_compiled']:.2f}** | {rec['dtensor_over_compiled']:.2f} | "
+            f"{fmt_ms(c['training_step_median_ms'])} |"
+        )
+    return "\n".join(lines)
+
+
 def collectives_lines(records: List[Dict]) -> List[str]:
+    short = {"torch_tp": "torch_tp", "dtensor": "DTensor", COMPILED: "torch_tp compiled"}
     return [
-        f"- {rec['config']}: torch_tp {fmt_counts(rec['collectives_per_step']['torch_tp'])}; "
-        f"DTensor {fmt_counts(rec['collectives_per_step']['dtensor'])}"
+        f"- {rec['config']}: " + "; ".join(f"{short[k]} {fmt_counts(c)}" for k, c in rec["collectives_per_step"].items())
         for rec in records
     ]
 
@@ -744,19 +794,20 @@ def plot(records: List[Dict], path: str, title: str) -> None:
 
     n = len(records)
     fig, axes = plt.subplots(1, n, figsize=(3.3 * n, 3.9), squeeze=False)
-    colors = {"torch_tp": "C0", "dtensor": "C1"}
-    short = {"torch_tp": "torch_tp", "dtensor": "DTensor"}
+    colors = {"torch_tp": "C0", "dtensor": "C1", COMPILED: "C2"}
+    short = {"torch_tp": "torch_tp", "dtensor": "DTensor", COMPILED: "torch_tp\ncompiled"}
     for ax, rec in zip(axes.flat, records):
         im = rec["impls"]
-        xs = range(len(IMPLS))
-        med = [im[k]["median_ms"] for k in IMPLS]
-        err = [[m - im[k]["p10_ms"] for m, k in zip(med, IMPLS)], [im[k]["p90_ms"] - m for m, k in zip(med, IMPLS)]]
-        ax.bar(xs, med, yerr=err, capsize=3, color=[colors[k] for k in IMPLS])
+        impls = list(im)
+        xs = range(len(impls))
+        med = [im[k]["median_ms"] for k in impls]
+        err = [[m - im[k]["p10_ms"] for m, k in zip(med, impls)], [im[k]["p90_ms"] - m for m, k in zip(med, impls)]]
+        ax.bar(xs, med, yerr=err, capsize=3, color=[colors[k] for k in impls])
         for x, m in zip(xs, med):
             ax.text(x, m / 2, f"{m:.0f}" if m >= 100 else f"{m:.3g}", ha="center", va="center", fontsize=8,
                     color="white", fontweight="bold")
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([short[k] for k in IMPLS], fontsize=8)
+        ax.set_xticklabels([short[k] for k in impls], fontsize=8)
         ax.set_title(f"{rec['config']}: DTensor / torch_tp = {rec['dtensor_over_torch_tp']:.2f}\n"
                      f"dim {rec['model_config']['dim']}, b{rec['batch']} x s{rec['seq']}", fontsize=8)
         ax.set_ylabel("fwd+bwd step, ms (median; p10-p90)", fontsize=8)
@@ -769,12 +820,22 @@ def plot(records: List[Dict], path: str, title: str) -> None:
 
 def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str:
     m = meta["machine"]
-    begin, end = section_markers(m["backend"])
-    stem = output_stem(m["backend"])
+    compiled = meta["compile"]
+    begin, end = section_markers(m["backend"], compiled)
+    stem = output_stem(m["backend"], compiled)
     on = "" if m["backend"] == "gloo" else f", both on the {m['backend']} backend"
+    compiled_lines = [
+        "torch_tp with compiled blocks (`block.compile(fullgraph=True)` on every `TransformerBlock`, torchtitan's "
+        "recipe; the embedding, final norm, output projection and loss stay eager; `block*`: the block compiled), "
+        "timed in the same interleaved repeats, after the compilation (the check step and the warm-up):",
+        "",
+        compiled_table(records),
+        "",
+    ] if compiled else []
     return "\n".join([
         begin,
-        f"## The example Llama under its TP plan: torch_tp vs DTensor TP, one block and the whole model{on}",
+        f"## The example Llama under its TP plan: torch_tp vs DTensor TP, one block and the whole model{on}"
+        + (", and torch_tp compiled" if compiled else ""),
         "",
         f"Command: `{meta['command']}`",
         "",
@@ -809,6 +870,7 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         "",
         markdown_table(records),
         "",
+        *compiled_lines,
         "Collectives per step (one untimed step, rank 0, counted from torch.profiler's `c10d::*` events; "
         "DTensor's include the reductions of its Partial gradients):",
         "",
@@ -848,9 +910,10 @@ def main(argv: Sequence[str]) -> int:
             "machine": machine_info(world),
             "dtype": "float32",
             "optimizer": args.optimizer,
+            "compile": args.compile,
             "device": "cpu",
             "model_source": "examples/llama_model.py: Llama, LlamaConfig, tp_plan, cross_entropy_loss",
-            "impls": IMPL_LABELS,
+            "impls": {impl: IMPL_LABELS[impl] for impl in impls_of(args)},
             "targets_rule": {
                 "example": f"model (default config): DTensor / torch_tp >= {EXAMPLE_TARGET:g}",
                 "large": f"block-large, model-large: DTensor / torch_tp >= {LARGE_TARGET:g}",
@@ -882,10 +945,11 @@ def main(argv: Sequence[str]) -> int:
         if rank == 0:
             targets = evaluate_targets(records)
             os.makedirs(args.out_dir, exist_ok=True)
-            json_path = os.path.join(args.out_dir, f"{output_stem(args.backend)}.json")
+            stem = output_stem(args.backend, args.compile)
+            json_path = os.path.join(args.out_dir, f"{stem}.json")
             with open(json_path, "w") as f:
                 json.dump({**meta, "results": records, "targets": targets}, f, indent=1)
-            png_path = os.path.join(args.out_dir, f"{output_stem(args.backend)}.png")
+            png_path = os.path.join(args.out_dir, f"{stem}.png")
             m = meta["machine"]
             plot(
                 records,
@@ -897,6 +961,9 @@ def main(argv: Sequence[str]) -> int:
             print()
             print(markdown_table(records))
             print()
+            if args.compile:
+                print(compiled_table(records))
+                print()
             print("Collectives per step (one untimed step, rank 0):")
             print("\n".join(collectives_lines(records)))
             print()
@@ -906,7 +973,8 @@ def main(argv: Sequence[str]) -> int:
             written = [json_path, png_path]
             if not args.no_results_md:
                 md_path = os.path.join(args.out_dir, "RESULTS.md")
-                update_results_md(md_path, results_section(meta, records, targets), *section_markers(args.backend))
+                update_results_md(md_path, results_section(meta, records, targets),
+                                  *section_markers(args.backend, args.compile))
                 written.append(md_path)
             print(f"[bench_tp_block] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
         dist.barrier()
