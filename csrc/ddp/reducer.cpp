@@ -98,7 +98,8 @@ class ReducerImpl final : public Reducer {
         names_(std::move(names)),
         group_(resolve_group(kOp, group_name)),
         options_(options),
-        world_size_(group_->getSize()) {
+        world_size_(group_->getSize()),
+        divisor_(world_size_) {
     TORCH_CHECK(!params_.empty(), kOp, ": no parameter requires a gradient; there is nothing to reduce");
     TORCH_CHECK(names_.size() == params_.size(), kOp, ": ", names_.size(), " names for ", params_.size(),
                 " parameters");
@@ -150,6 +151,9 @@ class ReducerImpl final : public Reducer {
     if (tracks_usage()) {
       local_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
     }
+    if (options_.mixed_precision) {
+      builtin_hook_ = BuiltinCommHook::kMixedPrecision;
+    }
   }
 
   ~ReducerImpl() override {
@@ -182,6 +186,48 @@ class ReducerImpl final : public Reducer {
     if (tracks_usage()) {
       local_used_.zero_();
       search_unused_parameters(outputs);
+    }
+  }
+
+  void set_divisor(int64_t divisor) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(divisor >= 1 && divisor <= world_size_, kOp, ": divisor=", divisor,
+                " must be between 1 and the group size ", world_size_);
+    divisor_ = divisor;
+  }
+
+  void join_backward() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // NOTE [joined ranks] The ranks still training all-reduce every bucket,
+    // in bucket order, and then the used-parameter map; a joined rank issues
+    // the same collectives, contributing zeros (so the sum is over the ranks
+    // still training), on buffers of its own: with gradient_as_bucket_view
+    // the real buckets are its .grad.
+    std::vector<PendingReduction> pending;
+    pending.reserve(buckets_.size());
+    for (const auto b : c10::irange(buckets_.size())) {
+      pending.push_back(start_reduction(b, at::zeros_like(buckets_[b].buffer)));
+    }
+    c10::intrusive_ptr<c10d::Work> used_work;
+    if (tracks_usage()) {
+      std::vector<at::Tensor> tensors{at::zeros_like(local_used_).to(params_.front().device())};
+      c10::OptionalDeviceGuard guard(tensors.front().device());
+      used_work = group_->allreduce(tensors);
+    }
+    for (auto& reduction : pending) {
+      reduction();
+    }
+    if (used_work) {
+      used_work->wait();
+    }
+    // A rank that joined before its first synchronized backward has no
+    // gradient order to offer the bucket rebuild; it offers registration
+    // order (torch's _push_all_rebuilt_params), which matters only if it is
+    // rank 0, whose order every rank uses.
+    if (should_rebuild() && rebuild_order_.empty()) {
+      for (const auto i : c10::irange(params_.size())) {
+        rebuild_order_.push_back(static_cast<int64_t>(i));
+      }
     }
   }
 
@@ -378,7 +424,7 @@ class ReducerImpl final : public Reducer {
     if (grad.is_alias_of(view)) {
       // gradient_as_bucket_view: AccumulateGrad wrote into the bucket already.
       if (!has_hook()) {
-        view.div_(world_size_);
+        view.div_(divisor_);
       }
       return;
     }
@@ -387,7 +433,7 @@ class ReducerImpl final : public Reducer {
     } else {
       // Divide while copying: one pass over the gradient (see NOTE [bitwise
       // agreement with torch DDP] for why a multiplication by a wrapped scalar).
-      at::mul_out(view, grad, at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(world_size_)));
+      at::mul_out(view, grad, at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(divisor_)));
     }
     if (options_.gradient_as_bucket_view) {
       grad = view;
@@ -413,23 +459,36 @@ class ReducerImpl final : public Reducer {
 
   void launch(size_t b) {
     Bucket& bucket = buckets_[b];
-    c10::OptionalDeviceGuard guard(bucket.buffer.device());
+    bucket.reduction = start_reduction(b, bucket.buffer);
+  }
+
+  // Starts the reduction of bucket `b`'s layout held in `buffer` (the
+  // bucket's own buffer, or zeros for a joined rank).
+  PendingReduction start_reduction(size_t b, at::Tensor buffer) {
+    const Bucket& bucket = buckets_[b];
+    c10::OptionalDeviceGuard guard(buffer.device());
     if (custom_hook_) {
-      GradBucket grad_bucket{b, buckets_.size(), bucket.buffer, {}, bucket.offsets, bucket.lengths};
+      GradBucket grad_bucket{b, buckets_.size(), buffer, {}, bucket.offsets, bucket.lengths};
       for (const size_t index : bucket.params) {
         grad_bucket.parameters.push_back(params_[index]);
       }
-      bucket.reduction = custom_hook_(grad_bucket);
-      TORCH_CHECK(bucket.reduction, kOp, ": the communication hook returned nothing for bucket ", b);
-      return;
+      PendingReduction reduction = custom_hook_(grad_bucket);
+      TORCH_CHECK(reduction, kOp, ": the communication hook returned nothing for bucket ", b);
+      return reduction;
     }
-    at::Tensor buffer = bucket.buffer;
     at::Tensor wire = buffer;  // what goes over the network
+    bool divide_after = false;
     if (builtin_hook_ == BuiltinCommHook::kAllReduce) {
       buffer.div_(world_size_);
     } else if (builtin_hook_ == BuiltinCommHook::kFp16Compress || builtin_hook_ == BuiltinCommHook::kBf16Compress) {
       const auto dtype = builtin_hook_ == BuiltinCommHook::kFp16Compress ? at::kHalf : at::kBFloat16;
       wire = buffer.to(dtype).div_(world_size_);
+    } else if (builtin_hook_ == BuiltinCommHook::kMixedPrecision) {
+      // As torch's mixed-precision hook: sum in reduce_dtype, then divide.
+      if (options_.reduce_dtype) {
+        wire = buffer.to(*options_.reduce_dtype);
+      }
+      divide_after = true;
     }
     std::vector<at::Tensor> tensors{wire};
     c10::intrusive_ptr<c10d::Work> work;
@@ -441,8 +500,12 @@ class ReducerImpl final : public Reducer {
                              group_->getGroupName(), "' failed"));
       throw;
     }
-    bucket.reduction = [work, wire, buffer]() mutable {
+    const int64_t world_size = world_size_;
+    return [work, wire, buffer, divide_after, world_size]() mutable {
       work->wait();
+      if (divide_after) {
+        wire.div_(world_size);
+      }
       if (!wire.is_same(buffer)) {
         buffer.copy_(wire);  // decompress
       }
@@ -457,6 +520,7 @@ class ReducerImpl final : public Reducer {
       return;
     }
     expect_hooks_ = false;
+    divisor_ = world_size_;  // set_divisor holds for one backward
     if (next_bucket_ < buckets_.size()) {
       raise_unready();
     }
@@ -563,6 +627,7 @@ class ReducerImpl final : public Reducer {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   ReducerOptions options_;
   int64_t world_size_;
+  int64_t divisor_;  // what the reducer divides the gradients by (set_divisor)
 
   std::vector<NodePtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;

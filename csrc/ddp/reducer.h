@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,10 @@ enum class BuiltinCommHook {
   kAllReduce,     // default_hooks.allreduce_hook: divide the bucket, sum all-reduce
   kFp16Compress,  // default_hooks.fp16_compress_hook: all-reduce a float16 copy
   kBf16Compress,  // default_hooks.bf16_compress_hook: all-reduce a bfloat16 copy
+  // torch DDP's mixed_precision hook (_reducer_allreduce_and_upcast_hook):
+  // all-reduce a copy in ReducerOptions::reduce_dtype, divide after. Set by
+  // ReducerOptions::mixed_precision, never registered by name.
+  kMixedPrecision,
 };
 
 // What a user communication hook sees: torch.distributed.GradBucket's fields.
@@ -78,6 +83,11 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
+  // DistributedDataParallel(mixed_precision=...): reduce the buckets with
+  // BuiltinCommHook::kMixedPrecision, in `reduce_dtype` (the bucket's own
+  // dtype when unset). A user comm hook can then not be registered, as in torch.
+  bool mixed_precision = false;
+  std::optional<c10::ScalarType> reduce_dtype;
 };
 
 class Reducer {
@@ -93,6 +103,18 @@ class Reducer {
   // find_unused_parameters, `outputs` are searched for the parameters the
   // autograd graph does not reach; they are marked ready at the first hook.
   virtual void prepare_for_backward(const std::vector<at::Tensor>& outputs) = 0;
+
+  // Divide the gradients of the next synchronized backward by `divisor`
+  // instead of the group size (join(divide_by_initial_world_size=False): the
+  // number of ranks still training). As torch's div_factor, it applies where
+  // the reducer divides (no comm hook); the hooks divide by the group size.
+  virtual void set_divisor(int64_t divisor) = 0;
+  // On a rank that has run out of inputs under DistributedDataParallel.join():
+  // issue the collectives of a synchronized backward with zero gradients, in
+  // the current bucket order (through the comm hook, if any), then the
+  // used-parameter map's all-reduce (find_unused_parameters or static_graph),
+  // and wait for them. The rank's own gradients are not touched.
+  virtual void join_backward() = 0;
 
   virtual void register_builtin_comm_hook(BuiltinCommHook hook) = 0;
   virtual void register_comm_hook(CommHook hook) = 0;

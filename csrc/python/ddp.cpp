@@ -9,6 +9,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace py = pybind11;
@@ -91,21 +92,26 @@ void init_ddp(py::module_& m) {
   py::class_<ddp::Reducer>(m, "_Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names, const std::string& group_name,
                        int64_t bucket_bytes_cap, int64_t first_bucket_bytes_cap, bool find_unused_parameters,
-                       bool gradient_as_bucket_view, bool static_graph) {
+                       bool gradient_as_bucket_view, bool static_graph, bool mixed_precision,
+                       std::optional<at::ScalarType> reduce_dtype) {
              ddp::ReducerOptions options;
              options.bucket_bytes_cap = bucket_bytes_cap;
              options.first_bucket_bytes_cap = first_bucket_bytes_cap;
              options.find_unused_parameters = find_unused_parameters;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.static_graph = static_graph;
+             options.mixed_precision = mixed_precision;
+             options.reduce_dtype = reduce_dtype;
              return ddp::make_reducer(std::move(params), std::move(names), group_name, options);
            }),
            py::arg("params"), py::arg("names"), py::arg("group_name"), py::arg("bucket_bytes_cap"),
            py::arg("first_bucket_bytes_cap"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
-           py::arg("static_graph"))
+           py::arg("static_graph"), py::arg("mixed_precision") = false, py::arg("reduce_dtype") = py::none())
       .def("prepare_for_forward", &ddp::Reducer::prepare_for_forward, py::call_guard<py::gil_scoped_release>())
       .def("prepare_for_backward", &ddp::Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
+      .def("set_divisor", &ddp::Reducer::set_divisor, py::arg("divisor"))
+      .def("join_backward", &ddp::Reducer::join_backward, py::call_guard<py::gil_scoped_release>())
       .def("register_builtin_comm_hook",
            [](ddp::Reducer& r, const std::string& name) { r.register_builtin_comm_hook(parse_builtin(name)); })
       .def("register_comm_hook",
