@@ -14,9 +14,12 @@ single-process model on the concatenated batch with a tolerance (RTOL below),
 since there the sums are grouped differently.
 """
 
+import contextlib
 import copy
+import inspect
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -45,11 +48,11 @@ PARAM_SCALE_FLOOR = 0.1
 TINY_BUCKET_MB = 0.002  # ~2 KB: several buckets even for the small test models
 
 
-def _close(actual, expected, what, floor=1e-12):
+def _close(actual, expected, what, floor=1e-12, rtol=RTOL):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     scale = expected.abs().max().clamp_min(floor)
     error = ((actual - expected).abs().max() / scale).item()
-    assert error <= RTOL, f"{what}: relative error {error:.2e} > {RTOL:.0e}"
+    assert error <= rtol, f"{what}: relative error {error:.2e} > {rtol:.0e}"
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -317,35 +320,53 @@ def test_no_sync_accumulates(ranks, world_size):
 # --- buffers -------------------------------------------------------------------------------------
 
 
-def _check_buffers(broadcast_buffers):
+def _check_buffer_flags(broadcast_buffers, forward_sync_buffers):
+    """torch 2.13's broadcast_buffers (deprecated) and forward_sync_buffers, against torch's DDP: the
+    warnings, the flags, the buffers after the wrap and after every forward (NOTE [buffer flags] in
+    torch_tp/ddp.py)."""
     model = _build("conv_bn")
-    ddp = torch_tp.DistributedDataParallel(model, broadcast_buffers=broadcast_buffers)
+    flags = dict(broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers)
+    ddps, warned = [], []
+    for ddp_class in (torch_tp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddps.append(ddp_class(copy.deepcopy(model), **flags))
+        warned.append([w.category for w in caught if issubclass(w.category, FutureWarning)])
+    ours, theirs = ddps
+    assert warned[0] == warned[1], f"FutureWarnings {warned[0]} != torch's {warned[1]}"
+    assert (ours.broadcast_buffers, ours.forward_sync_buffers) == (theirs.broadcast_buffers,
+                                                                   theirs.forward_sync_buffers)
     world = dist.get_world_size()
 
-    def gathered_mean():
-        out = [torch.empty_like(model.bn.running_mean) for _ in range(world)]
-        dist.all_gather(out, model.bn.running_mean)
+    def gathered_mean(ddp):
+        out = [torch.empty_like(ddp.module.bn.running_mean) for _ in range(world)]
+        dist.all_gather(out, ddp.module.bn.running_mean)
         return out
 
-    assert all(torch.equal(m, gathered_mean()[0]) for m in gathered_mean()), "wrap-time broadcast"
-    ddp(_rank_input("conv_bn", 0)).sum().backward()  # rank-specific batch statistics
-    diverged = gathered_mean()
+    # Only broadcast_buffers=False (without forward_sync_buffers) keeps the buffers out of the wrap.
+    synced_at_wrap = forward_sync_buffers is not None or broadcast_buffers is not False
+    assert all(torch.equal(m, gathered_mean(ours)[0]) for m in gathered_mean(ours)) == synced_at_wrap
+    for step in range(2):
+        x = _rank_input("conv_bn", step)  # rank-specific batch statistics
+        for ddp in (ours, theirs):
+            ddp(x).square().mean().backward()
+        _assert_same_grads(ours, theirs, f"step {step}")
+        for (name, b), c in zip(ours.named_buffers(), theirs.buffers()):
+            assert torch.equal(b, c), f"step {step} buffer {name}"
+    # An eval forward (no update of the running stats) starts from rank 0's buffers when syncing.
+    diverged = gathered_mean(ours)
     assert not torch.equal(diverged[0], diverged[1])
-    # The next forward starts from rank 0's buffers (when broadcasting): rank
-    # 0's running mean then is the value every rank held before its update.
-    before = model.bn.running_mean.clone()
     with torch.no_grad():
-        ddp.eval()(_rank_input("conv_bn", 1))  # eval: no update of the running stats
-    after = gathered_mean()
-    if broadcast_buffers:
-        assert all(torch.equal(m, diverged[0]) for m in after)
-    else:
-        assert torch.equal(model.bn.running_mean, before)
+        ours.eval()(_rank_input("conv_bn", 2))
+    expected = diverged[0] if ours.forward_sync_buffers else diverged[dist.get_rank()]
+    assert torch.equal(ours.module.bn.running_mean, expected)
 
 
-@pytest.mark.parametrize("broadcast_buffers", [True, False])
-def test_buffer_broadcast(ranks, broadcast_buffers):
-    ranks(2).run(_check_buffers, broadcast_buffers)
+@pytest.mark.parametrize("broadcast_buffers,forward_sync_buffers",
+                         [(None, None), (True, None), (False, None), (None, False), (None, True), (False, True),
+                          (True, False)])
+def test_buffer_flags_match_torch_ddp(ranks, broadcast_buffers, forward_sync_buffers):
+    ranks(2).run(_check_buffer_flags, broadcast_buffers, forward_sync_buffers)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -388,8 +409,8 @@ def _check_argument_errors():
         torch_tp.DistributedDataParallel(model, process_group=dist.group.WORLD, device_mesh=mesh)
     with pytest.raises(ValueError, match="bucket_cap_mb=0 must be positive"):
         torch_tp.DistributedDataParallel(model, bucket_cap_mb=0)
-    with pytest.raises(ValueError, match="device_ids only works with a module on a single GPU"):
-        torch_tp.DistributedDataParallel(model, device_ids=[0])
+    with pytest.warns(FutureWarning, match="`check_reduction` argument is deprecated and ignored"):
+        torch_tp.DistributedDataParallel(model, check_reduction=True)
     with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
         torch_tp.DistributedDataParallel(nn.ReLU())
     ddp = torch_tp.DistributedDataParallel(model, device_mesh=mesh)
@@ -510,3 +531,271 @@ def _check_2d(ddp_class, steps=3):
                          ids=["torch_tp_ddp", "torch_ddp"])
 def test_2d_dp_tp_matches_unsharded(ranks, ddp_class):
     ranks(4).run(_check_2d, ddp_class, timeout=300)
+
+
+# --- torch's signature ---------------------------------------------------------------------------
+
+
+def test_signature_matches_torch_ddp():
+    ours = inspect.signature(torch_tp.DistributedDataParallel.__init__).parameters
+    theirs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in theirs.values()]
+
+
+@pytest.mark.parametrize("option,value", [
+    ("delay_all_reduce_named_params", [("w", nn.Parameter(torch.zeros(1)))]),
+    ("param_to_hook_all_reduce", nn.Parameter(torch.zeros(1))),
+    ("skip_all_reduce_unused_params", True),
+    ("bucket_cap_mb_list", [1, 25]),
+    ("batched_grad_copy", True),
+])
+def test_unimplemented_options_raise(option, value):
+    # Checked before anything else, so no process group is needed.
+    with pytest.raises(NotImplementedError, match=rf"DistributedDataParallel: {option}=.* is not implemented"):
+        torch_tp.DistributedDataParallel(_mlp(), **{option: value})
+
+
+def _check_device_arguments():
+    """CPU module: torch's errors for device_ids/output_device, and what it keeps of them and of dim."""
+    model = _mlp()
+    for bad in (dict(device_ids=[0, 1]), dict(device_ids=[0]), dict(output_device=1),
+                dict(device_ids=[0], output_device=0)):
+        errors = []
+        for ddp_class in (torch_tp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+            with pytest.raises(ValueError) as info:
+                ddp_class(model, **bad)
+            errors.append(info)
+        assert "DistributedDataParallel" in str(errors[0].value)
+        assert all(str(v) in str(errors[0].value) for v in bad.values()), (bad, str(errors[0].value))
+    # As torch: an empty device_ids and a falsy output_device pass; dim is kept; the forward neither
+    # scatters the inputs along dim nor gathers the output.
+    x = _rank_input("mlp", 0)
+    outputs = []
+    for ddp_class in (torch_tp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        ddp = ddp_class(copy.deepcopy(model), device_ids=[], output_device=0, dim=1)
+        assert (ddp.device_ids, ddp.output_device, ddp.dim, ddp.device) == (None, None, 1, torch.device("cpu"))
+        outputs.append(ddp(x))
+    assert torch.equal(outputs[0], outputs[1]) and outputs[0].shape == (x.shape[0], 4)
+
+
+def test_device_arguments_match_torch_ddp(ranks):
+    ranks(2).run(_check_device_arguments)
+
+
+def _check_init_sync_off():
+    """init_sync=False: no wrap-time broadcast (each rank keeps its own weights), as torch's DDP."""
+    own = [p.detach().clone() for p in _build("mlp").parameters()]
+    _check_grads_against_torch("mlp", TINY_BUCKET_MB, False, steps=2, init_sync=False)
+    ddp = torch_tp.DistributedDataParallel(_build("mlp"), init_sync=False)
+    assert all(torch.equal(p, q) for p, q in zip(ddp.parameters(), own)), "init_sync=False changed the weights"
+    first = ddp.module[0].weight.detach().clone()
+    everyone = [torch.empty_like(first) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, first)
+    assert not torch.equal(everyone[0], everyone[1]), "_build gives each rank its own weights"
+
+
+def test_init_sync_false_keeps_each_ranks_weights(ranks):
+    ranks(2).run(_check_init_sync_off)
+
+
+# --- mixed precision -----------------------------------------------------------------------------
+
+# NOTE [torch's mixed precision on CPU] torch's DDP(mixed_precision=...) makes
+# torch.Stream()s and torch.Event()s for its parameter casts, which raise
+# without an accelerator. On the CPU every op is synchronous, so the reference
+# runs with stand-ins that do nothing; the arithmetic is torch's own.
+
+
+class _NoStream:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, stream):
+        pass
+
+
+class _NoEvent:
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+
+@contextlib.contextmanager
+def _cpu_streams():
+    if torch.accelerator.is_available():
+        yield
+        return
+    saved = torch.Stream, torch.Event, torch.accelerator.current_stream
+    torch.Stream, torch.Event, torch.accelerator.current_stream = _NoStream, _NoEvent, lambda *args: _NoStream()
+    try:
+        yield
+    finally:
+        torch.Stream, torch.Event, torch.accelerator.current_stream = saved
+
+
+def _check_mixed_precision(model_name, param_dtype, reduce_dtype, buffer_dtype, steps=3):
+    """Against torch's DDP with the same _MixedPrecision: gradients, parameters and buffers bitwise.
+    Both cast the same parameters and inputs to param_dtype, run the same ops on them, and sum the same
+    reduce_dtype buckets (same layout) then divide (NOTE [mixed precision] in torch_tp/ddp.py).
+
+    torch 2.14's first mixed-precision backward leaves garbage in .grad on this CPU build (its buckets
+    are built before it learns param_dtype, and are right once rebuilt after that backward): torch's
+    DDP gets a backward of its own first, which is thrown away, and the comparison starts after it
+    with the input our first backward saw, so that ours is checked on its initial buckets too."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    config = _MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=buffer_dtype)
+    model = _build(model_name)
+    ours = torch_tp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=TINY_BUCKET_MB,
+                                            mixed_precision=config)
+    with _cpu_streams():
+        theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=TINY_BUCKET_MB,
+                                                           mixed_precision=config)
+        with torch.no_grad():
+            saved = [t.clone() for t in theirs.module.state_dict().values()]
+        theirs(_rank_input(model_name, 0)).float().square().mean().backward()
+        theirs.zero_grad()
+        with torch.no_grad():  # undo the forward's running-stats update
+            for t, value in zip(theirs.module.state_dict().values(), saved):
+                t.copy_(value)
+    with pytest.raises(RuntimeError, match="mixed_precision=.* reduces the gradients with its own hook"):
+        ours.register_comm_hook(None, default_hooks.allreduce_hook)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    for step in range(steps):
+        x = _rank_input(model_name, step)
+        with _cpu_streams():
+            out_theirs = theirs(x)
+            out_theirs.float().square().mean().backward()
+        out_ours = ours(x)
+        out_ours.float().square().mean().backward()
+        assert out_ours.dtype == out_theirs.dtype == (param_dtype or torch.float32)
+        for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
+            assert p.dtype == q.dtype == torch.float32 and p.grad.dtype == q.grad.dtype == torch.float32, name
+        _assert_same_grads(ours, theirs, f"step {step}")
+        for (name, b), c in zip(ours.module.named_buffers(), theirs.module.buffers()):
+            assert b.dtype == c.dtype and torch.equal(b, c), f"step {step} buffer {name}"
+        opt_ours.step()
+        opt_theirs.step()
+        opt_ours.zero_grad()
+        opt_theirs.zero_grad()
+        for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
+            assert torch.equal(p, q), f"step {step} param {name}"
+    if param_dtype is not None:
+        # Not trivially so: the float32 model's gradients differ.
+        reference = copy.deepcopy(ours.module).float()
+        reference(_rank_input(model_name, 0).float()).square().mean().backward()
+        ours(_rank_input(model_name, 0)).float().square().mean().backward()
+        assert any(not torch.equal(p.grad, q.grad) for p, q in zip(reference.parameters(), ours.parameters()))
+
+
+@pytest.mark.parametrize("model_name,param_dtype,reduce_dtype,buffer_dtype", [
+    ("mlp", torch.bfloat16, None, None),
+    ("mlp", torch.bfloat16, torch.float32, None),
+    ("mlp", torch.float16, torch.float32, None),
+    ("conv_bn", torch.bfloat16, None, torch.bfloat16),
+])
+def test_mixed_precision_matches_torch_ddp(ranks, model_name, param_dtype, reduce_dtype, buffer_dtype):
+    ranks(2).run(_check_mixed_precision, model_name, param_dtype, reduce_dtype, buffer_dtype, timeout=300)
+
+
+# --- join: uneven inputs -------------------------------------------------------------------------
+
+# Batches per rank: every rank joins at a different step, and the last to
+# join is not rank 0 (whose buffers and bucket order are the defaults).
+JOIN_BATCHES = {2: [2, 4], 3: [4, 2, 3]}
+
+
+def _train_under_join(ddp, model_name, batches, **join_kwargs):
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with ddp.join(**join_kwargs):
+        for step in range(batches):
+            ddp(_rank_input(model_name, step)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _check_join(model_name, divide_by_initial_world_size, find_unused):
+    """join() against torch's DDP on the same uneven data: the final parameters and buffers.
+
+    Bitwise: on a rank still training both copy the same gradients into the same buckets with the same
+    multiplication by 1/divisor, the joined ranks add zeros to the same all-reduces, and the ranks that
+    update the parameters and the one the final broadcast comes from are the same."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = JOIN_BATCHES[world][rank]
+    model = _build(model_name)
+    kwargs = dict(bucket_cap_mb=TINY_BUCKET_MB, find_unused_parameters=find_unused)
+    ours = torch_tp.DistributedDataParallel(copy.deepcopy(model), **kwargs)
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), **kwargs)
+    initial = [p.detach().clone() for p in ours.parameters()]
+    for ddp in (ours, theirs):
+        _train_under_join(ddp, model_name, batches, divide_by_initial_world_size=divide_by_initial_world_size)
+    for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
+        assert torch.equal(p, q), f"{name}: max difference {(p - q).abs().max().item():.3e} from torch DDP"
+    assert not all(torch.equal(p, p0) for p, p0 in zip(ours.parameters(), initial)), "nothing was trained"
+    for (name, b), c in zip(ours.module.named_buffers(), theirs.module.buffers()):
+        assert torch.equal(b, c), f"buffer {name}"
+    # The final broadcast left every rank with the same model.
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    assert all(torch.equal(f, everyone[0]) for f in everyone)
+    return ours.reducer.has_rebuilt_buckets()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("divide_by_initial_world_size", [True, False])
+@pytest.mark.parametrize("model_name,find_unused", [("mlp", False), ("conv_bn", False), ("unused", True)])
+def test_join_matches_torch_ddp(ranks, world_size, divide_by_initial_world_size, model_name, find_unused):
+    rebuilt = ranks(world_size).run(_check_join, model_name, divide_by_initial_world_size, find_unused,
+                                    timeout=300)
+    assert rebuilt == [not find_unused] * world_size
+
+
+def _check_join_divisor():
+    """divide_by_initial_world_size=False divides by the ranks still training: rank 1 alone trains
+    the last step, so its gradient there is its own, undivided."""
+    model = _build("mlp")
+    ddp = torch_tp.DistributedDataParallel(copy.deepcopy(model))
+    reference = copy.deepcopy(ddp.module)  # rank 0's weights, as broadcast
+    grads = {}
+    with ddp.join(divide_by_initial_world_size=False):
+        for step in range(JOIN_BATCHES[2][dist.get_rank()]):
+            ddp(_rank_input("mlp", step)).square().mean().backward()
+            grads[step] = [p.grad.clone() for p in ddp.parameters()]
+            ddp.zero_grad()
+    if dist.get_rank() == 1:
+        reference(_rank_input("mlp", 3)).square().mean().backward()
+        for (name, p), g in zip(reference.named_parameters(), grads[3]):
+            assert torch.equal(g, p.grad), f"{name}: a rank alone divides by 1"
+
+
+def test_join_divides_by_the_ranks_still_training(ranks):
+    ranks(2).run(_check_join_divisor)
+
+
+def _check_join_throws():
+    """throw_on_early_termination=True: every rank raises as soon as one runs out, with torch's messages."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    messages = []
+    for ddp_class in (torch_tp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        ddp = ddp_class(_build("mlp"))
+        with pytest.raises(RuntimeError) as info:
+            _train_under_join(ddp, "mlp", JOIN_BATCHES[world][rank], throw_on_early_termination=True)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    return messages[0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_throw_on_early_termination(ranks, world_size):
+    messages = ranks(world_size).run(_check_join_throws)
+    first = JOIN_BATCHES[world_size].index(min(JOIN_BATCHES[world_size]))
+    assert messages[first] == f"Rank {first} exhausted all inputs."
+    assert all("Detected at least one rank that exhausted inputs" in m for r, m in enumerate(messages) if r != first)
