@@ -27,6 +27,25 @@ __all__ = [
 
 GroupLike = Optional[Union[dist.ProcessGroup, DeviceMesh, str]]
 
+# NOTE [collectives are not dead code]
+# The ops are functional: each returns a new tensor, and nothing else in a
+# traced graph says that it communicates. A compiler may therefore drop a call
+# whose result it can do without, and what it can do without differs between
+# ranks: on a rank whose shard is empty (torch.chunk of 4 rows over 3 ranks
+# gives the last one none), inductor replaces the reduce-scatter's empty
+# output by a constant and drops the call, and the other ranks wait for that
+# rank forever. So every op that communicates is marked as having a side
+# effect, which keeps FX's and inductor's dead-code elimination off it on every
+# rank (torch marks its functional collectives' wait_tensor the same way).
+_COMMUNICATING_OPS = (
+    "all_reduce", "all_gather", "reduce_scatter", "copy_to_tp_region", "reduce_from_tp_region",
+    "column_parallel_linear", "row_parallel_linear", "vocab_parallel_embedding", "column_parallel_embedding",
+    "_column_parallel_linear_forward", "_column_parallel_linear_backward", "_row_parallel_linear_backward",
+)
+for _name in _COMMUNICATING_OPS:
+    torch.fx.node.has_side_effect(getattr(torch.ops.torch_tp, _name).default)
+
+
 
 def group_name(group: GroupLike) -> str:
     r"""Return the registered name of ``group``, the string the ops take.

@@ -10,7 +10,7 @@ is differentiated by taking this rank's piece of the gradient, and a split
 from ``Replicate`` by gathering the pieces; neither sums.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +26,7 @@ __all__ = [
     "gather_to_replicated_dtensor",
     "normalize",
     "partial_grad_local",
+    "record_shard",
     "split_replicated",
     "to_dtensor",
     "tp_group",
@@ -147,15 +148,53 @@ def gather_replicated(x: torch.Tensor, dim: int, group: TPGroup, full_size: Opti
 
 
 def split_replicated(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
-    return _SplitReplicated.apply(x, dim, group.name, group.rank, group.size)
+    piece = _SplitReplicated.apply(x, dim, group.name, group.rank, group.size)
+    record_shard(piece, Shard(dim), group, x.shape)
+    return piece
 
 
-def from_dtensor(x, declared: Placement) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
+# NOTE [global sizes of plain shards]
+# A plain tensor carries no global shape, and torch.chunk pieces need not be
+# even (a sequence of 16 over 3 ranks: 6, 6, 4), so a plain Shard(d) input
+# does not say how many rows the gather must produce. Under torchtitan's plan
+# the sequence shards between the layers are plain tensors: the embedding and
+# the row-parallel wo/w2 hand them back with use_local_output=True, and the
+# residual adds make new tensors, so nothing can ride on the tensor itself.
+# But torch_tp made those shards and knew their global size then. Each style
+# that produces a Shard(d) piece records the global size under (group, ndim,
+# d); a style that takes a plain Shard(d) input reads it back when this
+# rank's torch.chunk piece of the recorded size is the input's local size.
+# Every rank runs the same program and records the same size (the global
+# shape is the same on every rank), so every rank reads the same one and the
+# gathers agree. Without a fitting record (a shard torch_tp did not make), the
+# pieces are taken to be even, as DTensor.from_local takes them; an input in
+# uneven pieces must then come as a DTensor, which carries its global shape.
+_shard_sizes: Dict[Tuple[str, int, int], int] = {}
+
+
+def record_shard(local: torch.Tensor, placement: Placement, group: TPGroup, global_shape) -> None:
+    """NOTE [global sizes of plain shards]: ``local`` is this rank's ``placement`` piece of ``global_shape``."""
+    if isinstance(placement, Shard):
+        _shard_sizes[(group.name, local.dim(), placement.dim)] = global_shape[placement.dim]
+
+
+def _recorded_global_shape(local: torch.Tensor, dim: int, group: TPGroup) -> Optional[torch.Size]:
+    size = _shard_sizes.get((group.name, local.dim(), dim))
+    if size is None or chunk_range(size, group.size, group.rank)[1] != local.size(dim):
+        return None
+    shape = list(local.shape)
+    shape[dim] = size
+    return torch.Size(shape)
+
+
+def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
     """``(local tensor, its placement, global shape or None)``.
 
     A DTensor brings its own placement and global shape; a plain tensor is
-    taken to be in the ``declared`` layout, with shards of equal size (as
-    ``DTensor.from_local`` assumes), so its global shape is unknown here.
+    taken to be in the ``declared`` layout. A plain ``Shard(d)`` piece that a
+    torch_tp style produced has the global shape recorded then (NOTE [global
+    sizes of plain shards]); otherwise it is unknown here (None), and the
+    caller takes the pieces to be even, as ``DTensor.from_local`` does.
     """
     if isinstance(x, DTensor):
         if x.device_mesh.ndim != 1:
@@ -163,10 +202,31 @@ def from_dtensor(x, declared: Placement) -> Tuple[torch.Tensor, Placement, Optio
         local = getattr(x, LOCAL_ATTR, None)
         if local is None:
             local = x.to_local()
-        return local, normalize(x.placements[0], x.ndim), x.shape
-    if not isinstance(x, torch.Tensor):
+        placement, global_shape = normalize(x.placements[0], x.ndim), x.shape
+    elif isinstance(x, torch.Tensor):
+        local, placement = x, normalize(declared, x.ndim)
+        global_shape = _recorded_global_shape(x, placement.dim, group) if isinstance(placement, Shard) else None
+    else:
         raise TypeError(f"torch_tp: expected a torch.Tensor or DTensor input, got {type(x).__name__}")
-    return x, normalize(declared, x.ndim), None
+    if isinstance(placement, Shard) and global_shape is not None and torch.compiler.is_compiling():
+        _refuse_empty_pieces_under_compile(global_shape, placement.dim, group)
+    return local, placement, global_shape
+
+
+def _refuse_empty_pieces_under_compile(global_shape: torch.Size, dim: int, group: TPGroup) -> None:
+    """Each rank compiles its own graph for its own piece. A rank whose piece is empty has
+    no data dependence between the layers it runs, so its compiled backward may issue the
+    collectives in another order than the other ranks' (it did for a Llama block: the
+    attention's before the MLP's), and they would exchange the wrong tensors. Every rank
+    knows every piece's size, so every rank refuses, before any communication."""
+    size = global_shape[dim]
+    empty = [rank for rank in range(group.size) if chunk_range(size, group.size, rank)[1] == 0]
+    if empty:
+        raise ValueError(
+            f"torch_tp: under torch.compile, a size of {size} along dim {dim} (global shape "
+            f"{tuple(global_shape)}) over {group.size} ranks leaves rank(s) {empty} an empty torch.chunk piece, "
+            "whose compiled graph may order the collectives differently from the other ranks'. Use a size "
+            "that gives every rank at least one row, or run this model eagerly, where empty pieces work.")
 
 
 def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape) -> DTensor:

@@ -62,6 +62,7 @@ from ._layout import (
     gather_to_replicated_dtensor,
     normalize,
     partial_grad_local,
+    record_shard,
     to_dtensor,
     tp_group,
 )
@@ -277,6 +278,7 @@ class RowwiseParallel(_ShardedModuleStyle):
 
 
 def _finish(self, local: torch.Tensor, placement: Placement, global_shape) -> Any:
+    record_shard(local, placement, self._tp_group, global_shape)
     if self._tp_use_local_output:
         return local
     return to_dtensor(local, self._tp_mesh, placement, global_shape)
@@ -313,7 +315,7 @@ def _colwise_linear_forward(self, x):
         out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
                                                          self._tp_group.name, partial_grad_input=True)
         return _output_sharded_on_last(self, out, self.out_features)
-    local, layout, global_shape = from_dtensor(x, self._tp_input_layout)
+    local, layout, global_shape = from_dtensor(x, self._tp_input_layout, self._tp_group)
     dim = _gather_dim(self, layout, local.dim())
     full = None if dim is None or global_shape is None else global_shape[dim]
     out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
@@ -322,7 +324,7 @@ def _colwise_linear_forward(self, x):
 
 
 def _colwise_embedding_forward(self, ids):
-    local, layout, global_shape = from_dtensor(ids, self._tp_input_layout)
+    local, layout, global_shape = from_dtensor(ids, self._tp_input_layout, self._tp_group)
     dim = _gather_dim(self, layout, local.dim() + 1)
     full = None if dim is None or global_shape is None else global_shape[dim]
     out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
@@ -341,7 +343,7 @@ def _rowwise_scatter_dim(self, ndim: int) -> Optional[int]:
 
 
 def _rowwise_linear_forward(self, x):
-    local, layout, _ = from_dtensor(x, self._tp_input_layout)
+    local, layout, _ = from_dtensor(x, self._tp_input_layout, self._tp_group)
     last = Shard(local.dim() - 1)
     if layout != last:
         local = convert(local, layout, last, self._tp_group, None)
@@ -354,7 +356,7 @@ def _rowwise_linear_forward(self, x):
 
 
 def _rowwise_embedding_forward(self, ids):
-    local, layout, global_shape = from_dtensor(ids, self._tp_input_layout)
+    local, layout, global_shape = from_dtensor(ids, self._tp_input_layout, self._tp_group)
     if isinstance(layout, Shard):
         full = None if global_shape is None else global_shape[layout.dim]
         local = torch.ops.torch_tp.all_gather(local, layout.dim, self._tp_group.name, full)
@@ -458,7 +460,7 @@ def _sequence_parallel_forward(self, *args, **kwargs):
     sharding = self._tp_sequence_sharding
     global_shape = None
     if args:
-        local, layout, global_shape = from_dtensor(args[0], sharding)
+        local, layout, global_shape = from_dtensor(args[0], sharding, self._tp_group)
         wanted = normalize(sharding, local.dim())
         if layout != wanted:
             local = convert(local, layout, wanted, self._tp_group, global_shape)
@@ -474,12 +476,18 @@ def _sequence_parallel_forward(self, *args, **kwargs):
     finally:
         for name, value in set_aside.items():
             _set_parameter_slot(self, name, value)
-    if self._tp_use_local_output or not isinstance(output, torch.Tensor):
+    if not isinstance(output, torch.Tensor):
         return output
     wanted = normalize(sharding, output.dim())
-    if global_shape is None:
+    if global_shape is None or len(global_shape) != output.dim():
         global_shape = list(output.shape)
         global_shape[wanted.dim] *= self._tp_group.size
+    else:  # the input's global size along the sequence, the output's other sizes
+        global_shape = output.shape[:wanted.dim] + global_shape[wanted.dim:wanted.dim + 1] \
+            + output.shape[wanted.dim + 1:]
+    record_shard(output, wanted, self._tp_group, global_shape)
+    if self._tp_use_local_output:
+        return output
     return to_dtensor(output, self._tp_mesh, wanted, global_shape)
 
 
@@ -494,7 +502,7 @@ def _prepare(value, mesh: DeviceMesh, group: TPGroup, layout: Optional[Placement
     """One input or output: annotate it with ``layout``, move it to ``desired``."""
     if layout is None:
         return value
-    local, actual, global_shape = from_dtensor(value, layout)
+    local, actual, global_shape = from_dtensor(value, layout, group)
     target = actual if desired is None else normalize(desired, local.dim())
     if use_local_output:
         return local if target == actual else convert(local, actual, target, group, global_shape)
