@@ -435,14 +435,79 @@ def _run_errors():
                 r"replicated", lambda: F.cross_entropy(flat, sharded))
     if dist.get_world_size() == 4:
         mesh2d = init_device_mesh("cpu", (2, 2))
-        x2d = distribute_tensor(torch.randn(4, vocab), mesh2d, [Replicate(), Shard(1)])
-        _expect(NotImplementedError, r"loss_parallel: cross_entropy: input is a DTensor on a 2-D DeviceMesh",
-                lambda: F.cross_entropy(x2d, labels[:4]))
+        x2d = distribute_tensor(torch.randn(4, vocab), mesh2d, [Shard(0), Shard(1)])
+        _expect(ValueError, r"loss_parallel: cross_entropy: target must be a DTensor on the input's mesh with "
+                r"placements \(Shard\(dim=0\), Replicate\(\)\)", lambda: F.cross_entropy(x2d, labels[:4]))
+        t2d = distribute_tensor(labels[:4].clamp(0, vocab - 1), mesh2d, [Shard(0), Replicate()])
+        _expect(NotImplementedError, r"loss_parallel: cross_entropy: reduction='mean' on a 2-D DeviceMesh",
+                lambda: F.cross_entropy(x2d, t2d))
+        both = distribute_tensor(torch.randn(4, vocab), mesh2d, [Shard(1), Shard(1)])
+        _expect(ValueError, r"loss_parallel: cross_entropy: input must be sharded on its class dim 1 by "
+                r"exactly one mesh dim", lambda: F.cross_entropy(both, labels[:4], reduction="sum"))
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_errors(ranks, world_size):
     ranks(world_size).run(_run_errors)
+
+
+# ---------------------------------------------------------------- a 2-D mesh
+
+
+# (input shape, input placements on a (2, 2) mesh), torch's documented cases: the classes
+# on one mesh dim, a batch (or sequence) dim on the other.
+CASES_2D = [
+    ((8, 10), (Shard(0), Shard(1))),
+    ((8, 10), (Replicate(), Shard(1))),
+    ((4, 10, 6), (Shard(2), Shard(1))),
+    ((4, 10, 6), (Shard(0), Shard(1))),
+    ((8, 10), (Shard(1), Shard(0))),  # the classes on mesh dim 0
+]
+
+
+def _run_2d():
+    """NOTE [loss_parallel on a multi-dimensional mesh]: cross_entropy, log_softmax + nll_loss
+    with reduction "sum" and "none" give torch's loss_parallel's placements and values, and the
+    unsharded F.cross_entropy's values and input gradients (VS_UNSHARDED)."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    gen = torch.Generator().manual_seed(3)
+    for shape, placements in CASES_2D:
+        full = torch.randn(*shape, generator=gen)
+        labels = torch.randint(0, shape[1], shape[:1] + shape[2:], generator=gen)
+        labels.view(-1)[1] = -100  # an ignored row
+        class_mesh_dim = next(i for i, p in enumerate(placements) if p == Shard(1))
+        target_placements = tuple(
+            Replicate() if i == class_mesh_dim or not isinstance(p, Shard) else Shard(p.dim - (p.dim > 1))
+            for i, p in enumerate(placements))
+        for reduction in ("sum", "none"):
+            for how in ("cross_entropy", "log_softmax+nll_loss"):
+                def loss_of(x, t, ctx):
+                    with ctx():
+                        if how == "cross_entropy":
+                            return F.cross_entropy(x, t, reduction=reduction)
+                        return F.nll_loss(F.log_softmax(x, 1), t, reduction=reduction)
+
+                what = f"{shape} {placements} {reduction} {how}"
+                ref_x = full.clone().requires_grad_()
+                expected = loss_of(ref_x, labels, torch.enable_grad)
+                expected.sum().backward()
+                results = {}
+                for name, ctx in (("torch_tp", loss_parallel), ("torch", torch_loss_parallel)):
+                    x = distribute_tensor(full, mesh, placements).requires_grad_()
+                    t = distribute_tensor(labels, mesh, target_placements)
+                    out = loss_of(x, t, ctx)
+                    with ctx():
+                        out.sum().backward()
+                    results[name] = out
+                    _close(out, expected, VS_UNSHARDED, f"{what}: {name} loss")
+                    _close(x.grad, ref_x.grad, VS_UNSHARDED, f"{what}: {name} grad")
+                ours, theirs = results["torch_tp"], results["torch"]
+                assert ours.placements == theirs.placements, f"{what}: {ours.placements} vs {theirs.placements}"
+                assert ours.shape == theirs.shape, f"{what}: {ours.shape} vs {theirs.shape}"
+
+
+def test_2d_mesh_matches_torch(ranks):
+    ranks(4).run(_run_2d, timeout=300)
 
 
 # ---------------------------------------------------------------- plain tensors and the context

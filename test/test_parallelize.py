@@ -20,6 +20,7 @@ themselves are compared before each step.
 
 import copy
 import os
+import subprocess
 import sys
 import warnings
 
@@ -342,6 +343,12 @@ def _check_style_options():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4 * world_size, 16, generator=gen)
     ids = torch.randint(0, 10, (2, 4 * world_size), generator=gen)
+    flat_ids = torch.randint(0, 10, (6,), generator=gen)
+    batch = torch.randn(2 * world_size, 4 * world_size, 16, generator=gen)
+    inputs = {
+        "seq": torch_tp.shard(x, 1),  # a plain sequence shard
+        "batch": DTensor.from_local(torch_tp.shard(batch, 0), mesh, [Shard(0)], run_check=False),
+    }
     cases = [
         (lambda: nn.Linear(16, 12), lambda lib: lib.ColwiseParallel(), x),
         (lambda: nn.Linear(16, 12), lambda lib: lib.ColwiseParallel(output_layouts=Replicate()), x),
@@ -355,10 +362,16 @@ def _check_style_options():
         (lambda: nn.Embedding(10, 8), lambda lib: lib.RowwiseParallel(input_layouts=Replicate()), ids),
         (lambda: nn.Embedding(10, 8), lambda lib: lib.RowwiseParallel(input_layouts=Replicate(),
                                                                         output_layouts=Shard(1)), ids),
+        # Shard(1) of a [6, 8] output: the embedding dim.
+        (lambda: nn.Embedding(10, 8 * world_size), lambda lib: lib.RowwiseParallel(input_layouts=Replicate(),
+                                                                                     output_layouts=Shard(1)),
+         flat_ids),
         (lambda: nn.Embedding(10, 8), lambda lib: lib.ColwiseParallel(), ids),
         (lambda: nn.Embedding(10, 8), lambda lib: lib.ColwiseParallel(output_layouts=Replicate()), ids),
         (lambda: nn.LayerNorm(16), lambda lib: lib.SequenceParallel(), "seq"),
         (lambda: nn.LayerNorm(16), lambda lib: lib.SequenceParallel(use_local_output=True), "seq"),
+        # A batch-sharded DTensor: redistributed to the sequence dim first, as torch does.
+        (lambda: nn.LayerNorm(16), lambda lib: lib.SequenceParallel(), "batch"),
     ]
     for make, style, inp in cases:
         torch.manual_seed(1)
@@ -366,7 +379,7 @@ def _check_style_options():
         ours, theirs = copy.deepcopy(reference), copy.deepcopy(reference)
         torch_tp.parallelize_module(ours, mesh, style(torch_tp))
         torch_tp_api.parallelize_module(theirs, mesh, style(torch_tp_api))
-        value = torch_tp.shard(x, 1) if isinstance(inp, str) else inp
+        value = inputs[inp] if isinstance(inp, str) else inp
         out_ours, out_theirs = ours(value), theirs(value)
         what = f"{type(reference).__name__} {style(torch_tp)!r}"
         assert isinstance(out_ours, DTensor) == isinstance(out_theirs, DTensor), f"{what}: output type"
@@ -612,3 +625,42 @@ def _check_llama_loss_parallel():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_llama_loss_parallel_matches_torch(ranks, world_size):
     ranks(world_size).run(_check_llama_loss_parallel, timeout=300)
+
+
+# ---------------------------------------------------------------- LocalTensorMode
+
+_LOCAL_TENSOR_MODE_SCRIPT = """
+import copy, torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import torch_tp
+dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+with LocalTensorMode(2):
+    mesh = init_device_mesh("cpu", (2,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    torch_tp.parallelize_module(model, mesh, {"0": torch_tp.ColwiseParallel(), "2": torch_tp.RowwiseParallel()})
+    try:
+        model(torch.randn(3, 8))
+    except NotImplementedError as e:
+        print("refused:", e)
+    x = torch.randn(4, 2)
+    try:
+        torch_tp.ops.all_reduce(x, "sum", mesh)
+    except NotImplementedError as e:
+        print("refused:", e)
+"""
+
+
+def test_local_tensor_mode_is_refused():
+    """torch's LocalTensorMode (all ranks simulated in one process over a fake process group,
+    whose collectives move no data) made the ops return wrong values; every op refuses it
+    (NOTE [refused under LocalTensorMode] in torch_tp/ops.py). A process of its own: the fake
+    group becomes the default group."""
+    done = subprocess.run([sys.executable, "-c", _LOCAL_TENSOR_MODE_SCRIPT], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refusals = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2, done.stdout
+    assert "torch_tp._column_parallel_linear_forward" in refusals[0] and "LocalTensorMode" in refusals[0]
+    assert "torch_tp.all_reduce" in refusals[1] and "fake process group" in refusals[1]

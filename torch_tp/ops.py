@@ -46,6 +46,30 @@ for _name in _COMMUNICATING_OPS:
     torch.fx.node.has_side_effect(getattr(torch.ops.torch_tp, _name).default)
 
 
+# NOTE [refused under LocalTensorMode]
+# torch's LocalTensorMode simulates all ranks in one process: each op runs once
+# per simulated rank on that rank's tensor, and torch's own collectives are
+# mapped onto the other ranks' tensors. torch_tp's ops would run their kernels
+# per rank against the fake process group, whose collectives move no data:
+# wrong values, silently. Until the ops have a simulation of their own, every
+# op refuses the mode (and its LocalTensor arguments) with a clear error.
+def _refuse_local_tensors(_mode_or_class, func, _types, _args, _kwargs):
+    raise NotImplementedError(
+        f"{func}: torch's LocalTensorMode simulates the ranks in one process over a fake process group, "
+        "whose collectives move no data, so torch_tp's ops would return wrong values there; run under "
+        "torchrun on a real backend (gloo, nccl or torch_tp), or use torch's own tensor parallelism "
+        "for LocalTensorMode")
+
+
+try:
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+except ImportError:  # a torch without LocalTensorMode
+    pass
+else:
+    for _name in _COMMUNICATING_OPS:
+        for _mode_or_class in (LocalTensorMode, LocalTensor):
+            torch.library.register_torch_dispatch(f"torch_tp::{_name}", _mode_or_class, _refuse_local_tensors)
+
 
 def group_name(group: GroupLike) -> str:
     r"""Return the registered name of ``group``, the string the ops take.

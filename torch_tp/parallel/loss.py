@@ -5,7 +5,8 @@ Inside ``with loss_parallel():`` a :class:`torch.overrides.TorchFunctionMode`
 intercepts ``F.cross_entropy`` (so ``nn.CrossEntropyLoss``), ``F.nll_loss``
 (``nn.NLLLoss``) and ``log_softmax`` (``F.``, ``torch.``, ``torch.special.``,
 ``Tensor.``; ``nn.LogSoftmax``) when their input is a DTensor sharded on the
-class dimension over a 1-D DeviceMesh: the output of
+class dimension by one mesh dim (NOTE [loss_parallel on a multi-dimensional
+mesh] for the others): the output of
 ``ColwiseParallel(use_local_output=False)`` on the output projection. It
 unwraps the local shard and computes on plain tensors with
 ``torch.ops.torch_tp.all_reduce``. Everything else, plain tensors included,
@@ -48,7 +49,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from ..ops import chunk_range
@@ -69,40 +70,69 @@ def _err(fn: str, msg: str) -> str:
 class _ClassShard:
     """Where the classes of a class-sharded DTensor live."""
 
-    group: str  # the mesh's process group name
+    group: str  # the process group name of the mesh dim that shards the classes
+    mesh_dim: int  # that mesh dim (0 on a 1-D mesh)
     start: int  # first class this rank holds
     length: int  # classes this rank holds (0 for a rank past the last piece)
     num_classes: int  # V, the global size of the class dim
 
 
+# NOTE [loss_parallel on a multi-dimensional mesh]
+# As torch's: exactly one mesh dim shards the class dim (the TP dim); each other
+# mesh dim shards another tensor dim (a batch dim: data or context parallelism)
+# or replicates. The classes are reduced over the TP dim's group only; every
+# other mesh dim is carried through. So the target is sharded like the input
+# without its class dim (the TP dim replicated, Shard(d) for d > class dim
+# shifted down), reduction="none" is sharded like the target, and "sum" is
+# Replicate() on the TP dim and Partial() on each batch-sharded dim (each rank
+# summed its own rows). "mean" would need the global count of rows and is
+# refused, as torch refuses it.
+
+
 def _class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
-    """Check that ``x`` is sharded on ``dim`` (normalized) over a 1-D mesh, as
-    torch.chunk pieces, and say which classes this rank holds."""
+    """Check that ``x`` is sharded on ``dim`` (normalized) over exactly one mesh dim, as
+    torch.chunk pieces, and say which classes this rank holds (NOTE [loss_parallel on a
+    multi-dimensional mesh])."""
     mesh: DeviceMesh = x.device_mesh
-    if mesh.ndim != 1:
-        raise NotImplementedError(_err(
-            fn, f"{what} is a DTensor on a {mesh.ndim}-D DeviceMesh (placements {x.placements}); "
-            "torch_tp handles a 1-D mesh: slice the tensor-parallel dim (e.g. mesh['tp']), "
-            "or use torch.distributed.tensor.parallel.loss_parallel"))
-    (placement,) = x.placements
-    sharded = type(placement) is Shard and placement.dim % max(x.ndim, 1) == dim
-    if not sharded:
+    on_dim = [i for i, p in enumerate(x.placements) if type(p) is Shard and p.dim % max(x.ndim, 1) == dim]
+    if not on_dim:
+        last_dim_sharded = x.ndim > 2 and any(type(p) is Shard and p.dim % x.ndim == x.ndim - 1
+                                              for p in x.placements)
         raise ValueError(_err(
             fn, f"{what} must be sharded on its class dim {dim} (Shard({dim}) or Shard(-1) when "
             f"it is the last dim), got placements {x.placements} for shape {tuple(x.shape)}"
             + ("; for [batch, seq, vocab] logits flatten them first: "
-               "F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))"
-               if type(placement) is Shard and x.ndim > 2 and placement.dim % x.ndim == x.ndim - 1
-               else "")))
+               "F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))" if last_dim_sharded else "")))
+    if len(on_dim) > 1:
+        raise ValueError(_err(
+            fn, f"{what} must be sharded on its class dim {dim} by exactly one mesh dim, got placements "
+            f"{x.placements} on {mesh}"))
+    if any(i != on_dim[0] and not isinstance(p, (Shard, Replicate)) for i, p in enumerate(x.placements)):
+        raise ValueError(_err(
+            fn, f"{what}'s mesh dims other than the class-sharding one must be Shard or Replicate, got "
+            f"placements {x.placements}"))
+    mesh_dim = on_dim[0]
     num_classes = x.shape[dim]
-    world, rank = mesh.size(), mesh.get_local_rank()
+    world, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     start, length = chunk_range(num_classes, world, rank)
     local = x._local_tensor.size(dim)
     if local != length:
         raise ValueError(_err(
             fn, f"{what}'s local shard holds {local} of {num_classes} classes on mesh rank {rank} "
             f"of {world}, but torch.chunk gives it {length}; shards must be torch.chunk pieces"))
-    return _ClassShard(mesh.get_group().group_name, start, length, num_classes)
+    return _ClassShard(mesh.get_group(mesh_dim).group_name, mesh_dim, start, length, num_classes)
+
+
+def _target_placements(x: DTensor, class_dim: int, shard: _ClassShard) -> Tuple[Placement, ...]:
+    """The input's placements without its class dim (NOTE [loss_parallel on a multi-dimensional mesh])."""
+    placements = []
+    for i, p in enumerate(x.placements):
+        if i == shard.mesh_dim or not isinstance(p, Shard):
+            placements.append(Replicate())
+        else:
+            d = p.dim % x.ndim
+            placements.append(Shard(d - 1 if d > class_dim else d))
+    return tuple(placements)
 
 
 def _replicated_local(t: torch.Tensor, mesh: DeviceMesh, fn: str, what: str) -> torch.Tensor:
@@ -116,9 +146,25 @@ def _replicated_local(t: torch.Tensor, mesh: DeviceMesh, fn: str, what: str) -> 
     return t
 
 
-def _check_target(target: Any, x: DTensor, class_dim: int, mesh: DeviceMesh, fn: str) -> torch.Tensor:
+def _check_target(target: Any, x: DTensor, class_dim: int, placements: Tuple[Placement, ...], fn: str
+                  ) -> torch.Tensor:
     if not isinstance(target, torch.Tensor):
         raise TypeError(_err(fn, f"target must be a Tensor, got {type(target).__name__}"))
+    mesh = x.device_mesh
+    expected = x.shape[:class_dim] + x.shape[class_dim + 1:]
+    if any(isinstance(p, Shard) for p in placements):  # a batch-sharded mesh dim: the target must say so
+        if not isinstance(target, DTensor) or target.device_mesh != mesh or tuple(target.placements) != placements:
+            got = (f"placements {tuple(target.placements)} on {target.device_mesh}" if isinstance(target, DTensor)
+                   else "a plain tensor")
+            raise ValueError(_err(
+                fn, f"target must be a DTensor on the input's mesh with placements {placements} (the input's "
+                f"{tuple(x.placements)} without the class dim), got {got}"))
+        if target.shape != expected:
+            raise ValueError(_err(
+                fn, f"target.shape={tuple(target.shape)} does not match input.shape={tuple(x.shape)} "
+                f"without the class dim {class_dim}: expected {tuple(expected)}"))
+        target = target.to_local()
+        expected = x._local_tensor.shape[:class_dim] + x._local_tensor.shape[class_dim + 1:]
     target = _replicated_local(target, mesh, fn, "target")
     if target.is_floating_point() or target.is_complex():
         raise NotImplementedError(_err(
@@ -128,7 +174,6 @@ def _check_target(target: Any, x: DTensor, class_dim: int, mesh: DeviceMesh, fn:
         raise TypeError(_err(fn, "target must hold integer class indices, got dtype torch.bool"))
     if target.device != x.device:
         raise ValueError(_err(fn, f"target is on {target.device} but input is on {x.device}"))
-    expected = x.shape[:class_dim] + x.shape[class_dim + 1:]
     if target.shape != expected:
         raise ValueError(_err(
             fn, f"target.shape={tuple(target.shape)} does not match input.shape={tuple(x.shape)} "
@@ -345,8 +390,15 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
         raise TypeError(_err(fn, f"input must be floating point, got dtype {input.dtype}"))
     shard = _class_shard(input, class_dim, fn, "input")
     mesh = input.device_mesh
-    target = _check_target(target, input, class_dim, mesh, fn)
+    target_placements = _target_placements(input, class_dim, shard)
+    global_target_shape = input.shape[:class_dim] + input.shape[class_dim + 1:]
+    target = _check_target(target, input, class_dim, target_placements, fn)
     weight = _check_weight(weight, mesh, shard.num_classes, fn)
+    if mesh.ndim > 1 and reduction == "mean":
+        raise NotImplementedError(_err(
+            fn, f"reduction='mean' on a {mesh.ndim}-D DeviceMesh: each rank holds only its rows, so their mean "
+            "is not the global mean (torch's loss_parallel refuses it too); use reduction='sum' or 'none' and "
+            "divide by the global count"))
     if not isinstance(ignore_index, int):
         raise TypeError(_err(fn, f"ignore_index must be an int, got {ignore_index!r}"))
     dtype = _compute_dtype(input.dtype)
@@ -356,12 +408,25 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
     if not cross_entropy and record is not None and record.dim == class_dim \
             and record.versions == _versions(input):
         # NOTE [log_softmax then nll_loss]: differentiate straight into the logits.
-        return _CrossEntropy.apply(record.x, target, w, reduction, shard,
+        loss = _CrossEntropy.apply(record.x, target, w, reduction, shard,
                                    (record.m, record.sum_exp, record.logp))
-    local = input.to_local().movedim(class_dim, -1)
-    if cross_entropy:
-        return _CrossEntropy.apply(local, target, w, reduction, shard, None)
-    return _NLLLoss.apply(local, target, w, reduction, shard)
+    else:
+        local = input.to_local().movedim(class_dim, -1)
+        if cross_entropy:
+            loss = _CrossEntropy.apply(local, target, w, reduction, shard, None)
+        else:
+            loss = _NLLLoss.apply(local, target, w, reduction, shard)
+    if mesh.ndim == 1:
+        return loss  # complete on every rank
+    # NOTE [loss_parallel on a multi-dimensional mesh]
+    if reduction == "none":
+        placements, shape = target_placements, global_target_shape
+    else:
+        placements = tuple(Replicate() if i == shard.mesh_dim else Partial() if isinstance(p, Shard) else p
+                           for i, p in enumerate(input.placements))
+        shape = torch.Size()
+    return DTensor.from_local(loss, mesh, placements, run_check=False, shape=shape,
+                              stride=_contiguous_stride(shape))
 
 
 def _cross_entropy_args(input, target, weight=None, size_average=None, ignore_index=-100,
@@ -412,7 +477,7 @@ def _log_softmax_dt(x: DTensor, dim: Any, dtype: Optional[torch.dtype]) -> Any:
     local = local.movedim(dim, -1)
     logp, m, sum_exp = _LogSoftmax.apply(local, shard.group)
     out_local = logp.movedim(-1, dim).contiguous()
-    out = DTensor.from_local(out_local, x.device_mesh, [Shard(dim)], run_check=False,
+    out = DTensor.from_local(out_local, x.device_mesh, x.placements, run_check=False,
                              shape=x.shape, stride=_contiguous_stride(x.shape))
     setattr(out, _RECORD, _LogSoftmaxRecord(local, m, sum_exp, logp.detach(), dim, _versions(out)))
     return out
@@ -481,7 +546,7 @@ def loss_parallel() -> Iterator[None]:
     ``torch.special.``, ``Tensor.``; :class:`~torch.nn.LogSoftmax`) compute
     vocab-parallel results when their input is a
     :class:`~torch.distributed.tensor.DTensor` sharded on the class dimension
-    (dim 1, or 0 for a 1-D input) over a 1-D DeviceMesh, e.g. the output of
+    (dim 1, or 0 for a 1-D input) by one dim of a DeviceMesh, e.g. the output of
     ``ColwiseParallel(use_local_output=False)`` on the output projection,
     flattened to ``[batch * seq, vocab]``. A vocabulary that does not divide
     the mesh size is split as ``torch.chunk`` splits it. Calls on plain tensors
@@ -495,7 +560,9 @@ def loss_parallel() -> Iterator[None]:
             placements ``(Shard(class_dim),)``; ``Shard(-1)`` when the class
             dim is the last one.
         target (Tensor or DTensor): class indices, replicated: a plain tensor
-            (the same on every rank) or a ``Replicate()`` DTensor. Class
+            (the same on every rank) or a ``Replicate()`` DTensor. On a mesh
+            whose other dims shard a batch dim, a DTensor sharded like the
+            input without its class dim (as torch requires). Class
             probabilities are not supported.
         weight (Tensor or DTensor, optional): a replicated rescaling weight of
             one entry per class.
@@ -508,7 +575,11 @@ def loss_parallel() -> Iterator[None]:
         DTensor holding the same value: ``.backward()``, ``.item()``,
         ``.detach()``, arithmetic and logging behave the same; DTensor-only
         methods (``.full_tensor()``, ``.to_local()``, ``.placements``) do not
-        exist on it. ``log_softmax`` returns a DTensor sharded like its input.
+        exist on it. On a multi-dimensional mesh they return torch's DTensors:
+        ``reduction="none"`` sharded like the target, ``"sum"`` ``Replicate()``
+        on the class dim's mesh dim and ``Partial()`` on batch-sharded ones;
+        ``"mean"`` is refused there, as by torch. ``log_softmax`` returns a
+        DTensor sharded like its input.
 
     Differences from torch's loss_parallel:
 
@@ -519,7 +590,7 @@ def loss_parallel() -> Iterator[None]:
     - A rank holding no classes (vocabulary smaller than mesh size times the
       chunk size, e.g. 5 classes on 4 ranks) works; out-of-range targets
       raise, as in ``F.cross_entropy``.
-    - Only 1-D meshes; the context nests and survives exceptions.
+    - The context nests and survives exceptions.
 
     Example::
 

@@ -63,6 +63,7 @@ from ._layout import (
     normalize,
     partial_grad_local,
     record_shard,
+    split_replicated,
     to_dtensor,
     tp_group,
 )
@@ -360,10 +361,17 @@ def _rowwise_embedding_forward(self, ids):
     if isinstance(layout, Shard):
         full = None if global_shape is None else global_shape[layout.dim]
         local = torch.ops.torch_tp.all_gather(local, layout.dim, self._tp_group.name, full)
+    global_shape = local.shape + (self.embedding_dim,)
+    features = Shard(local.dim())
+    if normalize(self._tp_output_layout, local.dim() + 1) == features:
+        # Sharded on the embedding dim: the op reduce-scatters along the others only, so
+        # reduce to replicated and keep this rank's piece (its backward gathers the pieces).
+        out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
+                                                           self.num_embeddings, self.padding_idx)
+        return _finish(self, split_replicated(out, local.dim(), self._tp_group), features, global_shape)
     dim = _rowwise_scatter_dim(self, local.dim() + 1)
     out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
                                                        self.num_embeddings, self.padding_idx, dim)
-    global_shape = local.shape + (self.embedding_dim,)
     return _finish(self, out, Replicate() if dim is None else Shard(dim), global_shape)
 
 
@@ -460,7 +468,12 @@ def _sequence_parallel_forward(self, *args, **kwargs):
     sharding = self._tp_sequence_sharding
     global_shape = None
     if args:
-        local, layout, global_shape = from_dtensor(args[0], sharding, self._tp_group)
+        x = args[0]
+        if isinstance(x, DTensor) and isinstance(x.placements[0], Shard) \
+                and normalize(x.placements[0], x.ndim) != normalize(sharding, x.ndim):
+            # Sharded on another dim (a batch-sharded Shard(0) input): DTensor moves it, as in torch.
+            x = x.redistribute(self._tp_mesh, (sharding,))
+        local, layout, global_shape = from_dtensor(x, sharding, self._tp_group)
         wanted = normalize(sharding, local.dim())
         if layout != wanted:
             local = convert(local, layout, wanted, self._tp_group, global_shape)
