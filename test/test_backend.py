@@ -522,6 +522,13 @@ def _check_async():
     y = torch.ones(5)
     chained = dist.all_reduce(y, async_op=True).get_future().then(lambda fut: fut.value()[0] * 2)
     failures.append(close(chained.wait(), torch.full((5,), 2.0 * p), dict(rtol=0, atol=0), "future.then"))
+    # Once wait() returns, the future is done too: torch's DDP join() reads
+    # work.get_future().value() right after work.wait(). (The Work used to be
+    # finished before its future, and this failed now and then.)
+    for i in range(300):
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        work.wait()
+        assert work.get_future().done(), f"round {i}: wait() returned before the future completed"
     return [f for f in failures if f], {}
 
 

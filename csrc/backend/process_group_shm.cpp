@@ -40,13 +40,16 @@ class ShmWork : public c10d::Work {
     return future_;
   }
 
+  // The future first, then the Work (as gloo's AsyncWork does): finish() wakes
+  // wait(), and a caller that waited on the Work may read the future at once
+  // (torch's join() does: work.wait(), then work.get_future().value()).
   void complete(std::exception_ptr error) {
-    finish(error);
     if (error) {
       future_->setError(error);
     } else {
       future_->markCompleted(c10::IValue(outputs_));
     }
+    finish(error);
   }
 
  private:
