@@ -40,16 +40,24 @@ class ShmWork : public c10d::Work {
     return future_;
   }
 
-  // The future first, then the Work (as gloo's AsyncWork does): finish() wakes
-  // wait(), and a caller that waited on the Work may read the future at once
-  // (torch's join() does: work.wait(), then work.get_future().value()).
+  // A caller that waited on either side reads the other at once: torch's
+  // join() calls work.wait() and then work.get_future().value(), and a
+  // future's waiter may ask work.isCompleted(). So the Work finishes first
+  // (a woken future implies a completed Work), and wait() returns only once
+  // the future is completed too.
+  bool wait(std::chrono::milliseconds timeout) override {
+    const bool done = c10d::Work::wait(timeout);
+    future_->wait();
+    return done;
+  }
+
   void complete(std::exception_ptr error) {
+    finish(error);
     if (error) {
       future_->setError(error);
     } else {
       future_->markCompleted(c10::IValue(outputs_));
     }
-    finish(error);
   }
 
  private:
