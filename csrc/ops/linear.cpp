@@ -65,8 +65,8 @@ Activation parse_activation(const char* op, c10::string_view activation) {
   TORCH_CHECK(false, op, ": activation='", activation, "' is not supported; expected 'none' or 'gelu_tanh'");
 }
 
-GemmResult linear_gemm_aten(const at::Tensor& x2d, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                            Activation activation) {
+GemmResult linear_gemm_aten(const char* /*op*/, const at::Tensor& x2d, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, Activation activation) {
   at::Tensor pre = bias ? at::addmm(*bias, x2d, weight.t()) : at::mm(x2d, weight.t());
   if (activation == Activation::None) {
     return {pre, at::Tensor()};
@@ -125,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward(
   const Activation act = parse_activation(op, activation);
   const auto group = resolve_group(op, group_name);
   const at::Tensor x_full = dim ? start_all_gather(op, group, x, *dim, full_size).wait() : x;
-  const GemmResult result = gemm(rows2d(x_full), weight, bias, act);
+  const GemmResult result = gemm(op, rows2d(x_full), weight, bias, act);
   const auto sizes = with_features(x_full.sizes(), weight.size(0));
   at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : result.pre_activation.view(sizes);
   return {result.out.view(sizes), pre};
@@ -138,7 +138,7 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
   const auto dim = check_linear_args(op, x, weight, bias, scatter_dim, "scatter_dim");
   const auto group = resolve_group(op, group_name);
   at::Tensor partial =
-      gemm(rows2d(x), weight, std::nullopt, Activation::None).out.view(
+      gemm(op, rows2d(x), weight, std::nullopt, Activation::None).out.view(
           with_features(x.sizes(), weight.size(0)));
   at::Tensor y = dim ? start_reduce_scatter(op, group, partial, *dim, Reduction::Sum).wait()
                      : start_all_reduce_(op, group, partial, Reduction::Sum).wait();

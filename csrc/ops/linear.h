@@ -20,14 +20,15 @@ Activation parse_activation(const char* op, c10::string_view activation);
 
 // out [M, N] = activation(x2d [M, K] @ weight [N, K]^T + bias [N]);
 // pre_activation holds the value before the activation, or is undefined without one.
+// `op` is the calling op's name, for error messages.
 struct GemmResult {
   at::Tensor out;
   at::Tensor pre_activation;
 };
-using LinearGemm = GemmResult (*)(const at::Tensor& x2d, const at::Tensor& weight,
+using LinearGemm = GemmResult (*)(const char* op, const at::Tensor& x2d, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, Activation activation);
-GemmResult linear_gemm_aten(const at::Tensor& x2d, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                            Activation activation);
+GemmResult linear_gemm_aten(const char* op, const at::Tensor& x2d, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, Activation activation);
 
 // Checks x [.., K], weight [N, K], bias [N] (dtypes, devices, shapes) and
 // wraps `dim` (a gather or scatter dim, never the feature dim) against x.dim().
