@@ -359,52 +359,308 @@ def test_errors(ranks, world_size):
 
 
 # ---------------------------------------------------------------- CUDA (run where a GPU is present)
+#
+# The CUDA forward fuses the bias (and GELU) into a cuBLASLt epilogue and
+# falls back to ATen's unfused GEMMs where cuBLASLt does not take the problem
+# (NOTE [cuBLASLt or ATen] in csrc/ops/linear_cuda.cpp). These checks run on
+# gloo ranks that share the GPUs (gloo moves CUDA tensors; NCCL needs a GPU per
+# rank), so 2 and 3 ranks run on one GPU. References are computed on the same
+# device from contiguous, freshly allocated copies, so torch's own GEMM sees
+# none of the layouts under test.
+#
+# Tolerances, relative to the reference's largest magnitude as TOL's:
+#   float32  1e-5 with TF32 off (every check turns it off unless it is the
+#            subject), as on the CPU.
+#   float16  1e-2: 11-bit significands (2^-11 = 4.9e-4 per rounding); the
+#            fused epilogue rounds once where F.gelu(F.linear()) rounds twice,
+#            and a row-parallel output adds up to two more roundings at 3 ranks.
+#   bfloat16 3e-2: as TOL's.
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+CUDA_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _close_cuda(actual, expected, what):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel() == 0:
+        return
+    tol = CUDA_TOL[expected.dtype]
+    scale = expected.double().abs().max().clamp_min(1e-30)
+    error = ((actual.double() - expected.double()).abs().max() / scale).item()
+    assert error <= tol, f"{what}: max error {error:.3e} of the scale exceeds {tol:.0e}"
+
+
+def _restoring_matmul_settings(fn, *args):
+    """Runs ``fn(*args)`` on this rank's GPU (rank r on cuda:r % count) and
+    puts torch.backends.cuda.matmul's settings back as they were, whatever fn
+    changed: the ranks are processes that outlive the test."""
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_tf32, matmul.allow_fp16_accumulation,
+             (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction_split_k),
+             (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction_split_k))
+    try:
+        matmul.allow_tf32 = False
+        return fn(*args)
+    finally:
+        (matmul.allow_tf32, matmul.allow_fp16_accumulation, matmul.allow_fp16_reduced_precision_reduction,
+         matmul.allow_bf16_reduced_precision_reduction) = saved
+
+
+@pytest.fixture
+def cuda_ranks(ranks):
+    """``cuda_ranks(world_size, fn, *args, backend="gloo")``: ``fn(*args)`` on
+    every rank, each on its GPU, with TF32 off and the matmul settings restored
+    afterwards (see _restoring_matmul_settings)."""
+    def run(world_size, fn, *args, backend="gloo"):
+        return ranks(world_size, backend).run(_restoring_matmul_settings, fn, *args, timeout=300)
+    return run
+
+
+def _cuda_full(shape, seed, dtype):
+    return _full(shape, seed, dtype).cuda()
+
+
+def _check_cuda_column_on(x, w, b, activation, what, w_full=None, b_full=None):
+    """column_parallel_linear(x, w, b) (w, b: this rank's shards, in whatever
+    layout the caller made) against F.linear on aligned contiguous copies of
+    the full weights, forward and backward; returns nothing, raises on a mismatch."""
+    w_full = w if w_full is None else w_full
+    b_full = b if b_full is None else b_full
+    group = _group()
+    ref_x, ref_w = _param(x.contiguous()), _param(w_full.contiguous())
+    ref_b = None if b_full is None else _param(b_full.contiguous())
+    ref = F.linear(ref_x, ref_w, ref_b)
+    if activation == "gelu_tanh":
+        ref = F.gelu(ref, approximate="tanh")
+    grad = _cuda_full(tuple(ref.shape), 9, ref.dtype)
+    ref.backward(grad)
+
+    # detach() keeps the storage offset, so the op sees the caller's pointers.
+    x_r, w_r = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b_r = None if b is None else b.detach().requires_grad_()
+    y = torch.ops.torch_tp.column_parallel_linear(x_r, w_r, b_r, group, None, None, activation)
+    _close_cuda(y, ops.shard(ref.detach(), -1), f"{what}: output")
+    grads = torch.autograd.grad(y, [x_r, w_r] + ([] if b is None else [b_r]), ops.shard(grad, -1))
+    _close_cuda(grads[0], ref_x.grad, f"{what}: grad_x")
+    _close_cuda(grads[1], ops.shard(ref_w.grad, 0), f"{what}: grad_weight")
+    if b is not None:
+        _close_cuda(grads[2], ops.shard(ref_b.grad, 0), f"{what}: grad_bias")
+
+
+def _check_cuda_row_on(x, w, b, what, x_full, w_full):
+    """row_parallel_linear(x, w, b) (x, w: this rank's shards) against F.linear
+    of the full tensors, forward and backward."""
+    ref_x, ref_w, ref_b = _param(x_full.contiguous()), _param(w_full.contiguous()), _param(b.contiguous())
+    ref = F.linear(ref_x, ref_w, ref_b)
+    grad = _cuda_full(tuple(ref.shape), 9, ref.dtype)
+    ref.backward(grad)
+    inputs = [t.detach().requires_grad_() for t in (x, w, b)]
+    y = torch.ops.torch_tp.row_parallel_linear(*inputs, _group())
+    _close_cuda(y, ref.detach(), f"{what}: output")
+    grads = torch.autograd.grad(y, inputs, grad)
+    _close_cuda(grads[0], ops.shard(ref_x.grad, -1), f"{what}: grad_x")
+    _close_cuda(grads[1], ops.shard(ref_w.grad, 1), f"{what}: grad_weight")
+    _close_cuda(grads[2], ref_b.grad, f"{what}: grad_bias")
 
 
 def _check_cuda_linear():
-    """The cuBLASLt forward (bias and GELU in the epilogue) and the backward on
-    CUDA against nn.Linear on the same device. bf16 and fp16 follow the bf16
-    tolerance; fp32 runs with TF32 off so that it meets the fp32 one."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    group = _group()
-    for dtype, tol_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                             (torch.float16, torch.bfloat16)]:
+    """Contiguous, aligned inputs: the fused epilogues (bias, bias + GELU,
+    GELU alone), the ATen paths (no bias and no activation, float64, GELU over
+    a shard of N % 8 != 0 features) and the row-parallel op, against F.linear."""
+    for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.float64]:
         for activation in ["none", "gelu_tanh"]:
             for out_features in [64, 36]:  # 36 (9 per rank at 4) is not a multiple of 8: no fused GELU aux
-                x = _full((4, 16, 32), 1, dtype).to(device)
-                w = _full((out_features, 32), 2, dtype).to(device)
-                b = _full((out_features,), 3, dtype).to(device)
-                ref_x, ref_w, ref_b = _param(x), _param(w), _param(b)
-                ref = F.linear(ref_x, ref_w, ref_b)
-                if activation == "gelu_tanh":
-                    ref = F.gelu(ref, approximate="tanh")
-                grad = _full(tuple(ref.shape), 4, dtype).to(device)
-                ref.backward(grad)
-                x_r, w_r, b_r = _param(x), _param(ops.shard(w, 0)), _param(ops.shard(b, 0))
-                y = torch.ops.torch_tp.column_parallel_linear(x_r, w_r, b_r, group, None, None, activation)
-                _close(y, ops.shard(ref, -1), tol_dtype, f"cuda {dtype} {activation} output")
-                y.backward(ops.shard(grad, -1))
-                _close(x_r.grad, ref_x.grad, tol_dtype, "cuda grad_x")
-                _close(w_r.grad, ops.shard(ref_w.grad, 0), tol_dtype, "cuda grad_weight")
-                _close(b_r.grad, ops.shard(ref_b.grad, 0), tol_dtype, "cuda grad_bias")
-
-                h = _full((4, 16, out_features), 5, dtype).to(device)
-                w2 = _full((32, out_features), 6, dtype).to(device)
-                b2 = _full((32,), 7, dtype).to(device)
-                y = torch.ops.torch_tp.row_parallel_linear(ops.shard(h, -1), ops.shard(w2, 1), b2, group)
-                _close(y, F.linear(h, w2, b2), tol_dtype, f"cuda {dtype} row output")
+                x = _cuda_full((4, 16, 32), 1, dtype)
+                w = _cuda_full((out_features, 32), 2, dtype)
+                b = _cuda_full((out_features,), 3, dtype)
+                what = f"{dtype} {activation} N={out_features}"
+                _check_cuda_column_on(x, ops.shard(w, 0), ops.shard(b, 0), activation, what, w, b)
+                _check_cuda_column_on(x, ops.shard(w, 0), None, activation, f"{what} no bias", w, None)
+                h = _cuda_full((4, 16, out_features), 5, dtype)
+                w2 = _cuda_full((32, out_features), 6, dtype)
+                _check_cuda_row_on(ops.shard(h, -1), ops.shard(w2, 1), _cuda_full((32,), 7, dtype),
+                                   f"{what} row", h, w2)
 
 
 @needs_cuda
-def test_cuda_linear_nccl(ranks):
-    ranks(1, "cpu:gloo,cuda:nccl").run(_check_cuda_linear)
+def test_cuda_linear_nccl(cuda_ranks):
+    cuda_ranks(1, _check_cuda_linear, backend="cpu:gloo,cuda:nccl")
 
 
 @needs_cuda
-@pytest.mark.parametrize("world_size", [2])
-def test_cuda_linear_gloo(ranks, world_size):
-    ranks(world_size, "gloo").run(_check_cuda_linear)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_linear_gloo(cuda_ranks, world_size):
+    cuda_ranks(world_size, _check_cuda_linear)
+
+
+def _alignment(t):
+    """The largest power of two, up to 256, dividing t's data pointer (what
+    linear_cuda.cpp tells cuBLASLt)."""
+    address, alignment = t.data_ptr(), 256
+    while address % alignment:
+        alignment //= 2
+    return alignment
+
+
+def _offset_copy(t, offset):
+    """t's values in a tensor that starts `offset` elements into a fresh
+    buffer: the caching allocator's blocks are 512-byte aligned, so its data
+    pointer is aligned to offset * element_size bytes and no more (for the
+    offsets used here)."""
+    buffer = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    copy = buffer[offset:].view(t.shape).copy_(t)
+    assert _alignment(copy) == offset * t.element_size(), "the test's own premise"
+    return copy
+
+
+def _check_cuda_offsets():
+    """Inputs at storage offsets that leave their data pointers 2-, 4- or
+    8-byte aligned (cuBLASLt assumes 256 unless told): x, the weight shard and
+    the bias shard in turn, then all three; and x[1:] of a tensor with an odd
+    number of features, whose rows are all misaligned. Without the alignment
+    preferences, cuBLASLt picks kernels these pointers break (a misaligned
+    address, or CUBLAS_STATUS_NOT_SUPPORTED from the matmul)."""
+    for dtype, offsets in [(torch.float16, [1, 2, 4]), (torch.bfloat16, [1, 2, 4]), (torch.float32, [1, 2])]:
+        x, w, b = _cuda_full((2, 8, 32), 1, dtype), _cuda_full((64, 32), 2, dtype), _cuda_full((64,), 3, dtype)
+        w_r, b_r = ops.shard(w, 0), ops.shard(b, 0)
+        for offset in offsets:
+            for activation in ["none", "gelu_tanh"]:
+                what = f"{dtype} offset {offset} {activation}"
+                _check_cuda_column_on(_offset_copy(x, offset), w_r, b_r, activation, f"{what} x", w, b)
+                _check_cuda_column_on(x, _offset_copy(w_r, offset), b_r, activation, f"{what} weight", w, b)
+                _check_cuda_column_on(x, w_r, _offset_copy(b_r, offset), activation, f"{what} bias", w, b)
+                _check_cuda_column_on(_offset_copy(x, offset), _offset_copy(w_r, offset), _offset_copy(b_r, offset),
+                                      activation, f"{what} all", w, b)
+        x_odd = _cuda_full((17, 33), 4, dtype)[1:]  # 33 features: x[1:] and every row start misaligned
+        w_odd = _cuda_full((64, 33), 5, dtype)
+        _check_cuda_column_on(x_odd, ops.shard(w_odd, 0), b_r, "gelu_tanh", f"{dtype} x[1:], K=33", w_odd, b)
+
+
+def _check_cuda_non_contiguous():
+    """Non-contiguous inputs: x transposed in memory, x a column slice (rows
+    2K apart), a transposed weight shard, a strided bias; and the row op with
+    a transposed x and weight."""
+    for dtype in [torch.float32, torch.bfloat16, torch.float16]:
+        w, b = _cuda_full((64, 32), 2, dtype), _cuda_full((64,), 3, dtype)
+        w_r, b_r = ops.shard(w, 0), ops.shard(b, 0)
+        x_t = _cuda_full((2, 32, 8), 1, dtype).transpose(1, 2)  # [2, 8, 32], features stride 8
+        x_slice = _cuda_full((2, 8, 64), 1, dtype)[..., :32]   # rows 64 elements apart
+        w_t = w_r.t().contiguous().t()                          # [N/p, 32], stride (1, N/p)
+        b_strided = torch.stack([b_r, b_r], 1)[:, 0]            # stride 2
+        assert not any(t.is_contiguous() for t in (x_t, x_slice, w_t, b_strided)), "the test's own premise"
+        for activation in ["none", "gelu_tanh"]:
+            what = f"{dtype} {activation}"
+            _check_cuda_column_on(x_t, w_r, b_r, activation, f"{what} x transposed", w, b)
+            _check_cuda_column_on(x_slice, w_r, b_r, activation, f"{what} x sliced", w, b)
+            _check_cuda_column_on(x_t, w_t, b_strided, activation, f"{what} all strided", w, b)
+        h = _cuda_full((2, 64, 8), 5, dtype).transpose(1, 2)  # [2, 8, 64]
+        w2 = _cuda_full((64, 32), 6, dtype).t()               # [32, 64]
+        _check_cuda_row_on(ops.shard(h, -1).transpose(1, 2).contiguous().transpose(1, 2),
+                           ops.shard(w2, 1).t().contiguous().t(), _cuda_full((32,), 7, dtype),
+                           f"{dtype} row strided", h, w2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_offset_and_non_contiguous_inputs(cuda_ranks, world_size):
+    cuda_ranks(world_size, _check_cuda_offsets)
+    cuda_ranks(world_size, _check_cuda_non_contiguous)
+
+
+def _check_cuda_empty_shards():
+    """Empty pieces: N = 2 features over 3 ranks (rank 2 holds a [0, K] weight
+    and a [0] bias), K = 2 row-parallel features over 3 ranks (rank 2 holds
+    x [.., 0] and a [N, 0] weight), and x with no rows on every rank."""
+    for dtype in [torch.float32, torch.bfloat16, torch.float16]:
+        x = _cuda_full((2, 4, 16), 1, dtype)
+        w, b = _cuda_full((2, 16), 2, dtype), _cuda_full((2,), 3, dtype)
+        for activation in ["none", "gelu_tanh"]:
+            _check_cuda_column_on(x, ops.shard(w, 0), ops.shard(b, 0), activation, f"{dtype} {activation} N=2", w, b)
+            w8, b8 = _cuda_full((8, 16), 2, dtype), _cuda_full((8,), 3, dtype)
+            _check_cuda_column_on(x[:, :0], ops.shard(w8, 0), ops.shard(b8, 0), activation,
+                                  f"{dtype} {activation} no rows", w8, b8)
+        h, w2 = _cuda_full((2, 4, 2), 5, dtype), _cuda_full((16, 2), 6, dtype)
+        _check_cuda_row_on(ops.shard(h, -1), ops.shard(w2, 1), _cuda_full((16,), 7, dtype), f"{dtype} row K=2", h, w2)
+
+
+@needs_cuda
+def test_cuda_empty_shards(cuda_ranks):
+    cuda_ranks(3, _check_cuda_empty_shards)
+
+
+def _check_cuda_no_reduced_precision_reduction(split_k):
+    """float16 with reduced-precision reductions off: torch's own check
+    (test_cublas_addmm_no_reduced_precision in test/test_matmul_cuda.py) on
+    the fused bias epilogue. Each output sums 16384 products of +65504 and
+    16384 of -65504: split-K partial sums stored in float16 overflow to inf
+    (and inf - inf is nan), float32 ones (or no split-K) stay finite. torch
+    saw cuBLASLt pick a float16 (OUTPUT_TYPE) reduction for these shapes on
+    H200 (4 rows) and A100 (8 rows) when allowed to."""
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, split_k)
+    k = 32768
+    for rows in [4, 8]:
+        x = torch.full((rows, k), 65504.0, dtype=torch.float16, device="cuda")
+        w = torch.ones((rows, k), dtype=torch.float16, device="cuda")
+        w[:, k // 2:] = -1.0
+        y = torch.ops.torch_tp.column_parallel_linear(x, w, torch.zeros(rows, dtype=torch.float16, device="cuda"),
+                                                      _group())
+        assert torch.isfinite(y).all(), f"{rows} rows, split_k={split_k}: a float16 reduction overflowed: {y}"
+
+
+def _check_cuda_tf32():
+    """float32 follows torch.backends.cuda.matmul.allow_tf32: with it off the
+    fused GEMM meets float32's tolerance against float64 (about 1e-7 here);
+    with it on, the inputs are rounded to TF32's 10-bit significands (2^-11
+    relative each), which leaves an error near 4e-4 of the scale for K = 1024
+    standard normal terms: the check asks for 100 times float32's error."""
+    x64, w64, b64 = _cuda_full((64, 1024), 1, torch.float64), _cuda_full((64, 1024), 2, torch.float64), \
+        _cuda_full((64,), 3, torch.float64)
+    exact = F.linear(x64, w64, b64)
+    x, w, b = x64.float(), w64.float(), b64.float()
+    errors = {}
+    for tf32 in [False, True]:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        y = torch.ops.torch_tp.column_parallel_linear(x, w, b, _group())
+        errors[tf32] = ((y.double() - exact).abs().max() / exact.abs().max()).item()
+    assert errors[False] <= CUDA_TOL[torch.float32], f"TF32 off: error {errors[False]:.2e}"
+    assert errors[True] > 100 * errors[False], f"TF32 on: error {errors[True]:.2e}; was TF32 ignored?"
+
+
+def _check_cuda_fp16_accumulation():
+    """allow_fp16_accumulation: torch then accumulates float16 GEMMs in float16,
+    which the fused path does not reproduce, so ATen computes it, with the very
+    calls F.linear and F.gelu make (addmm(b, x, w.t()), gelu): bitwise equal.
+    A float32-accumulating fused GEMM would differ in some of the 1024 outputs."""
+    torch.backends.cuda.matmul.allow_fp16_accumulation = True
+    x, w, b = _cuda_full((16, 32), 1, torch.float16), _cuda_full((64, 32), 2, torch.float16), \
+        _cuda_full((64,), 3, torch.float16)
+    y = torch.ops.torch_tp.column_parallel_linear(x, w, b, _group(), activation="gelu_tanh")
+    assert torch.equal(y, F.gelu(F.linear(x, w, b), approximate="tanh")), "allow_fp16_accumulation not honoured"
+
+
+@needs_cuda
+def test_cuda_matmul_settings(cuda_ranks):
+    for split_k in [True, False]:
+        cuda_ranks(1, _check_cuda_no_reduced_precision_reduction, split_k)
+    if torch.cuda.get_device_capability() >= (8, 0):  # TF32 needs Ampere or later
+        cuda_ranks(1, _check_cuda_tf32)
+    cuda_ranks(1, _check_cuda_fp16_accumulation)
+
+
+def _read_matmul_settings():
+    matmul = torch.backends.cuda.matmul
+    return (matmul.allow_tf32, matmul.allow_fp16_accumulation, matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction_split_k)
+
+
+def _change_matmul_settings():
+    torch.backends.cuda.matmul.allow_fp16_accumulation = True
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
+
+
+@needs_cuda
+def test_cuda_matmul_settings_are_restored(cuda_ranks, ranks):
+    before = ranks(1, "gloo").run(_read_matmul_settings)
+    cuda_ranks(1, _change_matmul_settings)
+    assert ranks(1, "gloo").run(_read_matmul_settings) == before
