@@ -39,26 +39,45 @@ class CMakeBuild(build_ext):
             f"-DTORCH_TP_CUDA={cuda}",
             f"-DTORCH_TP_BUILD_TESTS={tests}",
             f"-DTORCH_TP_SANITIZE={os.environ.get('TORCH_TP_SANITIZE', '')}",
+            f"-DTORCH_TP_VERSION={self.distribution.get_version()}",
         ]
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(configure)
         subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs])
         # CMake writes into a stable directory (so rebuilds are incremental and
-        # the GoogleTest executables keep finding libtorch_tp.so); both
-        # libraries then go where setuptools expects the extension.
+        # the GoogleTest executables keep finding libtorch_tp.so); what the
+        # package carries then goes where setuptools expects the extension.
         built = build_dir / "torch_tp"
         output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        output_dir.mkdir(parents=True, exist_ok=True)
         module = Path(self.get_ext_filename(ext.name)).name
-        for name in ("libtorch_tp.so", module):
-            self.copy_file(str(built / name), str(output_dir / name), level=self.verbose)
+        for name in (module, *PACKAGE_PAYLOAD):
+            self.copy_payload(built / name, output_dir / name)
 
     def copy_extensions_to_source(self) -> None:
         # Editable installs copy the extension module into the source tree;
-        # the library it links must travel with it.
+        # the rest of the payload must travel with it.
         super().copy_extensions_to_source()
-        built = Path(self.build_lib) / "torch_tp" / "libtorch_tp.so"
-        self.copy_file(str(built), str(ROOT / "torch_tp" / built.name), level=self.verbose)
+        for name in PACKAGE_PAYLOAD:
+            self.copy_payload(Path(self.build_lib) / "torch_tp" / name, ROOT / "torch_tp" / name)
+
+    def copy_payload(self, source: Path, target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            self.copy_tree(str(source), str(target), level=self.verbose)
+        else:
+            self.copy_file(str(source), str(target), level=self.verbose)
+
+
+# NOTE [the installed CMake package]
+# Beside the Python module, the package carries what a C++ (LibTorch) program
+# needs to build against it, as torch does with torch.utils.cmake_prefix_path:
+#   libtorch_tp.so                      the ops, the backend, the C++ modules
+#   include/torch_tp/*.h                the public headers (csrc/include)
+#   share/cmake/torch_tp/               torch_tpConfig.cmake and its version file,
+#                                       found through torch_tp.cmake_prefix_path
+# CMakeLists.txt stages all of it in its output directory; this list says what
+# is copied from there into the wheel (or the source tree, for -e).
+PACKAGE_PAYLOAD = ("libtorch_tp.so", "include", "share")
 
 
 setup(ext_modules=[CMakeExtension("torch_tp._C")], cmdclass={"build_ext": CMakeBuild})

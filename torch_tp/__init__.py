@@ -5,8 +5,11 @@
 ProcessGroup, a 1-D DeviceMesh or a group name. :class:`DistributedDataParallel`
 is torch's DDP with torch_tp's C++ gradient reducer. Importing torch_tp also
 registers the ``"torch_tp"`` process-group backend for CPU tensors
-(:mod:`torch_tp.backend`).
+(:mod:`torch_tp.backend`). :data:`cmake_prefix_path` is where C++ programs find
+torch_tp's CMake package, as :data:`torch.utils.cmake_prefix_path` is for torch.
 """
+
+import os
 
 import torch
 import torch.distributed  # noqa: F401  (c10d's Python types, which _C's backend class derives from)
@@ -48,6 +51,10 @@ from .parallel import (  # noqa: E402
 
 __version__ = "0.1.0"
 
+#: Add to CMAKE_PREFIX_PATH for ``find_package(torch_tp)`` (the package's
+#: share/cmake; see NOTE [the installed CMake package] in setup.py).
+cmake_prefix_path = os.path.join(os.path.dirname(__file__), "share", "cmake")
+
 __all__ = [
     "ColwiseParallel",
     "DistributedDataParallel",
@@ -61,6 +68,7 @@ __all__ = [
     "all_reduce",
     "chunk_range",
     "clip_grad_norm_",
+    "cmake_prefix_path",
     "copy_to_tp_region",
     "get_full_state_dict",
     "load_full_state_dict",
