@@ -1,0 +1,190 @@
+// The C++ API a LibTorch program uses without Python: torch_tp::new_group
+// (the shared-memory backend from a c10d Store, registered by name) and the
+// torch_tp::nn modules, with ranks as threads of this process over one
+// HashStore (all on one node; c10d's registry in thread-isolation mode, as in
+// thread_backend.h, so every rank registers its own group under one name).
+//
+// An MLP with a vocab-parallel embedding, a column- and a row-parallel linear
+// at 3 ranks (uneven shards: 10 vocabulary rows are 4, 4, 2; 11 hidden units
+// 4, 4, 3) must give the unsharded torch::nn layers' output and, for each
+// shard, that shard of the unsharded gradients: replicated, and with sequence
+// parallelism (the embedding reduce-scatters the sequence, the column layer
+// gathers it, the row layer scatters it again).
+//
+// Tolerance: float64, and the sharded layers add the same products in another
+// order (per-rank partial sums, then the reduction), so results agree to a few
+// ulps of the terms (~1e-15 here); kTolerance is far above that and far below
+// any sharding mistake, which is an O(1) change.
+
+#include "test_util.h"
+
+#include <torch_tp/backend.h>
+#include <torch_tp/nn.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <dirent.h>
+
+#include <exception>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using torch_tp::testing::contains;
+using torch_tp::testing::throws_with;
+
+constexpr double kTolerance = 1e-12;
+constexpr int kWorldSize = 3;
+constexpr int64_t kVocab = 10, kDim = 6, kHidden = 11, kSeq = 5, kBatch = 2;
+
+::testing::AssertionResult close(const at::Tensor& actual, const at::Tensor& expected) {
+  if (!actual.defined()) {
+    return ::testing::AssertionFailure() << "undefined (no gradient?)";
+  }
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << "sizes " << actual.sizes() << ", expected " << expected.sizes();
+  }
+  if (!at::allclose(actual, expected, /*rtol=*/0, /*atol=*/kTolerance)) {
+    return ::testing::AssertionFailure() << "max |difference| " << (actual - expected).abs().max().item<double>();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// The unsharded layers, identical for every rank (made once, read by all threads).
+struct FullModel {
+  torch::nn::Embedding embedding{kVocab, kDim};
+  torch::nn::Linear up{kDim, kHidden};
+  torch::nn::Linear down{kHidden, kDim};
+  FullModel() {
+    embedding->to(at::kDouble);
+    up->to(at::kDouble);
+    down->to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& ids) {
+    return down(torch::nn::functional::gelu(up(embedding(ids))));
+  }
+};
+
+// Runs body(rank) on kWorldSize threads, each with its own torch_tp group
+// "api" over one HashStore; rethrows the first rank's exception.
+void run_ranks(const std::function<void(int rank)>& body) {
+  c10d::set_thread_isolation_mode(true);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::exception_ptr> errors(kWorldSize);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorldSize; ++rank) {
+    threads.emplace_back([&, rank] {
+      SCOPED_TRACE("rank " + std::to_string(rank));
+      try {
+        torch_tp::GroupOptions options;
+        options.timeout = std::chrono::seconds(30);
+        const auto group = torch_tp::new_group(store, rank, kWorldSize, "api", options);
+        EXPECT_EQ(group->getGroupName(), "api");
+        EXPECT_EQ(group->getRank(), rank);
+        body(rank);
+        torch_tp::destroy_group("api");
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& thread : threads) {
+    thread.join();
+  }
+  for (const auto& error : errors) {
+    if (error) {
+      std::rethrow_exception(error);
+    }
+  }
+}
+
+int shm_segments() {
+  int count = 0;
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (const dirent* entry = readdir(dir)) {
+      count += contains(entry->d_name, "torch_tp_") ? 1 : 0;
+    }
+    closedir(dir);
+  }
+  return count;
+}
+
+void check_model(bool sequence_parallel) {
+  at::manual_seed(0);
+  FullModel full;
+  const at::Tensor ids = at::randint(0, kVocab, {kBatch, kSeq});
+  const at::Tensor y = full.forward(ids);
+  y.pow(2).sum().backward();
+
+  run_ranks([&](int rank) {
+    using torch_tp::nn::shard;
+    std::optional<int64_t> seq_dim = sequence_parallel ? std::optional<int64_t>(1) : std::nullopt;
+    torch_tp::nn::VocabParallelEmbedding embedding(full.embedding, "api", /*scatter_dim=*/seq_dim);
+    torch_tp::nn::ColumnParallelLinear up(full.up, "api", /*gather_dim=*/seq_dim);
+    torch_tp::nn::RowParallelLinear down(full.down, "api", /*scatter_dim=*/seq_dim);
+    EXPECT_EQ(up->weight.size(0), rank < 2 ? 4 : 3);
+    EXPECT_EQ(embedding->weight.size(0), rank < 2 ? 4 : 2);
+    std::ostringstream printed;
+    printed << *up << " " << *down;
+    EXPECT_TRUE(contains(printed.str(), c10::str("torch_tp::nn::ColumnParallelLinear(weight=[", up->weight.size(0),
+                                                 ", 6], bias=1, group=api")))
+        << printed.str();
+    EXPECT_TRUE(contains(printed.str(), sequence_parallel ? "scatter_dim=1)" : "group=api)")) << printed.str();
+
+    const std::optional<int64_t> full_size = sequence_parallel ? std::optional<int64_t>(kSeq) : std::nullopt;
+    const at::Tensor out = down(torch::nn::functional::gelu(up(embedding(ids), full_size)));
+    out.pow(2).sum().backward();
+
+    // With sequence parallelism each rank holds its piece of the sequence
+    // (5 tokens: 2, 2, 1) and backpropagates that piece's loss; the pieces'
+    // losses add up to the full one, and the ops' backward collectives make
+    // every sharded gradient the full loss's.
+    EXPECT_TRUE(close(out.detach(), sequence_parallel ? shard(y.detach(), 1, "api") : y.detach())) << "output";
+    EXPECT_TRUE(close(embedding->weight.grad(), shard(full.embedding->weight.grad(), 0, "api"))) << "embedding";
+    EXPECT_TRUE(close(up->weight.grad(), shard(full.up->weight.grad(), 0, "api"))) << "up.weight";
+    EXPECT_TRUE(close(up->bias.grad(), shard(full.up->bias.grad(), 0, "api"))) << "up.bias";
+    EXPECT_TRUE(close(down->weight.grad(), shard(full.down->weight.grad(), 1, "api"))) << "down.weight";
+    if (!sequence_parallel) {  // added to the piece after the reduce-scatter: a partial sum under SP
+      EXPECT_TRUE(close(down->bias.grad(), full.down->bias.grad())) << "down.bias";
+    }
+  });
+  EXPECT_EQ(shm_segments(), 0) << "destroy_group left segments in /dev/shm";
+}
+
+TEST(CppApi, ModulesOnANewGroupMatchTheUnshardedLayers) {
+  check_model(/*sequence_parallel=*/false);
+}
+
+TEST(CppApi, SequenceParallelModulesGiveThisRanksPieceOfTheOutput) {
+  check_model(/*sequence_parallel=*/true);
+}
+
+TEST(CppApi, BadArgumentsAreClearErrors) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  EXPECT_TRUE(throws_with([&] { torch_tp::new_group(store, 3, 3, "bad"); },
+                          {"torch_tp::new_group", "rank=3", "world_size=3"}));
+  EXPECT_TRUE(throws_with([&] { torch_tp::new_group(store, 0, 1, ""); }, {"torch_tp::new_group", "group_name"}));
+  EXPECT_TRUE(throws_with([&] { torch_tp::new_group(nullptr, 0, 1, "bad"); }, {"torch_tp::new_group", "store"}));
+
+  torch::nn::Linear linear(4, 4);
+  EXPECT_TRUE(throws_with([&] { torch_tp::nn::ColumnParallelLinear(linear, "no_such_group"); },
+                          {"torch_tp::nn::shard", "no_such_group"}));
+  torch::nn::Embedding with_max_norm(torch::nn::EmbeddingOptions(8, 4).max_norm(1.0));
+  const auto group = torch_tp::new_group(store, 0, 1, "single");
+  EXPECT_TRUE(throws_with([&] { torch_tp::nn::VocabParallelEmbedding(with_max_norm, "single"); },
+                          {"VocabParallelEmbedding", "max_norm"}));
+  torch_tp::destroy_group("single");
+  EXPECT_TRUE(throws_with([&] { torch_tp::nn::shard(at::ones({4}), 0, "single"); }, {"single"}));
+}
+
+} // namespace
