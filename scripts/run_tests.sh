@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh machine and runs every test: the GoogleTest
 # executables under ctest, then pytest on gloo, then the communicating tests
-# again on the torch_tp backend. All run even if one fails; the exit status is
-# non-zero if any failed.
+# again on the torch_tp backend, then what `pip install` gives a user (the
+# wheel from the sdist in a fresh virtual environment, and the C++ example
+# built against it: scripts/test_installed_package.sh). All run even if one
+# fails; the exit status is non-zero if any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,4 +28,5 @@ ctest --test-dir build/cmake --output-on-failure --timeout 300 || status=1
 TORCH_TP_TEST_BACKEND=torch_tp "$PYTHON" -m pytest -q -rs \
   test/test_collectives.py test/test_linear.py test/test_parallelize.py test/test_ddp.py \
   test/test_compose.py || status=1
+PYTHON="$PYTHON" bash scripts/test_installed_package.sh || status=1
 exit $status
