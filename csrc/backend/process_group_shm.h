@@ -74,9 +74,6 @@ class ProcessGroupShm : public c10d::Backend {
     return "torch_tp";
   }
   uint64_t getSequenceNumberForGroup() override;
-  int num_nodes() const {
-    return num_nodes_;
-  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;

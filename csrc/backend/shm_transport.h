@@ -112,9 +112,6 @@ class ShmTransport {
   int local_size() const {
     return static_cast<int>(options_.group_ranks.size());
   }
-  int group_rank_of(int local) const {
-    return options_.group_ranks[local];
-  }
   size_t slot_bytes() const {
     return slot_bytes_;
   }
@@ -139,9 +136,6 @@ class ShmTransport {
   const CallHeader& peer_header(int local, uint64_t step) const;
 
   // NOTE [point-to-point rings]. Peers are local ranks, never this one.
-  size_t ring_bytes() const {
-    return ring_bytes_;
-  }
   // Copies up to `bytes` from `data` into the ring to `dst` without waiting;
   // returns how many it copied (0 when the ring is full).
   size_t ring_write(int dst, const void* data, size_t bytes);

@@ -33,10 +33,7 @@ void init_backend(py::module_& m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("host_keys"),
            py::arg("buffer_bytes") = py::none(), py::arg("gloo_all") = py::none(),
-           py::arg("gloo_leaders") = py::none(), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_nodes", &ProcessGroupShm::num_nodes);
-  m.def("shm_buffer_bytes", &torch_tp::backend::buffer_bytes_from_env,
-        "The per-rank shared buffer size the backend uses: TORCH_TP_SHM_BUFFER_BYTES or the default");
+           py::arg("gloo_leaders") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
 
 } // namespace torch_tp::python

@@ -15,11 +15,6 @@ void init_backend(pybind11::module_& m);
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*, the DDP reducer and the torch_tp backend";
   m.attr("built_with_torch") = TORCH_TP_TORCH_VERSION;
-#ifdef TORCH_TP_WITH_CUDA
-  m.attr("built_with_cuda") = true;
-#else
-  m.attr("built_with_cuda") = false;
-#endif
   torch_tp::python::init_ddp(m);
   torch_tp::python::init_backend(m);
 }
