@@ -358,6 +358,56 @@ def test_errors(ranks, world_size):
     ranks(world_size).run(_check_errors)
 
 
+def _check_typed_wrappers():
+    """torch_tp.ops' layer wrappers route every argument to its place in the op: each call
+    equals, bitwise, the raw op called with the same arguments by name, in output and in
+    the input's gradient (which partial_grad_input changes), for a ProcessGroup and a name."""
+    tp = dist.group.WORLD
+    raw = torch.ops.torch_tp
+    seq, dim, features, vocab = 5, 6, 8, 11
+    x = _full((2, seq, dim), 1, torch.float64)
+    h_piece = ops.shard(_full((2, seq, features), 8, torch.float64), 2)  # a column layer's output
+    w_col = ops.shard(_full((features, dim), 2, torch.float64), 0)
+    b_col = ops.shard(_full((features,), 3, torch.float64), 0)
+    w_row = ops.shard(_full((dim, features), 4, torch.float64), 1)
+    b_row = _full((dim,), 5, torch.float64)
+    table = _full((vocab, dim), 6, torch.float64)
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(7))
+
+    def output_and_grad(op, x_in, *args, **kwargs):
+        x_in = _param(x_in)
+        y = op(x_in, *args, **kwargs)
+        y.sum().backward()
+        return y, x_in.grad
+
+    for group in (tp, tp.group_name):
+        pairs = [
+            (output_and_grad(ops.column_parallel_linear, ops.shard(x, 1), w_col, b_col, group, gather_dim=1,
+                             full_size=seq, activation="gelu_tanh"),
+             output_and_grad(raw.column_parallel_linear, ops.shard(x, 1), w_col, b_col, tp.group_name,
+                             gather_dim=1, full_size=seq, activation="gelu_tanh")),
+            (output_and_grad(ops.column_parallel_linear, x, w_col, None, group, partial_grad_input=True),
+             output_and_grad(raw.column_parallel_linear, x, w_col, None, tp.group_name, partial_grad_input=True)),
+            (output_and_grad(ops.row_parallel_linear, h_piece, w_row, b_row, group, scatter_dim=1),
+             output_and_grad(raw.row_parallel_linear, h_piece, w_row, b_row, tp.group_name, scatter_dim=1)),
+        ]
+        for (y, grad), (y_raw, grad_raw) in pairs:
+            assert torch.equal(y, y_raw) and torch.equal(grad, grad_raw)
+        assert torch.equal(
+            ops.vocab_parallel_embedding(ids, ops.shard(table, 0), vocab, group, padding_idx=0, scatter_dim=1),
+            raw.vocab_parallel_embedding(ids, ops.shard(table, 0), tp.group_name, vocab, padding_idx=0,
+                                         scatter_dim=1))
+        assert torch.equal(
+            ops.column_parallel_embedding(ops.shard(ids, 1), ops.shard(table, 1), group, padding_idx=0,
+                                          gather_dim=1, full_size=seq),
+            raw.column_parallel_embedding(ops.shard(ids, 1), ops.shard(table, 1), tp.group_name, padding_idx=0,
+                                          gather_dim=1, full_size=seq))
+
+
+def test_typed_wrappers(ranks):
+    ranks(3).run(_check_typed_wrappers)
+
+
 # ---------------------------------------------------------------- CUDA (run where a GPU is present)
 #
 # The CUDA forward fuses the bias (and GELU) into a cuBLASLt epilogue and

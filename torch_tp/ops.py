@@ -1,4 +1,4 @@
-"""Typed Python wrappers of the ``torch.ops.torch_tp`` collective ops.
+"""Typed Python wrappers of the ``torch.ops.torch_tp`` ops: the collectives and the sharded layers.
 
 Every wrapper takes ``group`` as a :class:`~torch.distributed.ProcessGroup`, a
 1-D :class:`~torch.distributed.device_mesh.DeviceMesh`, a group name (the string
@@ -18,11 +18,15 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "chunk_range",
+    "column_parallel_embedding",
+    "column_parallel_linear",
     "copy_to_tp_region",
     "group_name",
     "reduce_from_tp_region",
     "reduce_scatter",
+    "row_parallel_linear",
     "shard",
+    "vocab_parallel_embedding",
 ]
 
 GroupLike = Optional[Union[dist.ProcessGroup, DeviceMesh, str]]
@@ -231,6 +235,108 @@ def reduce_from_tp_region(x: torch.Tensor, group: GroupLike = None) -> torch.Ten
         >>> y = torch_tp.ops.reduce_from_tp_region(h @ w_row_shard.t(), tp_group)
     """
     return torch.ops.torch_tp.reduce_from_tp_region(x, group_name(group))
+
+
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, group: GroupLike = None, *,
+    gather_dim: Optional[int] = None, full_size: Optional[int] = None, activation: str = "none",
+    partial_grad_input: bool = False,
+) -> torch.Tensor:
+    r"""Megatron's column-parallel linear: ``activation(x @ weight.T + bias)`` on this rank's output features.
+
+    Args:
+        x (Tensor): ``[.., K]``, replicated; with ``gather_dim``, this rank's
+            ``torch.chunk`` piece along that dim, all-gathered first (sequence
+            parallelism).
+        weight (Tensor): this rank's rows ``[N_rank, K]`` (``shard(W, 0, group)``).
+        bias (Tensor, optional): this rank's ``[N_rank]``.
+        group: the tensor-parallel group (see :func:`group_name`).
+        gather_dim (int, optional): the sequence dim of a sharded ``x``.
+        full_size (int, optional): the gathered length, needed when the pieces are uneven.
+        activation (str): ``"none"`` or ``"gelu_tanh"`` (fused into the GEMM's epilogue on CUDA).
+        partial_grad_input (bool): leave ``x``'s gradient as this rank's partial
+            sum instead of all-reducing it (for a caller that reduces it later).
+
+    Returns:
+        Tensor: ``[.., N_rank]`` (with ``gather_dim``: the full length along it).
+        Backward all-reduces (or reduce-scatters) ``x``'s gradient, overlapped
+        with the weight gradient's GEMM.
+
+    Example::
+
+        >>> h = torch_tp.ops.column_parallel_linear(x, shard(up.weight, 0, tp), shard(up.bias, 0, tp), tp)
+    """
+    return torch.ops.torch_tp.column_parallel_linear(
+        x, weight, bias, group_name(group), gather_dim, full_size, activation, partial_grad_input)
+
+
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, group: GroupLike = None, *,
+    scatter_dim: Optional[int] = None,
+) -> torch.Tensor:
+    r"""Megatron's row-parallel linear: ``sum over ranks(x_r @ weight_r.T) + bias``.
+
+    Args:
+        x (Tensor): ``[.., K_rank]``, this rank's input features (a column-parallel layer's output).
+        weight (Tensor): this rank's columns ``[N, K_rank]`` (``shard(W, 1, group)``).
+        bias (Tensor, optional): the whole ``[N]``, added once after the reduction.
+        group: the tensor-parallel group (see :func:`group_name`).
+        scatter_dim (int, optional): reduce-scatter along this dim instead of
+            all-reducing (sequence parallelism): each rank keeps its ``torch.chunk`` piece.
+
+    Returns:
+        Tensor: ``[.., N]``, the same on every rank, or this rank's piece along ``scatter_dim``.
+
+    Example::
+
+        >>> y = torch_tp.ops.row_parallel_linear(h, shard(down.weight, 1, tp), down.bias, tp)
+    """
+    return torch.ops.torch_tp.row_parallel_linear(x, weight, bias, group_name(group), scatter_dim)
+
+
+def vocab_parallel_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, vocab_size: int, group: GroupLike = None, *,
+    padding_idx: Optional[int] = None, scatter_dim: Optional[int] = None,
+) -> torch.Tensor:
+    r"""Embedding lookup with the vocabulary rows sharded: each rank looks up the ids it
+    holds (zeros for the others), then the ranks sum.
+
+    Args:
+        ids (Tensor): integer ids ``[..]`` in ``[0, vocab_size)``, replicated.
+        weight (Tensor): this rank's ``torch.chunk`` rows of the ``[vocab_size, D]`` table.
+        vocab_size (int): the full vocabulary.
+        group: the tensor-parallel group (see :func:`group_name`).
+        padding_idx (int, optional): as for ``F.embedding``: that row gets no gradient.
+        scatter_dim (int, optional): reduce-scatter along this dim instead of
+            all-reducing (sequence parallelism).
+
+    Returns:
+        Tensor: ``[.., D]``, or this rank's piece along ``scatter_dim``.
+    """
+    return torch.ops.torch_tp.vocab_parallel_embedding(
+        ids, weight, group_name(group), vocab_size, padding_idx, scatter_dim)
+
+
+def column_parallel_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, group: GroupLike = None, *, padding_idx: Optional[int] = None,
+    gather_dim: Optional[int] = None, full_size: Optional[int] = None,
+) -> torch.Tensor:
+    r"""Embedding lookup with the embedding dim sharded: ``[.., D_rank]`` from this rank's columns.
+
+    Args:
+        ids (Tensor): integer ids ``[..]``, replicated; with ``gather_dim``,
+            this rank's piece along it, all-gathered first.
+        weight (Tensor): this rank's columns ``[V, D_rank]`` (``shard(W, 1, group)``).
+        group: the tensor-parallel group (see :func:`group_name`).
+        padding_idx (int, optional): as for ``F.embedding``.
+        gather_dim (int, optional): the sequence dim of sharded ``ids``.
+        full_size (int, optional): the gathered length, needed when the pieces are uneven.
+
+    Returns:
+        Tensor: ``[.., D_rank]``; no communication for the table itself.
+    """
+    return torch.ops.torch_tp.column_parallel_embedding(
+        ids, weight, group_name(group), padding_idx, gather_dim, full_size)
 
 
 def chunk_range(n: int, world_size: int, rank: int) -> Tuple[int, int]:
