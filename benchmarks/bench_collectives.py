@@ -21,7 +21,7 @@ implementations are timed side by side in one run:
   or their ``*_single`` successors where torch has them),
   the floor any wrapper pays on top of.
 
-NOTE [method]: every repeat runs all three implementations of every op, in an
+NOTE [method] (benchmarks/_common.py's, with these choices): every repeat runs all three implementations of every op, in an
 order rotated from repeat to repeat, so machine drift hits them equally; each
 timed call is preceded by ``dist.barrier()`` so the ranks start together. Each
 rank records its own per-call wall time; after the run the times are all-reduced
@@ -66,10 +66,6 @@ kept; both tables) into ``--out-dir``, and prints the markdown tables.
 """
 
 import argparse
-import datetime
-import gc
-import json
-import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -80,17 +76,19 @@ import torch.distributed._functional_collectives as funcol
 
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
 from _common import (
-    command_line,
-    machine_info,
-    make_noop_group,
-    quantile,
-    require_torchrun,
-    stats_us,
-    update_results_md,
+    KiB,
+    MiB,
+    Output,
+    figure,
+    fmt_size,
+    noop_phase,
+    parse_size,
+    rotations,
+    run,
+    save_figure,
+    section_head,
+    time_interleaved,
 )
-
-KiB = 1024
-MiB = 1024 * KiB
 
 DEFAULT_SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 OPS = ["all_reduce", "all_gather", "reduce_scatter"]
@@ -142,33 +140,6 @@ RAW_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce
 FC_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 FC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
-SECTION_BEGIN = "<!-- bench_collectives:begin -->"
-SECTION_END = "<!-- bench_collectives:end -->"
-
-
-# ---------------------------------------------------------------------------
-# arguments and helpers
-
-
-def parse_size(text: str) -> int:
-    """Parse ``4K``, ``16KiB``, ``1M``, ``64MiB`` or a plain byte count."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = 1
-    if t.endswith("K"):
-        mult, t = KiB, t[:-1]
-    elif t.endswith("M"):
-        mult, t = MiB, t[:-1]
-    elif t.endswith("G"):
-        mult, t = 1024 * MiB, t[:-1]
-    return int(float(t) * mult)
-
-
-def fmt_size(nbytes: int) -> str:
-    if nbytes >= MiB and nbytes % MiB == 0:
-        return f"{nbytes // MiB} MiB"
-    if nbytes >= KiB and nbytes % KiB == 0:
-        return f"{nbytes // KiB} KiB"
-    return f"{nbytes} B"
 
 
 def default_repeats(nbytes: int, quick: bool) -> int:
@@ -393,67 +364,42 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: 
     for nbytes in args.sizes:
         repeats = max(3, round(default_repeats(nbytes, args.quick) * args.repeat_scale))
         warmup = max(1, args.warmup // 2) if nbytes >= 16 * MiB else args.warmup
-        per_op = {}
+        steps, resets, full_bytes = {}, {}, {}
         for op in args.ops:
-            calls, reset, getters, full_bytes = make_calls(op, nbytes, group, rank, world)
+            calls, reset, getters, full_bytes[op] = make_calls(op, nbytes, group, rank, world)
             check_agreement(op, calls, reset, getters)
-            per_op[op] = (calls, reset, full_bytes)
-            for _ in range(warmup):
-                for impl in IMPLS:
-                    reset()
-                    dist.barrier(group=group)
-                    calls[impl]()
-
-        # times[op][impl][repeat] on this rank, seconds
-        local = torch.zeros(len(args.ops), len(IMPLS), repeats, dtype=torch.float64)
+            for impl in IMPLS:
+                steps[f"{op} {impl}"], resets[f"{op} {impl}"] = calls[impl], reset
+        rotate = rotations(IMPLS)  # so no implementation always runs first (cold) or last
         t_size = time.perf_counter()
-        for r in range(repeats):
-            # Rotate the order so no implementation always runs first (cold) or last.
-            order = IMPLS[r % len(IMPLS):] + IMPLS[: r % len(IMPLS)]
-            for oi, op in enumerate(args.ops):
-                calls, reset, _ = per_op[op]
-                for impl in order:
-                    reset()
-                    dist.barrier(group=group)
-                    t0 = time.perf_counter()
-                    calls[impl]()
-                    t1 = time.perf_counter()
-                    local[oi, IMPLS.index(impl), r] = t1 - t0
+        samples = time_interleaved(
+            steps, repeats, group, reset=resets, warmup=warmup, gc_off=False,
+            order=lambda r: [f"{op} {impl}" for op in args.ops for impl in rotate(r)])
         elapsed = time.perf_counter() - t_size
-        # The slowest rank defines a collective's time: max over ranks, per repeat.
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
 
-        for oi, op in enumerate(args.ops):
-            full_bytes = per_op[op][2]
+        for op in args.ops:
             bus_factor = 2.0 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
             rec = {
                 "op": op,
                 "size_bytes": nbytes,
                 "size": fmt_size(nbytes),
-                "full_tensor_bytes": full_bytes,
+                "full_tensor_bytes": full_bytes[op],
                 "repeats": repeats,
                 "warmup": warmup,
                 "impls": {},
             }
-            for ii, impl in enumerate(IMPLS):
-                times = local[oi, ii].tolist()
-                s = stats_us(times)
-                med_s = s["median_us"] * 1e-6
-                algbw = full_bytes / med_s / 1e9
+            for impl in IMPLS:
+                s = samples.stats(f"{op} {impl}", "us")
+                algbw = full_bytes[op] / (s["median_us"] * 1e-6) / 1e9
                 s["algbw_GBps"] = algbw
                 s["busbw_GBps"] = algbw * bus_factor
-                s["times_us"] = [t * 1e6 for t in times]
                 rec["impls"][impl] = s
-            tp_t = local[oi, 0]
-            fc_t = local[oi, 1]
-            raw_t = local[oi, 2]
             med = {k: rec["impls"][k]["median_us"] for k in IMPLS}
-            # Paired: repeats were interleaved, so the per-repeat difference cancels drift.
-            rec["torch_tp_overhead_us"] = quantile(sorted(((tp_t - raw_t) * 1e6).tolist()), 0.5)
+            rec["torch_tp_overhead_us"] = samples.paired(f"{op} torch_tp", f"{op} raw", "us")
             rec["torch_tp_minus_raw_medians_us"] = med["torch_tp"] - med["raw"]
             rec["torch_tp_over_raw"] = med["torch_tp"] / med["raw"]
             rec["torch_tp_over_functional"] = med["torch_tp"] / med["functional"]
-            rec["functional_overhead_us"] = quantile(sorted(((fc_t - raw_t) * 1e6).tolist()), 0.5)
+            rec["functional_overhead_us"] = samples.paired(f"{op} functional", f"{op} raw", "us")
             records.append(rec)
         if rank == 0:
             print(
@@ -474,103 +420,51 @@ def bench_overhead(
     """Per-call time of each implementation on the no-op group; figures in us per call."""
     batch = args.overhead_batch
     n_batches = max(3, -(-args.overhead_calls // batch))
-    sizes, ops = args.overhead_sizes, args.ops
-    # per-call seconds of each timed batch on this rank: [size, op, impl, batch]
-    local = torch.zeros(len(sizes), len(ops), len(IMPLS), n_batches, dtype=torch.float64)
-    shapes: Dict[Tuple[int, str], List[int]] = {}
-    gc_was_enabled = gc.isenabled()
-    t_phase = time.perf_counter()
-    try:
-        for si, nbytes in enumerate(sizes):
-            t_size = time.perf_counter()
-            for oi, op in enumerate(ops):
-                # The same call forms as the gloo phase, bound to the fake group.
-                calls, _, getters, _ = make_calls(op, nbytes, fake_group, rank, world)
-                # The fake backend's outputs are not the collective's result, so
-                # only the shapes are checked, not the values.
-                for impl in IMPLS:
-                    calls[impl]()
-                got = {impl: tuple(getters[impl]().shape) for impl in IMPLS}
-                if len(set(got.values())) != 1:
-                    raise RuntimeError(f"{op} on the fake group: output shapes differ: {got}")
-                shapes[(nbytes, op)] = list(got["raw"])
-                # As timeit does: no cyclic GC pauses inside the timed batches.
-                gc.collect()
-                gc.disable()
-                for _ in range(OVERHEAD_WARMUP_BATCHES):
-                    for impl in IMPLS:
-                        fn = calls[impl]
-                        for _ in range(batch):
-                            fn()
-                for b in range(n_batches):
-                    # Untimed: lines the ranks' rounds up so the max over ranks pairs like with like.
-                    dist.barrier(group=world_group)
-                    order = IMPLS[b % len(IMPLS):] + IMPLS[: b % len(IMPLS)]
-                    for impl in order:
-                        fn = calls[impl]
-                        loop = range(batch)
-                        t0 = time.perf_counter()
-                        for _ in loop:
-                            fn()
-                        t1 = time.perf_counter()
-                        local[si, oi, IMPLS.index(impl), b] = (t1 - t0) / batch
-                if gc_was_enabled:
-                    gc.enable()
-            if rank == 0:
-                print(
-                    f"[bench_collectives] no-op group {fmt_size(nbytes):>7}: {n_batches} x {batch} calls x "
-                    f"{len(ops)} ops x {len(IMPLS)} impls in {time.perf_counter() - t_size:.1f} s",
-                    flush=True,
-                )
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    elapsed = time.perf_counter() - t_phase
-
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=world_group)
-    per_rank = torch.stack(gathered)  # [rank, size, op, impl, batch]
-    maxed = per_rank.max(dim=0).values  # a batch's time: the slowest rank's
-
-    def med_us(t: torch.Tensor) -> float:
-        return quantile(sorted((t * 1e6).tolist()), 0.5)
-
     records = []
-    for si, nbytes in enumerate(sizes):
-        for oi, op in enumerate(ops):
-            rec = {
-                "op": op,
-                "size_bytes": nbytes,
-                "size": fmt_size(nbytes),
-                "output_shape": shapes[(nbytes, op)],
-                "impls": {},
-            }
-            for ii, impl in enumerate(IMPLS):
-                times = maxed[si, oi, ii].tolist()
-                st = stats_us(times)
-                st["per_rank_median_us"] = [med_us(per_rank[r, si, oi, ii]) for r in range(world)]
-                st["batch_us_per_call"] = [t * 1e6 for t in times]
-                rec["impls"][impl] = st
-            tp_t, fc_t, raw_t = maxed[si, oi, 0], maxed[si, oi, 1], maxed[si, oi, 2]
+    t_phase = time.perf_counter()
+    for nbytes in args.overhead_sizes:
+        t_size = time.perf_counter()
+        for op in args.ops:
+            # The same call forms as the gloo phase, bound to the fake group.
+            calls, _, getters, _ = make_calls(op, nbytes, fake_group, rank, world)
+            # The fake backend's outputs are not the collective's result, so
+            # only the shapes are checked, not the values.
+            for impl in IMPLS:
+                calls[impl]()
+            got = {impl: tuple(getters[impl]().shape) for impl in IMPLS}
+            if len(set(got.values())) != 1:
+                raise RuntimeError(f"{op} on the fake group: output shapes differ: {got}")
+            # A round: one batch of each implementation; the gloo barrier before it (untimed) lines the
+            # ranks' rounds up so the max over ranks pairs like with like.
+            samples = time_interleaved(calls, n_batches, world_group, calls=batch,
+                                       warmup=OVERHEAD_WARMUP_BATCHES, barrier="round")
+            rec = {"op": op, "size_bytes": nbytes, "size": fmt_size(nbytes), "output_shape": list(got["raw"]),
+                   "impls": {impl: samples.stats(impl, "us") for impl in IMPLS}}
             med = {k: rec["impls"][k]["median_us"] for k in IMPLS}
             # Paired per round (the three batches of a round ran back to back).
-            rec["torch_tp_minus_raw_us"] = med_us(tp_t - raw_t)
-            rec["torch_tp_minus_functional_us"] = med_us(tp_t - fc_t)
-            rec["functional_minus_raw_us"] = med_us(fc_t - raw_t)
+            rec["torch_tp_minus_raw_us"] = samples.paired("torch_tp", "raw", "us")
+            rec["torch_tp_minus_functional_us"] = samples.paired("torch_tp", "functional", "us")
+            rec["functional_minus_raw_us"] = samples.paired("functional", "raw", "us")
             rec["torch_tp_minus_raw_medians_us"] = med["torch_tp"] - med["raw"]
             rec["torch_tp_minus_functional_medians_us"] = med["torch_tp"] - med["functional"]
             records.append(rec)
+        if rank == 0:
+            print(
+                f"[bench_collectives] no-op group {fmt_size(nbytes):>7}: {n_batches} x {batch} calls x "
+                f"{len(args.ops)} ops x {len(IMPLS)} impls in {time.perf_counter() - t_size:.1f} s",
+                flush=True,
+            )
     return {
         "backend": dist.get_backend(fake_group),
         "group": "dist.new_group(backend='fake') beside the gloo world group, after importing "
         "torch.testing._internal.distributed.fake_pg (registers torch's FakeProcessGroup)",
         "world_size": world,
-        "sizes": list(sizes),
+        "sizes": list(args.overhead_sizes),
         "calls_per_impl": n_batches * batch,
         "batch": batch,
         "batches": n_batches,
         "warmup_batches": OVERHEAD_WARMUP_BATCHES,
-        "elapsed_s": elapsed,
+        "elapsed_s": time.perf_counter() - t_phase,
         "method": {
             "backend_semantics": "collectives return a completed Work without communicating: all_reduce does "
             "nothing, all_gather / reduce_scatter copy local data into the output; values are not checked, "
@@ -650,21 +544,19 @@ def markdown_table(records: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: List[Dict], ops: List[str], path: str, title: str) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(ops), figsize=(5.2 * len(ops), 4.4), squeeze=False)
+def plot(path: str, report: Dict) -> None:
+    records, m = report["results"], report["machine"]
+    ops = [op for op in OPS if any(r["op"] == op for r in records)]
+    fig, axes = figure(1, len(ops), (5.2, 4.4))
     styles = {"torch_tp": ("o-", "C0"), "functional": ("s--", "C1"), "raw": ("^:", "C2")}
     for ax, op in zip(axes[0], ops):
         recs = sorted((r for r in records if r["op"] == op), key=lambda r: r["size_bytes"])
         xs = [r["size_bytes"] for r in recs]
         for impl in IMPLS:
             med = [r["impls"][impl]["median_us"] for r in recs]
-            lo = [m - r["impls"][impl]["p10_us"] for m, r in zip(med, recs)]
-            hi = [r["impls"][impl]["p90_us"] - m for m, r in zip(med, recs)]
+            lo = [m_ - r["impls"][impl]["p10_us"] for m_, r in zip(med, recs)]
+            hi = [r["impls"][impl]["p90_us"] - m_ for m_, r in zip(med, recs)]
             fmt, color = styles[impl]
             ax.errorbar(xs, med, yerr=[lo, hi], fmt=fmt, color=color, capsize=2, ms=4, label=IMPL_LABELS[impl])
         ax.set_xscale("log", base=2)
@@ -676,141 +568,83 @@ def plot(records: List[Dict], ops: List[str], path: str, title: str) -> None:
         ax.set_ylabel("latency, us (median; bars p10-p90)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{m['backend']}, world size {m['world_size']}, {m['cpu_model']} "
+                f"({m['cpus_usable']} cores), torch {m['torch_version']}" + (" [quick]" if report["quick"] else ""))
 
 
-def results_section(meta: Dict, table: str, overhead: Optional[Dict] = None) -> str:
-    m = meta["machine"]
-    return "\n".join(
-        [
-            SECTION_BEGIN,
-            "## Collectives: torch_tp vs functional collectives vs raw c10d",
-            "",
-            f"Command: `{meta['command']}`",
-            "",
-            f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable cores ({m['cpu_count']} online), "
-            f"torch {m['torch_version']}, torch_tp {m['torch_tp_version']}, Python {m['python_version']}, "
-            f"backend {m['backend']}, world size {m['world_size']}, "
-            f"{m['torch_num_threads']} intra-op thread(s) per rank.",
-            "",
-            f"Date: {meta['date']}" + (" (quick smoke run: few repeats, not for conclusions)" if meta["quick"] else ""),
-            "",
-            "Method: CPU float32 tensors; size is the per-rank input (all_gather: the per-rank input shard). "
-            "The three implementations of every op are interleaved within each repeat in a rotating order, "
-            "each timed call is preceded by `dist.barrier()`, each rank times its own calls and the per-repeat "
-            "time is the max over ranks. Figures are medians over repeats (p10/p90 in the json); "
-            "`torch_tp overhead` is the median of the per-repeat paired differences torch_tp - raw; "
-            "ratios are ratios of medians. busbw follows nccl-tests: all_reduce algbw*2(p-1)/p, "
-            "all_gather/reduce_scatter algbw*(p-1)/p on the full tensor size; GB = 1e9 bytes. "
-            "`raw c10d` writes into preallocated buffers (all_reduce in place); torch_tp and "
-            "functional collectives allocate their outputs.",
-            "",
-            table,
-            "",
-            "![latency vs message size](collectives.png)",
-            "",
-            *overhead_section(overhead),
-            "Raw figures, per-repeat times and p10/p90: [collectives.json](collectives.json)"
-            + (" (no-op group: `overhead_noop_pg`)." if overhead and "skipped" not in overhead else "."),
-            SECTION_END,
-        ]
-    )
+def results_section(report: Dict) -> List[str]:
+    overhead = report.get("overhead_noop_pg")
+    return [
+        *section_head(report, "## Collectives: torch_tp vs functional collectives vs raw c10d"),
+        "Method: CPU float32 tensors; size is the per-rank input (all_gather: the per-rank input shard). "
+        "The three implementations of every op are interleaved within each repeat in a rotating order, "
+        "each timed call is preceded by `dist.barrier()`, each rank times its own calls and the per-repeat "
+        "time is the max over ranks. Figures are medians over repeats (p10/p90 in the json); "
+        "`torch_tp overhead` is the median of the per-repeat paired differences torch_tp - raw; "
+        "ratios are ratios of medians. busbw follows nccl-tests: all_reduce algbw*2(p-1)/p, "
+        "all_gather/reduce_scatter algbw*(p-1)/p on the full tensor size; GB = 1e9 bytes. "
+        "`raw c10d` writes into preallocated buffers (all_reduce in place); torch_tp and "
+        "functional collectives allocate their outputs.",
+        "",
+        markdown_table(report["results"]),
+        "",
+        "![latency vs message size](collectives.png)",
+        "",
+        *overhead_section(overhead),
+        "Raw figures, per-repeat times and p10/p90: [collectives.json](collectives.json)"
+        + (" (no-op group: `overhead_noop_pg`)." if overhead and "skipped" not in overhead else "."),
+    ]
 
 
 # ---------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
-    if not require_torchrun("bench_collectives.py"):
-        return 2
-    dist.init_process_group("gloo")
+def measure(args: argparse.Namespace) -> Output:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    start = time.perf_counter()
-    try:
-        for nbytes in args.sizes + ([] if args.no_overhead else args.overhead_sizes):
-            if nbytes % (4 * world):
-                raise ValueError(f"size {nbytes} B must be a multiple of 4 * world_size = {4 * world}")
-        meta = {
-            "benchmark": "bench_collectives",
-            "command": command_line(),
-            "argv": sys.argv,
-            "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
-            "quick": args.quick,
-            "machine": machine_info(world),
-            "dtype": "float32",
-            "device": "cpu",
-            "method": {
-                "interleaved": "all impls of all ops within each repeat, order rotated per repeat",
-                "barrier_before_each_call": True,
-                "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the call",
-                "stat": "median over repeats; p10/p90 reported",
-                "overhead_us": "median over repeats of the paired difference torch_tp - raw",
-                "ratios": "ratio of medians",
-                "busbw": "nccl-tests: all_reduce algbw*2(p-1)/p; all_gather, reduce_scatter algbw*(p-1)/p; "
-                "algbw = full tensor bytes / median time; GB = 1e9 bytes",
-                "size": "bytes of the per-rank input (all_gather: per-rank input shard)",
-                "raw_calls": {
-                    "all_reduce": "dist.all_reduce (in place)",
-                    "all_gather": f"dist.{RAW_ALL_GATHER.__name__}",
-                    "reduce_scatter": f"dist.{RAW_REDUCE_SCATTER.__name__}",
-                },
-                "functional_calls": {
-                    "all_reduce": "funcol.all_reduce + wait",
-                    "all_gather": f"funcol.{FC_ALL_GATHER.__name__} + wait",
-                    "reduce_scatter": f"funcol.{FC_REDUCE_SCATTER.__name__} + wait",
-                },
+    for nbytes in args.sizes + ([] if args.no_overhead else args.overhead_sizes):
+        if nbytes % (4 * world):
+            raise ValueError(f"size {nbytes} B must be a multiple of 4 * world_size = {4 * world}")
+    data: Dict = {
+        "dtype": "float32",
+        "device": "cpu",
+        "method": {
+            "interleaved": "all impls of all ops within each repeat, order rotated per repeat",
+            "barrier_before_each_call": True,
+            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the call",
+            "stat": "median over repeats; p10/p90 reported",
+            "overhead_us": "median over repeats of the paired difference torch_tp - raw",
+            "ratios": "ratio of medians",
+            "busbw": "nccl-tests: all_reduce algbw*2(p-1)/p; all_gather, reduce_scatter algbw*(p-1)/p; "
+            "algbw = full tensor bytes / median time; GB = 1e9 bytes",
+            "size": "bytes of the per-rank input (all_gather: per-rank input shard)",
+            "raw_calls": {
+                "all_reduce": "dist.all_reduce (in place)",
+                "all_gather": f"dist.{RAW_ALL_GATHER.__name__}",
+                "reduce_scatter": f"dist.{RAW_REDUCE_SCATTER.__name__}",
             },
-        }
-        overhead: Optional[Dict] = None
-        if not args.no_overhead:
-            # First, so a problem with the fake backend shows in seconds, not minutes.
-            fake_group, why = make_noop_group(group)
-            if fake_group is None:
-                overhead = {"skipped": why, "world_size": world}
-                if rank == 0:
-                    print(f"[bench_collectives] no-op group phase skipped: {why}", flush=True)
-            else:
-                overhead = bench_overhead(args, fake_group, group, rank, world)
-        records = bench(args, group, rank, world)
-        meta["elapsed_s"] = time.perf_counter() - start
-        if rank == 0:
-            os.makedirs(args.out_dir, exist_ok=True)
-            table = markdown_table(records)
-            json_path = os.path.join(args.out_dir, "collectives.json")
-            out = {**meta, "results": records}
-            if overhead is not None:
-                out["overhead_noop_pg"] = overhead
-            with open(json_path, "w") as f:
-                json.dump(out, f, indent=1)
-            png_path = os.path.join(args.out_dir, "collectives.png")
-            m = meta["machine"]
-            plot(
-                records,
-                args.ops,
-                png_path,
-                f"{m['backend']}, world size {world}, {m['cpu_model']} ({m['cpus_usable']} cores), "
-                f"torch {m['torch_version']}" + (" [quick]" if args.quick else ""),
-            )
-            print()
-            print(table)
-            print()
-            if overhead is not None:
-                print("\n".join(overhead_section(overhead)))
-            written = [json_path, png_path]
-            if not args.no_results_md:
-                md_path = os.path.join(args.out_dir, "RESULTS.md")
-                update_results_md(md_path, results_section(meta, table, overhead), SECTION_BEGIN, SECTION_END)
-                written.append(md_path)
-            print(f"[bench_collectives] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
-        dist.barrier(group=group)
-    finally:
-        dist.destroy_process_group()
-    return 0
+            "functional_calls": {
+                "all_reduce": "funcol.all_reduce + wait",
+                "all_gather": f"funcol.{FC_ALL_GATHER.__name__} + wait",
+                "reduce_scatter": f"funcol.{FC_REDUCE_SCATTER.__name__} + wait",
+            },
+        },
+    }
+    overhead: Optional[Dict] = None
+    if not args.no_overhead:
+        # First, so a problem with the fake backend shows in seconds, not minutes.
+        overhead = noop_phase("bench_collectives", group,
+                              lambda fake: bench_overhead(args, fake, group, rank, world))
+    data["results"] = bench(args, group, rank, world)
+    if overhead is not None:
+        data["overhead_noop_pg"] = overhead
+    return Output(tag="bench_collectives", stem="collectives", data=data, section=results_section, plot=plot,
+                  console=[markdown_table(data["results"]), "", *overhead_section(overhead)])
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    return run("bench_collectives", args, lambda: measure(args))
 
 
 if __name__ == "__main__":
