@@ -28,7 +28,7 @@ NOTE [same computation]: before timing, one step of each implementation is
 checked: the averaged gradients must be bitwise equal between torch_tp and
 torch DDP (same backend, buckets and inputs) on every rank.
 
-NOTE [method]: two untimed warm-up steps (the buckets are rebuilt after the
+NOTE [method] (benchmarks/_common.py's, with these choices): two untimed warm-up steps (the buckets are rebuilt after the
 first). Every repeat then runs one step of each implementation, the order
 alternating between repeats, then one compute-only step of each and one
 communication-only round; ``dist.barrier()`` precedes each; gradients are set
@@ -36,9 +36,12 @@ to None untimed. A repeat's time is the slowest rank's. Reported: median over
 repeats, p10/p90; torch / torch_tp is the ratio of the step medians. Cyclic GC
 is off while timing.
 
-Target (from the issue), printed PASS/MISS: torch_tp no slower than torch DDP
-on the same backend: torch / torch_tp >= 1 at every bucket cap, within
-``NOISE`` (the figures of two identical runs differ by about that much here).
+Target, printed PASS/MISS: torch_tp no slower than torch DDP on the same
+backend, torch / torch_tp >= 1 at every bucket cap, within ``NOISE``: both
+run the same all-reduces on the same buckets, so what a reducer can win is
+its own bookkeeping and how early it launches a bucket; losing means its
+Python or C++ overhead shows. ``NOISE`` is how much the figures of two
+identical runs differ on a shared machine.
 
 Rank 0 writes ``ddp.json`` (``ddp_<backend>.json`` for a backend other than
 gloo), the matching ``.png`` and the ``bench_ddp`` section of ``RESULTS.md``.
@@ -46,12 +49,7 @@ gloo), the matching ``.png`` and the ``bench_ddp`` section of ``RESULTS.md``.
 
 import argparse
 import copy
-import datetime
-import gc
-import json
-import os
 import sys
-import time
 from typing import Dict, List, Sequence
 
 import torch
@@ -59,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _common import command_line, machine_info, quantile, require_torchrun, update_results_md
+from _common import Output, figure, rotations, run, save_figure, time_interleaved
 
 import torch_tp
 
@@ -105,24 +103,6 @@ class MLP(nn.Module):
         return x
 
 
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return slowest(time.perf_counter() - start)
-
-
-def summary(times: List[float]) -> Dict[str, float]:
-    v = sorted(t * 1e3 for t in times)
-    return {"median_ms": quantile(v, 0.5), "p10_ms": quantile(v, 0.1), "p90_ms": quantile(v, 0.9)}
-
-
 def bench(args: argparse.Namespace, rank: int) -> List[Dict]:
     torch.manual_seed(0)
     model = MLP(args.layers, args.dim)
@@ -164,23 +144,17 @@ def bench(args: argparse.Namespace, rank: int) -> List[Dict]:
             for w in works:
                 w.wait()
 
-        times = {f"{impl}_{kind}": [] for impl in IMPLS for kind in ("step", "compute")}
-        times["comm"] = []
-        gc.disable()
-        try:
-            for r in range(args.repeats):
-                order = IMPLS if r % 2 == 0 else IMPLS[::-1]
-                for impl in order:
-                    times[f"{impl}_step"].append(timed(lambda: step(wrapped[impl])))
-                for impl in order:
-                    times[f"{impl}_compute"].append(timed(lambda: step(wrapped[impl], sync=False)))
-                times["comm"].append(timed(comm))
-        finally:
-            gc.enable()
+        steps = {"comm": comm}
+        for impl, ddp in wrapped.items():
+            steps[f"{impl}_step"] = lambda ddp=ddp: step(ddp)
+            steps[f"{impl}_compute"] = lambda ddp=ddp: step(ddp, sync=False)
+        rotate = rotations(IMPLS)  # two: the order alternates
+        samples = time_interleaved(
+            steps, args.repeats, dist.group.WORLD,
+            order=lambda r: [f"{i}_step" for i in rotate(r)] + [f"{i}_compute" for i in rotate(r)] + ["comm"])
         record = {"bucket_mb": cap, "params": numel, "buckets": len(wrapped["torch_tp"].reducer.bucket_indices())}
-        for key, values in times.items():
-            record[key] = summary(values)
-            record[key]["all_ms"] = [t * 1e3 for t in values]
+        for key in steps:
+            record[key] = samples.stats(key, "ms")
         c = record["comm"]["median_ms"]
         for impl in IMPLS:
             s, k = record[f"{impl}_step"]["median_ms"], record[f"{impl}_compute"]["median_ms"]
@@ -218,15 +192,12 @@ def targets(records: List[Dict]) -> List[str]:
     return out
 
 
-def plot(records: List[Dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(path: str, report: Dict) -> None:
+    records = report["results"]
     labels = [f"{r['bucket_mb']:g} MiB" for r in records]
     xs = range(len(records))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, axes = figure(1, 1, (9, 4.5))
+    ax = axes[0][0]
     width = 0.2
     series = [("torch_tp step", "torch_tp_step"), ("torch DDP step", "torch_step"),
               ("compute only (torch_tp, no_sync)", "torch_tp_compute"), ("all-reduce only", "comm")]
@@ -235,24 +206,23 @@ def plot(records: List[Dict], path: str, title: str) -> None:
     ax.set_xticks(list(xs), labels)
     ax.set_xlabel("bucket cap")
     ax.set_ylabel("median ms")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(f"DDP step, {report['backend']}, world size {report['machine']['world_size']}, torch "
+                 f"{report['machine']['torch_version']}" + (" [quick]" if report["quick"] else ""), fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
-def results_section(meta: Dict, records: List[Dict], begin: str, end: str) -> str:
-    m = meta["machine"]
-    return "\n".join([
-        begin,
-        f"## Data parallel: torch_tp.DistributedDataParallel vs torch DDP ({meta['backend']})",
+def results_section(report: Dict) -> List[str]:
+    m, records = report["machine"], report["results"]
+    return [
+        f"## Data parallel: torch_tp.DistributedDataParallel vs torch DDP ({report['backend']})",
         "",
-        f"`{meta['command']}` — {meta['date']}, {m['cpu_model']} ({m['cpus_usable']} usable cores), "
+        f"`{report['command']}` — {report['date']}, {m['cpu_model']} ({m['cpus_usable']} usable cores), "
         f"torch {m['torch_version']}, world size {m['world_size']}, 1 thread/rank"
-        + (" **[quick]**" if meta["quick"] else ""),
+        + (" **[quick]**" if report["quick"] else ""),
         "",
-        f"Model: MLP of {meta['layers']} x Linear({meta['dim']}, {meta['dim']}) + GELU, "
-        f"{records[0]['params'] / 1e6:.1f} M fp32 parameters, batch {meta['batch']} per rank. Gradients checked "
+        f"Model: MLP of {report['layers']} x Linear({report['dim']}, {report['dim']}) + GELU, "
+        f"{records[0]['params'] / 1e6:.1f} M fp32 parameters, batch {report['batch']} per rank. Gradients checked "
         "bitwise equal to torch DDP's before timing. Median over repeats (p10-p90); a repeat is the slowest rank. "
         "compute-only: the same step under no_sync(); comm-only: the model's gradient size all-reduced in buckets of "
         "the cap; hidden = (compute + comm - step) / comm.",
@@ -262,57 +232,21 @@ def results_section(meta: Dict, records: List[Dict], begin: str, end: str) -> st
         "Target: torch_tp no slower than torch DDP on the same backend.",
         "",
         *targets(records),
-        end,
-    ])
+    ]
+
+
+def measure(args: argparse.Namespace) -> Output:
+    records = bench(args, dist.get_rank())
+    data = {"backend": args.backend, "layers": args.layers, "dim": args.dim, "batch": args.batch,
+            "repeats": args.repeats, "results": records}
+    suffix = "" if args.backend == "gloo" else f"_{args.backend}"
+    return Output(tag=f"bench_ddp{suffix}", stem=f"ddp{suffix}", data=data, section=results_section, plot=plot,
+                  console=[markdown_table(records), "", *targets(records)])
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    if not require_torchrun("bench_ddp.py"):
-        return 2
-    torch.set_num_threads(1)
-    dist.init_process_group(args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    start = time.perf_counter()
-    try:
-        meta = {
-            "benchmark": "bench_ddp",
-            "command": command_line(),
-            "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
-            "quick": args.quick,
-            "backend": args.backend,
-            "machine": machine_info(world),
-            "layers": args.layers,
-            "dim": args.dim,
-            "batch": args.batch,
-            "repeats": args.repeats,
-        }
-        records = bench(args, rank)
-        meta["elapsed_s"] = time.perf_counter() - start
-        if rank == 0:
-            suffix = "" if args.backend == "gloo" else f"_{args.backend}"
-            os.makedirs(args.out_dir, exist_ok=True)
-            json_path = os.path.join(args.out_dir, f"ddp{suffix}.json")
-            with open(json_path, "w") as f:
-                json.dump({**meta, "results": records}, f, indent=1)
-            png_path = os.path.join(args.out_dir, f"ddp{suffix}.png")
-            plot(records, png_path, f"DDP step, {args.backend}, world size {world}, torch {meta['machine']['torch_version']}"
-                 + (" [quick]" if args.quick else ""))
-            print()
-            print(markdown_table(records))
-            print()
-            print("\n".join(targets(records)))
-            written = [json_path, png_path]
-            if not args.no_results_md:
-                begin, end = f"<!-- bench_ddp{suffix}:begin -->", f"<!-- bench_ddp{suffix}:end -->"
-                md_path = os.path.join(args.out_dir, "RESULTS.md")
-                update_results_md(md_path, results_section(meta, records, begin, end), begin, end)
-                written.append(md_path)
-            print(f"[bench_ddp] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run("bench_ddp", args, lambda: measure(args), backend=args.backend)
 
 
 if __name__ == "__main__":
