@@ -45,7 +45,7 @@ shards), and that the fused op matches the unfused ops with the tanh GELU
 (atol 1e-5 scaled by each tensor's largest magnitude). Any mismatch on any
 rank stops the run, on every rank.
 
-NOTE [method]: every repeat runs one step of each implementation, in an order
+NOTE [method] (benchmarks/_common.py's, with these choices): every repeat runs one step of each implementation, in an order
 that cycles through all 24 permutations from repeat to repeat, so machine
 drift hits them equally and no implementation always follows the same one
 (whose leftovers, e.g. DTensor's cache footprint, it would pay for); gradients
@@ -69,30 +69,28 @@ length, max over ranks, median over batches. Values are meaningless there
 (only shapes are checked); what remains is each framework's own per-step cost.
 ``--no-overhead`` skips it.
 
-Targets (from the issue), printed PASS/MISS:
+Targets, printed PASS/MISS:
 
-* small size (per-call overhead): torch_tp's time per layer (step / 2 layers)
-  at most one fifth of DTensor's, i.e. DTensor / torch_tp >= 5;
+* small size: torch_tp's time per layer (step / 2 layers) at most one fifth
+  of DTensor's, DTensor / torch_tp >= 5. There the GEMMs take microseconds
+  and a step is framework cost plus communication latency; a C++ op that
+  skips DTensor's dispatch, sharding propagation and wrapping should cost a
+  small fraction of it.
 * large sizes: torch_tp within 5 % of the floor, torch_tp / floor <= 1.05.
+  There the GEMMs and the two all-reduces are the step; a framework should
+  add nothing to them but its bookkeeping, which 5 % bounds.
 
 Rank 0 writes ``linear.json`` (all figures, per-repeat times, machine),
 ``linear.png`` and the ``bench_linear`` section of ``RESULTS.md`` (text
 outside its markers is kept) into ``--out-dir``, and prints the tables.
 """
-
 import argparse
-import datetime
-import gc
-import itertools
-import json
-import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -101,32 +99,35 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
 from _common import (
-    command_line,
-    machine_info,
-    make_noop_group,
+    Output,
+    bar_panel,
     check_everywhere,
-    quantile,
-    require_torchrun,
-    stats_us,
-    update_results_md,
+    figure,
+    materialize,
+    noop_phase,
+    permutations,
+    run,
+    save_figure,
+    section_head,
+    target_lines,
+    time_interleaved,
 )
 
 Size = Tuple[int, int]  # (batch, hidden)
 
 # (batch, hidden); the MLP is hidden -> 4 * hidden -> hidden. The first is the
 # per-call-overhead size (GEMMs of microseconds, the step is framework +
-# communication latency); the last two are GEMM-bound (a step is ~0.2 s and
-# ~1.4 s of one core per rank); the one between shows the crossover.
+# communication latency); the last two are GEMM-bound; the one between shows
+# the crossover.
 DEFAULT_SIZES: List[Size] = [(8, 256), (128, 512), (512, 1024), (1024, 2048)]
-# --quick leaves out the largest (a step of it is ~1.4 s; with the check and a
-# few repeats of four implementations it alone would take ~25 s).
+# --quick leaves out the largest (its GEMMs alone would take most of a smoke run).
 QUICK_SIZES: List[Size] = [(8, 256), (128, 512), (512, 1024)]
 SMALL_SIZES = {(8, 256)}  # judged by the per-layer target
 LARGE_SIZES = {(512, 1024), (1024, 2048)}  # judged by the within-5%-of-floor target
 
-# Timed repeats (one step of each implementation per repeat). Sized so the full
-# run stays within about 4 minutes on 2 cores with 2 ranks (the largest size
-# takes ~6 s per repeat); --quick is a ~30 s smoke run.
+# Timed repeats (one step of each implementation per repeat): fewer where a step
+# is longer, so the full run takes minutes on 2 cores with 2 ranks; --quick is
+# a smoke run.
 FULL_REPEATS = {(8, 256): 400, (128, 512): 120, (512, 1024): 30, (1024, 2048): 12}
 QUICK_REPEATS = {(8, 256): 40, (128, 512): 10, (512, 1024): 4, (1024, 2048): 3}
 # Untimed steps per implementation after the check (which is one more).
@@ -152,10 +153,6 @@ OVERHEAD_WARMUP_BATCHES = 2
 RTOL = 1e-4  # fp32; the implementations run the same GEMMs on the same shards
 SMALL_TARGET = 5.0  # DTensor / torch_tp per layer >= this
 LARGE_TARGET = 1.05  # torch_tp / floor <= this
-
-SECTION_BEGIN = "<!-- bench_linear:begin -->"
-SECTION_END = "<!-- bench_linear:end -->"
-
 
 # ---------------------------------------------------------------------------
 # arguments
@@ -212,7 +209,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run (~30 s): the sizes but the largest, a few repeats each, a short no-op-group phase",
+        help="smoke run: the sizes but the largest, a few repeats each, a short no-op-group phase",
     )
     p.add_argument(
         "--sizes",
@@ -262,13 +259,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
-
-
-def materialize(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Wait for an eager functional collective's result (DTensor returns y as an AsyncCollectiveTensor)."""
-    if isinstance(t, funcol.AsyncCollectiveTensor):
-        return t.wait()
-    return t
 
 
 class Case:
@@ -466,14 +456,6 @@ class Case:
 # measurement
 
 
-# Every order of the implementations, cycled through repeat by repeat (the same on every rank).
-ORDERS: List[Tuple[str, ...]] = list(itertools.permutations(IMPLS))
-
-
-def order_of(r: int) -> Tuple[str, ...]:
-    return ORDERS[r % len(ORDERS)]
-
-
 def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, rank: int, world: int) -> List[Dict]:
     records = []
     for size in args.sizes:
@@ -484,33 +466,9 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
             case.check, f"bench_linear: the implementations disagree at {fmt_size(case.size)}", group)
         repeats = max(3, round(nearest(QUICK_REPEATS if args.quick else FULL_REPEATS, size) * args.repeat_scale))
         warmup = nearest(QUICK_WARMUP if args.quick else FULL_WARMUP, size)
-        for _ in range(warmup):
-            for impl in IMPLS:
-                case.resets[impl]()
-                dist.barrier(group=group)
-                case.steps[impl]()
-
-        local = torch.zeros(len(IMPLS), repeats, dtype=torch.float64)  # seconds, this rank
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            for r in range(repeats):
-                for impl in order_of(r):
-                    step = case.steps[impl]
-                    case.resets[impl]()
-                    dist.barrier(group=group)
-                    t0 = time.perf_counter()
-                    out = step()
-                    t1 = time.perf_counter()
-                    local[IMPLS.index(impl), r] = t1 - t0
-                    del out
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=group)
-        maxed = torch.stack(gathered).max(dim=0).values  # a repeat's time: the slowest rank's
+        # Every order of the implementations, cycled through repeat by repeat.
+        samples = time_interleaved(case.steps, repeats, group, order=permutations(IMPLS), reset=case.resets,
+                                   warmup=warmup)
         elapsed = time.perf_counter() - t_size
 
         rec: Dict = {
@@ -527,27 +485,17 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
             "elapsed_s": elapsed,
             "impls": {},
         }
-        for ii, impl in enumerate(IMPLS):
-            times = maxed[ii].tolist()
-            st = {k.replace("_us", "_ms"): v / 1e3 for k, v in stats_us(times).items()}
+        for impl in IMPLS:
+            st = samples.stats(impl, "ms")
             st["per_layer_ms"] = st["median_ms"] / 2
-            st["per_rank_median_ms"] = [
-                quantile(sorted(g[ii].tolist()), 0.5) * 1e3 for g in gathered
-            ]
-            st["times_ms"] = [t * 1e3 for t in times]
             rec["impls"][impl] = st
         med = {k: rec["impls"][k]["median_ms"] for k in IMPLS}
-        idx = {k: IMPLS.index(k) for k in IMPLS}
-
-        def paired_ms(a: str, b: str) -> float:
-            return quantile(sorted(((maxed[idx[a]] - maxed[idx[b]]) * 1e3).tolist()), 0.5)
-
         rec["dtensor_over_torch_tp"] = med["dtensor"] / med["torch_tp"]
         rec["torch_tp_over_floor"] = med["torch_tp"] / med["floor"]
         rec["torch_tp_fused_over_floor"] = med["torch_tp_fused"] / med["floor"]
         rec["dtensor_over_floor"] = med["dtensor"] / med["floor"]
-        rec["torch_tp_minus_floor_ms"] = paired_ms("torch_tp", "floor")
-        rec["dtensor_minus_torch_tp_ms"] = paired_ms("dtensor", "torch_tp")
+        rec["torch_tp_minus_floor_ms"] = samples.paired("torch_tp", "floor", "ms")
+        rec["dtensor_minus_torch_tp_ms"] = samples.paired("dtensor", "torch_tp", "ms")
         records.append(rec)
         if rank == 0:
             print(
@@ -563,10 +511,9 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
 def bench_overhead(
     args: argparse.Namespace, fake_group: dist.ProcessGroup, world_group: dist.ProcessGroup, rank: int, world: int
 ) -> Dict:
-    """Per-step time of each implementation on the no-op group (no communication); ms per step."""
+    """Per-step time of each implementation on the no-op group (no communication); us per step."""
     batch = args.overhead_batch
     n_batches = max(3, -(-args.overhead_steps // batch))
-    sizes = OVERHEAD_SIZES
     # NOTE [distinct mesh names]: DeviceMesh equality and hash ignore the process
     # group (ranks, layout, device type and dim names only), so a mesh over the
     # fake group with the gloo mesh's ranks and names would be "equal" to it, and
@@ -574,74 +521,40 @@ def bench_overhead(
     # that point at the fake mesh: its collectives would silently not communicate
     # (the check catches this). Different dim names keep the two meshes apart.
     fake_mesh = DeviceMesh.from_group(fake_group, "cpu", mesh_dim_names=("noop_tp",))
-    local = torch.zeros(len(sizes), len(IMPLS), n_batches, dtype=torch.float64)
-    gc_was_enabled = gc.isenabled()
-    t_phase = time.perf_counter()
-    try:
-        for si, size in enumerate(sizes):
-            t_size = time.perf_counter()
-            case = Case(size, fake_group, fake_mesh)
-            # Values are not the collective's result on the fake group: check shapes only.
-            shapes = {}
-            for impl in IMPLS:
-                y, grads = case.run(impl)
-                shapes[impl] = (tuple(y.shape), tuple((k, tuple(v.shape)) for k, v in sorted(grads.items())))
-            if len(set(shapes.values())) != 1:
-                raise RuntimeError(f"{fmt_size(size)} on the fake group: result shapes differ: {shapes}")
-            gc.collect()
-            gc.disable()
-            for _ in range(OVERHEAD_WARMUP_BATCHES):
-                for impl in IMPLS:
-                    for _ in range(batch):
-                        case.resets[impl]()
-                        case.steps[impl]()
-            for b in range(n_batches):
-                dist.barrier(group=world_group)  # untimed: lines the ranks' rounds up
-                for impl in order_of(b):
-                    step, reset = case.steps[impl], case.resets[impl]
-                    # The reset (setting grads to None) is in the batch here; it is a
-                    # few attribute stores, the same kind of cost for every implementation.
-                    t0 = time.perf_counter()
-                    for _ in range(batch):
-                        reset()
-                        step()
-                    t1 = time.perf_counter()
-                    local[si, IMPLS.index(impl), b] = (t1 - t0) / batch
-            if gc_was_enabled:
-                gc.enable()
-            if rank == 0:
-                print(
-                    f"[bench_linear] no-op group {fmt_size(size):>9}: {n_batches} x {batch} steps x "
-                    f"{len(IMPLS)} impls in {time.perf_counter() - t_size:.1f} s",
-                    flush=True,
-                )
-            del case
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    elapsed = time.perf_counter() - t_phase
-
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=world_group)
-    maxed = torch.stack(gathered).max(dim=0).values
-
-    def med_us(t: torch.Tensor) -> float:
-        return quantile(sorted((t * 1e6).tolist()), 0.5)
-
     records = []
-    for si, size in enumerate(sizes):
+    t_phase = time.perf_counter()
+    for size in OVERHEAD_SIZES:
+        t_size = time.perf_counter()
+        case = Case(size, fake_group, fake_mesh)
+        # Values are not the collective's result on the fake group: check shapes only.
+        shapes = {}
+        for impl in IMPLS:
+            y, grads = case.run(impl)
+            shapes[impl] = (tuple(y.shape), tuple((k, tuple(v.shape)) for k, v in sorted(grads.items())))
+        if len(set(shapes.values())) != 1:
+            raise RuntimeError(f"{fmt_size(size)} on the fake group: result shapes differ: {shapes}")
+        # The reset (setting grads to None) is in the batch here; it is a few
+        # attribute stores, the same kind of cost for every implementation.
+        steps = {impl: lambda reset=case.resets[impl], step=case.steps[impl]: (reset(), step()) for impl in IMPLS}
+        samples = time_interleaved(steps, n_batches, world_group, order=permutations(IMPLS), calls=batch,
+                                   warmup=OVERHEAD_WARMUP_BATCHES, barrier="round")
         rec: Dict = {"batch": size[0], "hidden": size[1], "size": fmt_size(size), "impls": {}}
-        for ii, impl in enumerate(IMPLS):
-            times = maxed[si, ii].tolist()
-            st = stats_us(times)
+        for impl in IMPLS:
+            st = samples.stats(impl, "us")
             st["per_layer_us"] = st["median_us"] / 2
-            st["batch_us_per_step"] = [t * 1e6 for t in times]
             rec["impls"][impl] = st
         med = {k: rec["impls"][k]["median_us"] for k in IMPLS}
         rec["dtensor_over_torch_tp"] = med["dtensor"] / med["torch_tp"]
-        rec["torch_tp_minus_floor_us"] = med_us(maxed[si, 0] - maxed[si, 3])
-        rec["dtensor_minus_torch_tp_us"] = med_us(maxed[si, 2] - maxed[si, 0])
+        rec["torch_tp_minus_floor_us"] = samples.paired("torch_tp", "floor", "us")
+        rec["dtensor_minus_torch_tp_us"] = samples.paired("dtensor", "torch_tp", "us")
         records.append(rec)
+        if rank == 0:
+            print(
+                f"[bench_linear] no-op group {fmt_size(size):>9}: {n_batches} x {batch} steps x "
+                f"{len(IMPLS)} impls in {time.perf_counter() - t_size:.1f} s",
+                flush=True,
+            )
+        del case
     return {
         "backend": dist.get_backend(fake_group),
         "group": "dist.new_group(backend='fake') beside the gloo world group (torch's FakeProcessGroup); "
@@ -651,7 +564,7 @@ def bench_overhead(
         "batch": batch,
         "batches": n_batches,
         "warmup_batches": OVERHEAD_WARMUP_BATCHES,
-        "elapsed_s": elapsed,
+        "elapsed_s": time.perf_counter() - t_phase,
         "method": {
             "timing": "perf_counter around a batch of back-to-back steps (grad reset + forward + backward); "
             "per-step = batch time / batch",
@@ -664,6 +577,9 @@ def bench_overhead(
         "results": records,
     }
 
+
+# ---------------------------------------------------------------------------
+# reporting
 
 # ---------------------------------------------------------------------------
 # reporting
@@ -761,223 +677,142 @@ def evaluate_targets(records: List[Dict], overhead: Optional[Dict]) -> List[Dict
     return targets
 
 
-def targets_lines(targets: List[Dict]) -> List[str]:
-    return [f"- **{'PASS' if t['pass'] else 'MISS'}** {t['target']}: {t['value']}" for t in targets]
 
-
-def plot(records: List[Dict], overhead: Optional[Dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(rec["size"] + " (gloo)", rec["impls"], "median_ms", "p10_ms", "p90_ms", "ms") for rec in records]
+def plot(path: str, report: Dict) -> None:
+    records, overhead, m = report["results"], report.get("overhead_noop_pg"), report["machine"]
+    panels = [(rec["size"] + " (gloo)", rec["impls"], "ms") for rec in records]
     if overhead and "skipped" not in overhead:
-        panels += [
-            (rec["size"] + " (no-op group)", rec["impls"], "median_us", "p10_us", "p90_us", "us")
-            for rec in overhead["results"]
-        ]
+        panels += [(rec["size"] + " (no-op group)", rec["impls"], "us") for rec in overhead["results"]]
     ncol = min(len(panels), 3)
     nrow = -(-len(panels) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.8 * nrow), squeeze=False)
+    fig, axes = figure(nrow, ncol, (4.4, 3.8))
     colors = {"torch_tp": "C0", "torch_tp_fused": "C9", "dtensor": "C1", "floor": "C2"}
     short = {"torch_tp": "torch_tp", "torch_tp_fused": "tp fused", "dtensor": "DTensor", "floor": "floor"}
-    for ax, (name, im, mk, lok, hik, unit) in zip(axes.flat, panels):
-        xs = range(len(IMPLS))
-        med = [im[k][mk] for k in IMPLS]
-        err = [[m - im[k][lok] for m, k in zip(med, IMPLS)], [im[k][hik] - m for m, k in zip(med, IMPLS)]]
-        ax.bar(xs, med, yerr=err, capsize=3, color=[colors[k] for k in IMPLS])
-        for x, m in zip(xs, med):
-            ax.text(x, m / 2, f"{m:.0f}" if m >= 100 else f"{m:.3g}", ha="center", va="center", fontsize=8,
-                    color="white", fontweight="bold")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([short[k] for k in IMPLS], fontsize=8)
-        ax.set_title(name, fontsize=9)
-        ax.set_ylabel(f"fwd+bwd step, {unit} (median; p10-p90)", fontsize=8)
-        ax.grid(True, axis="y", alpha=0.3)
+    for ax, (name, im, unit) in zip(axes.flat, panels):
+        bar_panel(ax, [short[k] for k in IMPLS], [colors[k] for k in IMPLS], [im[k] for k in IMPLS], unit, name,
+                  f"fwd+bwd step, {unit} (median; p10-p90)")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"MLP block fwd+bwd, {m['backend']}, world size {m['world_size']}, {m['cpu_model']} "
+                f"({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch {m['torch_version']}"
+                + (" [quick]" if report["quick"] else ""))
 
 
-def results_section(meta: Dict, records: List[Dict], overhead: Optional[Dict], targets: List[Dict]) -> str:
-    m = meta["machine"]
-    ov: List[str] = []
-    if overhead is not None:
-        head = f"### Per-step cost without communication (no-op process group, world size {overhead['world_size']})"
-        if "skipped" in overhead:
-            ov = [head, "", f"Skipped: {overhead['skipped']}", ""]
-        else:
-            ov = [
-                head,
-                "",
-                "The same four steps on `dist.new_group(backend=\"fake\")` (torch's FakeProcessGroup: collectives "
-                "complete at once without communicating), DTensor on `DeviceMesh.from_group` of it: what remains "
-                "is each framework's own cost (dispatch, autograd, DTensor sharding propagation and wrapping, "
-                "allocation) plus the small GEMMs. Each rank times batches of "
-                f"{overhead['batch']} back-to-back steps ({overhead['steps_per_impl']} per implementation), one batch "
-                "per implementation per round, the order cycling through all permutations, after a gloo barrier; "
-                "a batch's per-step time is the max over ranks; medians over batches.",
-                "",
-                overhead_table(overhead["results"]),
-                "",
-            ]
-    return "\n".join(
-        [
-            SECTION_BEGIN,
-            "## Linear layers: a column -> GELU -> row MLP block, torch_tp vs DTensor TP vs GEMMs + all-reduces",
-            "",
-            f"Command: `{meta['command']}`",
-            "",
-            f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable cores ({m['cpu_count']} online), "
-            f"torch {m['torch_version']}, torch_tp {m['torch_tp_version']}, Python {m['python_version']}, "
-            f"backend {m['backend']}, world size {m['world_size']}, "
-            f"{m['torch_num_threads']} intra-op thread(s) per rank (`torch.set_num_threads(1)`).",
-            "",
-            f"Date: {meta['date']}" + (" (quick smoke run: few repeats, not for conclusions)" if meta["quick"] else ""),
-            "",
-            "Method: CPU float32. The block is x [batch, hidden] -> Linear(hidden, 4 hidden) column-parallel -> "
-            "GELU -> Linear(4 hidden, hidden) row-parallel (Megatron's MLP); a step is forward + "
-            "`y.backward(grad_y)` (fixed upstream gradient), gradients of x and of all parameters. "
-            "**torch_tp**: `torch.ops.torch_tp.column_parallel_linear` -> `F.gelu` -> "
-            "`torch.ops.torch_tp.row_parallel_linear`; **torch_tp fused**: the column op's "
-            "`activation=\"gelu_tanh\"` instead of `F.gelu` (tanh GELU); **DTensor**: the same `nn.Linear` pair under "
-            "`parallelize_module(model, mesh, {\"up\": ColwiseParallel(), \"down\": RowwiseParallel()})` on "
-            f"`init_device_mesh(\"cpu\", ({m['world_size']},), mesh_dim_names=(\"tp\",))`; "
-            "**floor**: the same math by hand without autograd (addmm, gelu, mm; "
-            "gelu_backward, 4 mm, bias row sums) plus the forward's and the backward's in-place `dist.all_reduce`, "
-            "one after the other (torch_tp overlaps the backward all-reduce with the weight-gradient GEMM, so it "
-            "can come in under it). Before timing, at every size, outputs and gradients are checked equal "
-            f"(`assert_close`, rtol {RTOL:.0e}) between torch_tp, DTensor, the floor and the unsharded block with "
-            "plain autograd (and fused vs unfused with the tanh GELU). Per repeat, one step of each implementation, "
-            "the order cycling through all permutations; gradients reset untimed; "
-            "`dist.barrier()` before each timed step; a step ends when y and x's gradient exist; the per-repeat "
-            "time is the max over ranks; figures are medians over repeats (p10/p90 in the json), ratios are ratios "
-            "of medians, `torch_tp - floor` the median of the paired per-repeat differences. GC off while timing.",
-            "",
-            markdown_table(records),
-            "",
-            *[line + "\n" for line in per_layer_lines(records)],
-            "Targets:",
-            "",
-            *targets_lines(targets),
-            "",
-            "![step time per size](linear.png)",
-            "",
-            *ov,
-            "Raw figures, per-repeat times and p10/p90: [linear.json](linear.json)"
-            + (" (no-op group: `overhead_noop_pg`)." if overhead and "skipped" not in overhead else "."),
-            SECTION_END,
-        ]
-    )
+def overhead_lines(overhead: Optional[Dict]) -> List[str]:
+    if overhead is None:
+        return []
+    head = f"### Per-step cost without communication (no-op process group, world size {overhead['world_size']})"
+    if "skipped" in overhead:
+        return [head, "", f"Skipped: {overhead['skipped']}", ""]
+    return [
+        head,
+        "",
+        "The same four steps on `dist.new_group(backend=\"fake\")` (torch's FakeProcessGroup: collectives "
+        "complete at once without communicating), DTensor on `DeviceMesh.from_group` of it: what remains "
+        "is each framework's own cost (dispatch, autograd, DTensor sharding propagation and wrapping, "
+        "allocation) plus the small GEMMs. Each rank times batches of "
+        f"{overhead['batch']} back-to-back steps ({overhead['steps_per_impl']} per implementation), one batch "
+        "per implementation per round, the order cycling through all permutations, after a gloo barrier; "
+        "a batch's per-step time is the max over ranks; medians over batches.",
+        "",
+        overhead_table(overhead["results"]),
+        "",
+    ]
+
+
+def results_section(report: Dict) -> List[str]:
+    m, records, overhead = report["machine"], report["results"], report.get("overhead_noop_pg")
+    return [
+        *section_head(report, "## Linear layers: a column -> GELU -> row MLP block, torch_tp vs DTensor TP vs "
+                      "GEMMs + all-reduces", " (`torch.set_num_threads(1)`)"),
+        "Method: CPU float32. The block is x [batch, hidden] -> Linear(hidden, 4 hidden) column-parallel -> "
+        "GELU -> Linear(4 hidden, hidden) row-parallel (Megatron's MLP); a step is forward + "
+        "`y.backward(grad_y)` (fixed upstream gradient), gradients of x and of all parameters. "
+        "**torch_tp**: `torch.ops.torch_tp.column_parallel_linear` -> `F.gelu` -> "
+        "`torch.ops.torch_tp.row_parallel_linear`; **torch_tp fused**: the column op's "
+        "`activation=\"gelu_tanh\"` instead of `F.gelu` (tanh GELU); **DTensor**: the same `nn.Linear` pair under "
+        "`parallelize_module(model, mesh, {\"up\": ColwiseParallel(), \"down\": RowwiseParallel()})` on "
+        f"`init_device_mesh(\"cpu\", ({m['world_size']},), mesh_dim_names=(\"tp\",))`; "
+        "**floor**: the same math by hand without autograd (addmm, gelu, mm; "
+        "gelu_backward, 4 mm, bias row sums) plus the forward's and the backward's in-place `dist.all_reduce`, "
+        "one after the other (torch_tp overlaps the backward all-reduce with the weight-gradient GEMM, so it "
+        "can come in under it). Before timing, at every size, outputs and gradients are checked equal "
+        f"(`assert_close`, rtol {RTOL:.0e}) between torch_tp, DTensor, the floor and the unsharded block with "
+        "plain autograd (and fused vs unfused with the tanh GELU). Per repeat, one step of each implementation, "
+        "the order cycling through all permutations; gradients reset untimed; "
+        "`dist.barrier()` before each timed step; a step ends when y and x's gradient exist; the per-repeat "
+        "time is the max over ranks; figures are medians over repeats (p10/p90 in the json), ratios are ratios "
+        "of medians, `torch_tp - floor` the median of the paired per-repeat differences. GC off while timing.",
+        "",
+        markdown_table(records),
+        "",
+        *[line + "\n" for line in per_layer_lines(records)],
+        "Targets:",
+        "",
+        *target_lines(report["targets"]),
+        "",
+        "![step time per size](linear.png)",
+        "",
+        *overhead_lines(overhead),
+        "Raw figures, per-repeat times and p10/p90: [linear.json](linear.json)"
+        + (" (no-op group: `overhead_noop_pg`)." if overhead and "skipped" not in overhead else "."),
+    ]
 
 
 # ---------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
-    if not require_torchrun("bench_linear.py"):
-        return 2
-    # One intra-op thread per rank: 2 ranks on 2 cores, no oversubscription.
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def measure(args: argparse.Namespace) -> Output:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    start = time.perf_counter()
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))  # NOTE [distinct mesh names]
-        meta = {
-            "benchmark": "bench_linear",
-            "command": command_line(),
-            "argv": sys.argv,
-            "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
-            "quick": args.quick,
-            "machine": machine_info(world),
-            "torch_num_interop_threads": torch.get_num_interop_threads(),
-            "dtype": "float32",
-            "device": "cpu",
-            "block": "x [batch, hidden] -> column_parallel Linear(hidden, 4*hidden) -> GELU -> "
-            "row_parallel Linear(4*hidden, hidden); y.backward(grad_y)",
-            "impls": IMPL_LABELS,
-            "targets_rule": {
-                "small": f"DTensor / torch_tp (per layer) >= {SMALL_TARGET:g}",
-                "large": f"torch_tp / floor <= {LARGE_TARGET:g}",
-            },
-            "method": {
-                "check": f"torch.testing.assert_close rtol {RTOL:g}, atol 1e-5 * max|ref|: y, grad x, grad of "
-                "this rank's parameter shards; torch_tp vs DTensor, floor and the unsharded block (plain autograd); "
-                "fused vs unfused with tanh GELU",
-                "interleaved": "one step of each impl per repeat, order cycling through all permutations of the impls",
-                "barrier_before_each_step": True,
-                "grad_reset": "grads set to None before each step, untimed",
-                "step_end": "y and x.grad materialised (DTensor's AsyncCollectiveTensor waited)",
-                "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
-                "stat": "median over repeats; p10/p90 reported",
-                "ratios": "ratio of medians",
-                "differences": "median over repeats of the paired per-repeat difference",
-                "gc": "cyclic GC disabled during the timed steps",
-                "floor": "addmm+gelu+mm, in-place dist.all_reduce, +bias; gelu_backward + 4 mm + 2 row sums, "
-                "in-place dist.all_reduce of grad x; sequential, no autograd",
-            },
-        }
-        overhead: Optional[Dict] = None
-        if not args.no_overhead:
-            fake_group, why = make_noop_group(group)
-            if fake_group is None:
-                overhead = {"skipped": why, "world_size": world}
-                if rank == 0:
-                    print(f"[bench_linear] no-op group phase skipped: {why}", flush=True)
-            else:
-                overhead = bench_overhead(args, fake_group, group, rank, world)
-        records = bench(args, group, mesh, rank, world)
-        meta["elapsed_s"] = time.perf_counter() - start
-        if rank == 0:
-            targets = evaluate_targets(records, overhead)
-            os.makedirs(args.out_dir, exist_ok=True)
-            json_path = os.path.join(args.out_dir, "linear.json")
-            out = {**meta, "results": records, "targets": targets}
-            if overhead is not None:
-                out["overhead_noop_pg"] = overhead
-            with open(json_path, "w") as f:
-                json.dump(out, f, indent=1)
-            png_path = os.path.join(args.out_dir, "linear.png")
-            m = meta["machine"]
-            plot(
-                records,
-                overhead,
-                png_path,
-                f"MLP block fwd+bwd, {m['backend']}, world size {world}, {m['cpu_model']} ({m['cpus_usable']} cores, "
-                f"{m['torch_num_threads']} thread/rank), torch {m['torch_version']}"
-                + (" [quick]" if args.quick else ""),
-            )
-            print()
-            print(markdown_table(records))
-            print()
-            for line in per_layer_lines(records):
-                print(line)
-            if overhead is not None and "skipped" not in overhead:
-                print()
-                print("No-op process group (no communication):")
-                print(overhead_table(overhead["results"]))
-            print()
-            print("Targets:")
-            print("\n".join(targets_lines(targets)))
-            print()
-            written = [json_path, png_path]
-            if not args.no_results_md:
-                md_path = os.path.join(args.out_dir, "RESULTS.md")
-                section = results_section(meta, records, overhead, targets)
-                update_results_md(md_path, section, SECTION_BEGIN, SECTION_END)
-                written.append(md_path)
-            print(f"[bench_linear] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
-        dist.barrier(group=group)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))  # NOTE [distinct mesh names]
+    data: Dict = {
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "dtype": "float32",
+        "device": "cpu",
+        "block": "x [batch, hidden] -> column_parallel Linear(hidden, 4*hidden) -> GELU -> "
+        "row_parallel Linear(4*hidden, hidden); y.backward(grad_y)",
+        "impls": IMPL_LABELS,
+        "targets_rule": {
+            "small": f"DTensor / torch_tp (per layer) >= {SMALL_TARGET:g}",
+            "large": f"torch_tp / floor <= {LARGE_TARGET:g}",
+        },
+        "method": {
+            "check": f"torch.testing.assert_close rtol {RTOL:g}, atol 1e-5 * max|ref|: y, grad x, grad of "
+            "this rank's parameter shards; torch_tp vs DTensor, floor and the unsharded block (plain autograd); "
+            "fused vs unfused with tanh GELU",
+            "interleaved": "one step of each impl per repeat, order cycling through all permutations of the impls",
+            "barrier_before_each_step": True,
+            "grad_reset": "grads set to None before each step, untimed",
+            "step_end": "y and x.grad materialised (DTensor's AsyncCollectiveTensor waited)",
+            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
+            "stat": "median over repeats; p10/p90 reported",
+            "ratios": "ratio of medians",
+            "differences": "median over repeats of the paired per-repeat difference",
+            "gc": "cyclic GC disabled during the timed steps",
+            "floor": "addmm+gelu+mm, in-place dist.all_reduce, +bias; gelu_backward + 4 mm + 2 row sums, "
+            "in-place dist.all_reduce of grad x; sequential, no autograd",
+        },
+    }
+    overhead: Optional[Dict] = None
+    if not args.no_overhead:
+        overhead = noop_phase("bench_linear", group, lambda fake: bench_overhead(args, fake, group, rank, world))
+    records = bench(args, group, mesh, rank, world)
+    targets = evaluate_targets(records, overhead)
+    data.update(results=records, targets=targets)
+    if overhead is not None:
+        data["overhead_noop_pg"] = overhead
+    console = [markdown_table(records), "", *per_layer_lines(records)]
+    if overhead is not None and "skipped" not in overhead:
+        console += ["", "No-op process group (no communication):", overhead_table(overhead["results"])]
+    console += ["", "Targets:", *target_lines(targets)]
+    return Output(tag="bench_linear", stem="linear", data=data, section=results_section, plot=plot,
+                  console=console)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    return run("bench_linear", args, lambda: measure(args))
 
 
 if __name__ == "__main__":
