@@ -56,7 +56,7 @@ gradients must also already have their parameters' placements, with no
 input gradient. Any mismatch on any rank
 stops the run on every rank.
 
-NOTE [method]: as in bench_linear.py. Every repeat runs one step of each
+NOTE [method]: benchmarks/_common.py's, as in bench_linear.py. Every repeat runs one step of each
 implementation, the order alternating from repeat to repeat; gradients are set
 to None untimed before each step, and each timed step is preceded by
 ``dist.barrier()``. A step is forward, loss and ``loss.backward()``, and ends
@@ -72,29 +72,33 @@ step (step + optimizer) and the training step's DTensor / torch_tp ratio (json:
 ``optimizer_median_ms``, ``optimizer_share``, ``training_step_median_ms``,
 ``training_step_dtensor_over_torch_tp``). DTensor's time until ``backward()``
 returned is reported beside it (json: ``until_backward_returned_median_ms``). Each rank times its own steps
-(perf_counter); after the run the times are gathered and a repeat's time is
-the slowest rank's. Reported: median, p10, p90 over
+(perf_counter; the optimizer's and backward's share as laps inside the
+timed training step); after the run the times are gathered and a repeat's
+time is the slowest rank's. Reported: median, p10, p90 over
 repeats; DTensor / torch_tp is the ratio of the medians; the paired difference
 is the median of the per-repeat differences. Cyclic GC is off while timing.
 One more untimed step of each, under torch.profiler, counts the c10d
 collectives a step issues (``c10d::*`` events, by kind), which explains most
-of the differences on a gloo group, where a collective costs ~0.5-1 ms.
+of the differences on a gloo group, where a collective costs far more than
+the example's small GEMMs.
 
-Targets (from the issue), printed PASS/MISS:
+Targets, printed PASS/MISS:
 
-* ``model`` (the example model at its default config): DTensor / torch_tp >= 1.5;
-* ``block-large``, ``model-large``: torch_tp no slower, DTensor / torch_tp >= 1.
+* ``model`` (the example model at its default config): DTensor / torch_tp >= 1.5.
+  At that size a step is framework cost and collectives, not math: a
+  library that keeps DTensor off the hot path and issues fewer, cheaper
+  collectives for the same plan should be at least that much faster, or
+  a user has little reason to swap the import.
+* ``block-large``, ``model-large``: torch_tp no slower, DTensor / torch_tp >= 1:
+  where the GEMMs dominate, both run the same math on the same shards, and
+  the speed-up at small sizes must not cost anything here.
 
 Rank 0 writes ``tp_block.json`` (all figures, per-repeat times, machine),
 ``tp_block.png`` and the ``bench_tp_block`` section of ``RESULTS.md`` (text
 outside its markers is kept) into ``--out-dir``, and prints the table.
 """
-
 import argparse
 import copy
-import datetime
-import gc
-import json
 import os
 import sys
 import time
@@ -103,20 +107,24 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import torch_tp  # noqa: F401  (the package under test; load_tp_api("torch_tp") imports it too)
 from _common import (
+    Output,
+    bar_panel,
     check_everywhere,
-    command_line,
-    machine_info,
-    quantile,
-    require_torchrun,
-    stats_us,
-    update_results_md,
+    figure,
+    materialize,
+    rotations,
+    run,
+    save_figure,
+    section_head,
+    stats,
+    target_lines,
+    time_interleaved,
 )
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,8 +170,8 @@ EXAMPLE_BATCH, EXAMPLE_SEQ = 8, 128
 LARGE_MODEL: Dict[str, Any] = {"dim": 512, "n_heads": 8}
 LARGE_BATCH, LARGE_SEQ = 8, 256
 
-# Repeats sized for a full run of about 4 minutes on 2 cores, 2 ranks (setup and
-# checks included); --quick is a ~40 s smoke run.
+# Repeats: fewer where a step is longer, so a full run takes minutes on 2 cores
+# with 2 ranks (setup and checks included); --quick is a smoke run.
 CONFIGS: List[Config] = [
     Config("block", "block", EXAMPLE_MODEL, EXAMPLE_BATCH, EXAMPLE_SEQ, 300, 30, 10, 3,
            note="one layer of the example model, per-layer plan"),
@@ -190,19 +198,17 @@ def impls_of(args: argparse.Namespace) -> List[str]:
     return IMPLS + [COMPILED] if args.compile else list(IMPLS)
 
 
-def orders(impls: List[str]) -> List[List[str]]:
-    """Each repeat runs every impl once; the order rotates so that none always goes first."""
-    return [impls[i:] + impls[:i] for i in range(len(impls))]
 
 RTOL = 1e-4  # fp32
 ATOL_SCALE = 1e-5  # atol = this * max |reference| (per tensor)
 EXAMPLE_TARGET = 1.5  # DTensor / torch_tp on the example model
 LARGE_TARGET = 1.0  # DTensor / torch_tp at the large sizes ("no slower")
 
-def section_markers(backend: str, compiled: bool) -> Tuple[str, str]:
+
+def output_tag(backend: str, compiled: bool) -> str:
+    """The RESULTS.md section's marker tag."""
     tag = "bench_tp_block" if backend == "gloo" else f"bench_tp_block backend={backend}"
-    tag += " compile" if compiled else ""
-    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+    return tag + (" compile" if compiled else "")
 
 
 def output_stem(backend: str, compiled: bool) -> str:
@@ -221,7 +227,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--out-dir", default="benchmarks",
                    help="directory for tp_block.json, tp_block.png and RESULTS.md (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="smoke run (~40 s): every configuration, a few repeats")
+    p.add_argument("--quick", action="store_true", help="smoke run: every configuration, a few repeats")
     p.add_argument("--configs", default=None,
                    help="comma-separated subset of " + ",".join(CONFIG_NAMES) + " (default: all)")
     p.add_argument("--repeat-scale", type=float, default=1.0,
@@ -251,17 +257,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------
 # helpers
-
-
-def materialize(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Wait for an eager functional collective's result (AsyncCollectiveTensor), also inside a DTensor."""
-    if isinstance(t, DTensor):
-        if isinstance(t._local_tensor, funcol.AsyncCollectiveTensor):
-            t._local_tensor.wait()
-        return t
-    if isinstance(t, funcol.AsyncCollectiveTensor):
-        return t.wait()
-    return t
 
 
 def chunk_lengths(n: int, world: int) -> List[int]:
@@ -569,6 +564,19 @@ def lm_to_full(t: torch.Tensor) -> torch.Tensor:
 # measurement
 
 
+def training_step(case: Case, impl: str) -> Callable[[], Dict[str, float]]:
+    """The timed step, then optimizer.step(); laps: where the step ended, where loss.backward() returned."""
+    step, optimizer, backward_done = case.steps[impl], case.optimizers[impl], case.backward_done
+
+    def run_step() -> Dict[str, float]:
+        step()
+        t_opt = time.perf_counter()
+        optimizer.step()
+        return {"step": t_opt, "backward": backward_done[impl]}
+
+    return run_step
+
+
 def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int) -> List[Dict]:
     group = mesh.get_group()
     records = []
@@ -586,52 +594,12 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         t_checked = time.perf_counter()
         repeats = max(3, round((cfg.quick_repeats if args.quick else cfg.repeats) * args.repeat_scale))
         warmup = cfg.quick_warmup if args.quick else cfg.warmup
-        for _ in range(warmup):
-            for impl in impls:
-                case.resets[impl]()
-                dist.barrier(group=group)
-                case.steps[impl]()
-                case.optimizers[impl].step()
-        case.outputs.clear()
 
-        local = torch.zeros(len(impls), repeats, dtype=torch.float64)  # seconds, this rank
-        local_bwd = torch.zeros(len(impls), repeats, dtype=torch.float64)  # until loss.backward() returned
-        local_opt = torch.zeros(len(impls), repeats, dtype=torch.float64)  # optimizer.step() alone
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            for r in range(repeats):
-                for impl in orders(impls)[r % len(impls)]:
-                    step = case.steps[impl]
-                    case.resets[impl]()
-                    dist.barrier(group=group)
-                    t0 = time.perf_counter()
-                    loss = step()
-                    t_opt = time.perf_counter()
-                    case.optimizers[impl].step()
-                    t1 = time.perf_counter()
-                    local[impls.index(impl), r] = t_opt - t0
-                    local_opt[impls.index(impl), r] = t1 - t_opt
-                    local_bwd[impls.index(impl), r] = case.backward_done[impl] - t0
-                    del loss
-                case.outputs.clear()
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=group)
-        maxed = torch.stack(gathered).max(dim=0).values  # a repeat's time: the slowest rank's
-        gathered_bwd = [torch.empty_like(local_bwd) for _ in range(world)]
-        dist.all_gather(gathered_bwd, local_bwd, group=group)
-        maxed_bwd = torch.stack(gathered_bwd).max(dim=0).values
-        gathered_opt = [torch.empty_like(local_opt) for _ in range(world)]
-        dist.all_gather(gathered_opt, local_opt, group=group)
-        maxed_opt = torch.stack(gathered_opt).max(dim=0).values
-        local_train = local + local_opt  # the whole training step: forward, backward, optimizer
-        gathered_train = [torch.empty_like(local_train) for _ in range(world)]
-        dist.all_gather(gathered_train, local_train, group=group)
-        maxed_train = torch.stack(gathered_train).max(dim=0).values
+        samples = time_interleaved({impl: training_step(case, impl) for impl in impls}, repeats, group,
+                                   order=rotations(impls), reset=case.resets, warmup=warmup)
+        case.outputs.clear()
+        for impl in impls:  # optimizer.step() alone, per rank: the training step less the step
+            samples.per_rank[f"{impl}/optimizer"] = samples.per_rank[impl] - samples.per_rank[f"{impl}/step"]
         elapsed = time.perf_counter() - t_cfg
 
         c = case.llama_config
@@ -655,16 +623,13 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
             "elapsed_s": elapsed,
             "impls": {},
         }
-        for ii, impl in enumerate(impls):
-            times = maxed[ii].tolist()
-            st = {k.replace("_us", "_ms"): v / 1e3 for k, v in stats_us(times).items()}
-            st["per_rank_median_ms"] = [quantile(sorted(g[ii].tolist()), 0.5) * 1e3 for g in gathered]
+        for impl in impls:
+            st = samples.stats(f"{impl}/step", "ms")
             st["tokens_per_s"] = cfg.batch * cfg.seq / (st["median_ms"] / 1e3)
-            st["times_ms"] = [t * 1e3 for t in times]
             # Until loss.backward() returned, before NOTE [complete gradients] (DTensor: norm grads Partial).
-            st["until_backward_returned_median_ms"] = quantile(sorted(maxed_bwd[ii].tolist()), 0.5) * 1e3
-            st["optimizer_median_ms"] = quantile(sorted(maxed_opt[ii].tolist()), 0.5) * 1e3
-            st["training_step_median_ms"] = quantile(sorted(maxed_train[ii].tolist()), 0.5) * 1e3
+            st["until_backward_returned_median_ms"] = samples.median(f"{impl}/backward", "ms")
+            st["optimizer_median_ms"] = samples.median(f"{impl}/optimizer", "ms")
+            st["training_step_median_ms"] = samples.median(impl, "ms")
             st["optimizer_share"] = st["optimizer_median_ms"] / st["training_step_median_ms"]
             rec["impls"][impl] = st
         med = {k: rec["impls"][k]["median_ms"] for k in impls}
@@ -674,9 +639,9 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         if COMPILED in impls:  # how many times faster compiled blocks make torch_tp's step
             rec["eager_over_compiled"] = med["torch_tp"] / med[COMPILED]
             rec["dtensor_over_compiled"] = med["dtensor"] / med[COMPILED]
-        diffs = sorted(((maxed[impls.index("dtensor")] - maxed[impls.index("torch_tp")]) * 1e3).tolist())
-        rec["dtensor_minus_torch_tp_ms"] = quantile(diffs, 0.5)
-        rec["dtensor_minus_torch_tp_p10_p90_ms"] = [quantile(diffs, 0.1), quantile(diffs, 0.9)]
+        diffs = stats(samples.max("dtensor/step") - samples.max("torch_tp/step"), "ms")
+        rec["dtensor_minus_torch_tp_ms"] = diffs["median_ms"]
+        rec["dtensor_minus_torch_tp_p10_p90_ms"] = [diffs["p10_ms"], diffs["p90_ms"]]
         records.append(rec)
         if rank == 0:
             print(
@@ -687,7 +652,6 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
                 flush=True,
             )
         del case
-        gc.collect()
     return records
 
 
@@ -782,46 +746,25 @@ def evaluate_targets(records: List[Dict]) -> List[Dict]:
     return targets
 
 
-def targets_lines(targets: List[Dict]) -> List[str]:
-    return [f"- **{'PASS' if t['pass'] else 'MISS'}** {t['target']}: {t['value']}" for t in targets]
 
-
-def plot(records: List[Dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(records)
-    fig, axes = plt.subplots(1, n, figsize=(3.3 * n, 3.9), squeeze=False)
+def plot(path: str, report: Dict) -> None:
+    records, m = report["results"], report["machine"]
+    fig, axes = figure(1, len(records), (3.3, 3.9))
     colors = {"torch_tp": "C0", "dtensor": "C1", COMPILED: "C2"}
     short = {"torch_tp": "torch_tp", "dtensor": "DTensor", COMPILED: "torch_tp\ncompiled"}
     for ax, rec in zip(axes.flat, records):
         im = rec["impls"]
-        impls = list(im)
-        xs = range(len(impls))
-        med = [im[k]["median_ms"] for k in impls]
-        err = [[m - im[k]["p10_ms"] for m, k in zip(med, impls)], [im[k]["p90_ms"] - m for m, k in zip(med, impls)]]
-        ax.bar(xs, med, yerr=err, capsize=3, color=[colors[k] for k in impls])
-        for x, m in zip(xs, med):
-            ax.text(x, m / 2, f"{m:.0f}" if m >= 100 else f"{m:.3g}", ha="center", va="center", fontsize=8,
-                    color="white", fontweight="bold")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([short[k] for k in impls], fontsize=8)
-        ax.set_title(f"{rec['config']}: DTensor / torch_tp = {rec['dtensor_over_torch_tp']:.2f}\n"
-                     f"dim {rec['model_config']['dim']}, b{rec['batch']} x s{rec['seq']}", fontsize=8)
-        ax.set_ylabel("fwd+bwd step, ms (median; p10-p90)", fontsize=8)
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        bar_panel(ax, [short[k] for k in im], [colors[k] for k in im], list(im.values()), "ms",
+                  f"{rec['config']}: DTensor / torch_tp = {rec['dtensor_over_torch_tp']:.2f}\n"
+                  f"dim {rec['model_config']['dim']}, b{rec['batch']} x s{rec['seq']}",
+                  "fwd+bwd step, ms (median; p10-p90)", title_size=8)
+    save_figure(fig, path, f"Llama TP step (fwd+bwd), {m['backend']}, world size {m['world_size']}, "
+                f"{m['cpu_model']} ({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch "
+                f"{m['torch_version']}" + (" [quick]" if report["quick"] else ""), title_size=9)
 
 
-def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str:
-    m = meta["machine"]
-    compiled = meta["compile"]
-    begin, end = section_markers(m["backend"], compiled)
+def results_section(report: Dict) -> List[str]:
+    m, records, compiled = report["machine"], report["results"], report["compile"]
     stem = output_stem(m["backend"], compiled)
     on = "" if m["backend"] == "gloo" else f", both on the {m['backend']} backend"
     compiled_lines = [
@@ -832,20 +775,10 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         compiled_table(records),
         "",
     ] if compiled else []
-    return "\n".join([
-        begin,
-        f"## The example Llama under its TP plan: torch_tp vs DTensor TP, one block and the whole model{on}"
-        + (", and torch_tp compiled" if compiled else ""),
-        "",
-        f"Command: `{meta['command']}`",
-        "",
-        f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable cores ({m['cpu_count']} online), "
-        f"torch {m['torch_version']}, torch_tp {m['torch_tp_version']}, Python {m['python_version']}, "
-        f"backend {m['backend']}, world size {m['world_size']}, "
-        f"{m['torch_num_threads']} intra-op thread(s) per rank (`torch.set_num_threads(1)`).",
-        "",
-        f"Date: {meta['date']}" + (" (quick smoke run: few repeats, not for conclusions)" if meta["quick"] else ""),
-        "",
+    return [
+        *section_head(report, "## The example Llama under its TP plan: torch_tp vs DTensor TP, one block and the "
+                      f"whole model{on}" + (", and torch_tp compiled" if compiled else ""),
+                      " (`torch.set_num_threads(1)`)"),
         "Method: CPU float32. The model and plan are `examples/llama_model.py`'s (torchtitan's Llama and its "
         "sequence-parallel TP plan, `tp_plan(api)`), applied to deep copies of one unsharded model (same weights) "
         "by **torch_tp** (`torch_tp.parallelize_module`, torch_tp's styles, `torch_tp.loss_parallel`) and by "
@@ -854,7 +787,7 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         "batch, and ends when every parameter holds its complete gradient: DTensor leaves the SequenceParallel "
         "norm weights' gradients `Partial(sum)` (pending all-reduces an optimizer step would do); the step "
         "`redistribute`s them to the parameters' `Replicate()` (torch_tp completes them at the end of backward); "
-        f"After it, `optimizer.step()` runs ({meta['optimizer']} AdamW, lr 1e-5) and is timed on its own: its "
+        f"After it, `optimizer.step()` runs ({report['optimizer']} AdamW, lr 1e-5) and is timed on its own: its "
         "median, its share of the training step (step + optimizer) and the training step's ratio are in the "
         "table, beside DTensor's time until `backward()` returns. "
         "`model*`: `cross_entropy(model(inputs), targets)` inside `loss_parallel()` (vocab-sharded logits), as the example trains. `block*`: one `TransformerBlock` "
@@ -878,109 +811,70 @@ def results_section(meta: Dict, records: List[Dict], targets: List[Dict]) -> str
         "",
         "Targets (DTensor / torch_tp is how many times faster torch_tp's step is):",
         "",
-        *targets_lines(targets),
+        *target_lines(report["targets"]),
         "",
         f"![step time per configuration]({stem}.png)",
         "",
         f"Raw figures, per-repeat times, per-rank medians and check differences: [{stem}.json]({stem}.json).",
-        end,
-    ])
+    ]
+
 
 
 # ---------------------------------------------------------------------------
 
 
+def measure(args: argparse.Namespace, lm) -> Output:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    data: Dict[str, Any] = {
+        "dtype": "float32",
+        "optimizer": args.optimizer,
+        "compile": args.compile,
+        "device": "cpu",
+        "model_source": "examples/llama_model.py: Llama, LlamaConfig, tp_plan, cross_entropy_loss",
+        "impls": {impl: IMPL_LABELS[impl] for impl in impls_of(args)},
+        "targets_rule": {
+            "example": f"model (default config): DTensor / torch_tp >= {EXAMPLE_TARGET:g}",
+            "large": f"block-large, model-large: DTensor / torch_tp >= {LARGE_TARGET:g}",
+        },
+        "method": {
+            "check": f"assert_close rtol {RTOL:g}, atol {ATOL_SCALE:g} * max|ref| (per tensor): loss and every "
+            "parameter's full gradient, torch_tp vs DTensor vs the unsharded model (plain autograd); block: "
+            "also gathered output and input gradient; torch_tp's gradients in their parameters' placements",
+            "step": "forward + loss + loss.backward(); model: inside loss_parallel(); ends when every "
+            "parameter holds its complete gradient: DTensor's Partial(sum) gradients (SequenceParallel norm "
+            "weights) redistributed to the parameter's placements, AsyncCollectiveTensors waited",
+            "optimizer": "optimizer.step() after the step (the example's fused AdamW, lr 1e-5), timed alone "
+            "(max over ranks, median); training step = step + optimizer (per rank, then max over ranks); "
+            "optimizer_share = optimizer median / training step median",
+            "until_backward_returned": "the same step's time until loss.backward() returned (max over ranks, "
+            "median): for DTensor, before its Partial gradients are reduced",
+            "interleaved": "one step of each impl per repeat, order alternating",
+            "barrier_before_each_step": True,
+            "grad_reset": "zero_grad(set_to_none=True) before each step, untimed",
+            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
+            "stat": "median over repeats; p10/p90 reported",
+            "ratio": "DTensor median / torch_tp median",
+            "paired_difference": "median over repeats of DTensor - torch_tp",
+            "gc": "cyclic GC disabled during the timed steps",
+        },
+    }
+    records = bench(args, lm, mesh, rank, world)
+    targets = evaluate_targets(records)
+    data.update(results=records, targets=targets)
+    console = [markdown_table(records), ""]
+    if args.compile:
+        console += [compiled_table(records), ""]
+    console += ["Collectives per step (one untimed step, rank 0):", *collectives_lines(records), "",
+                "Targets:", *target_lines(targets)]
+    return Output(tag=output_tag(args.backend, args.compile), stem=output_stem(args.backend, args.compile),
+                  data=data, section=results_section, plot=plot, console=console)
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    if not require_torchrun("bench_tp_block.py"):
-        return 2
-    torch.set_num_threads(1)  # one intra-op thread per rank: 2 ranks on 2 cores
-    lm = import_example()
-    dist.init_process_group(args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    start = time.perf_counter()
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        meta = {
-            "benchmark": "bench_tp_block",
-            "command": command_line(),
-            "argv": sys.argv,
-            "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
-            "quick": args.quick,
-            "machine": machine_info(world),
-            "dtype": "float32",
-            "optimizer": args.optimizer,
-            "compile": args.compile,
-            "device": "cpu",
-            "model_source": "examples/llama_model.py: Llama, LlamaConfig, tp_plan, cross_entropy_loss",
-            "impls": {impl: IMPL_LABELS[impl] for impl in impls_of(args)},
-            "targets_rule": {
-                "example": f"model (default config): DTensor / torch_tp >= {EXAMPLE_TARGET:g}",
-                "large": f"block-large, model-large: DTensor / torch_tp >= {LARGE_TARGET:g}",
-            },
-            "method": {
-                "check": f"assert_close rtol {RTOL:g}, atol {ATOL_SCALE:g} * max|ref| (per tensor): loss and every "
-                "parameter's full gradient, torch_tp vs DTensor vs the unsharded model (plain autograd); block: "
-                "also gathered output and input gradient; torch_tp's gradients in their parameters' placements",
-                "step": "forward + loss + loss.backward(); model: inside loss_parallel(); ends when every "
-                "parameter holds its complete gradient: DTensor's Partial(sum) gradients (SequenceParallel norm "
-                "weights) redistributed to the parameter's placements, AsyncCollectiveTensors waited",
-                "optimizer": "optimizer.step() after the step (the example's fused AdamW, lr 1e-5), timed alone "
-                "(max over ranks, median); training step = step + optimizer (per rank, then max over ranks); "
-                "optimizer_share = optimizer median / training step median",
-                "until_backward_returned": "the same step's time until loss.backward() returned (max over ranks, "
-                "median): for DTensor, before its Partial gradients are reduced",
-                "interleaved": "one step of each impl per repeat, order alternating",
-                "barrier_before_each_step": True,
-                "grad_reset": "zero_grad(set_to_none=True) before each step, untimed",
-                "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
-                "stat": "median over repeats; p10/p90 reported",
-                "ratio": "DTensor median / torch_tp median",
-                "paired_difference": "median over repeats of DTensor - torch_tp",
-                "gc": "cyclic GC disabled during the timed steps",
-            },
-        }
-        records = bench(args, lm, mesh, rank, world)
-        meta["elapsed_s"] = time.perf_counter() - start
-        if rank == 0:
-            targets = evaluate_targets(records)
-            os.makedirs(args.out_dir, exist_ok=True)
-            stem = output_stem(args.backend, args.compile)
-            json_path = os.path.join(args.out_dir, f"{stem}.json")
-            with open(json_path, "w") as f:
-                json.dump({**meta, "results": records, "targets": targets}, f, indent=1)
-            png_path = os.path.join(args.out_dir, f"{stem}.png")
-            m = meta["machine"]
-            plot(
-                records,
-                png_path,
-                f"Llama TP step (fwd+bwd), {m['backend']}, world size {world}, {m['cpu_model']} "
-                f"({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch {m['torch_version']}"
-                + (" [quick]" if args.quick else ""),
-            )
-            print()
-            print(markdown_table(records))
-            print()
-            if args.compile:
-                print(compiled_table(records))
-                print()
-            print("Collectives per step (one untimed step, rank 0):")
-            print("\n".join(collectives_lines(records)))
-            print()
-            print("Targets:")
-            print("\n".join(targets_lines(targets)))
-            print()
-            written = [json_path, png_path]
-            if not args.no_results_md:
-                md_path = os.path.join(args.out_dir, "RESULTS.md")
-                update_results_md(md_path, results_section(meta, records, targets),
-                                  *section_markers(args.backend, args.compile))
-                written.append(md_path)
-            print(f"[bench_tp_block] {meta['elapsed_s']:.1f} s; wrote " + ", ".join(written), flush=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    lm = import_example() if "RANK" in os.environ else None  # run() says how to launch otherwise
+    return run("bench_tp_block", args, lambda: measure(args, lm), backend=args.backend)
 
 
 if __name__ == "__main__":
