@@ -420,6 +420,24 @@ def section_head(meta: Dict, title: str, threads_note: str = "") -> List[str]:
     ]
 
 
+def noop_section(phase: Optional[Dict], title: str, body: Callable[[Dict], List[str]]) -> List[str]:
+    """The RESULTS.md lines of a :func:`noop_phase`: none when it was not run, a "Skipped" line when torch
+    could not make the group, else the heading and ``body(phase)``. The heading is ``title``, ending in an open
+    bracket the world size closes: ``### <title>, world size <p>)``."""
+    if phase is None:
+        return []
+    head = f"### {title}, world size {phase['world_size']})"
+    if "skipped" in phase:
+        return [head, "", f"Skipped: {phase['skipped']}", ""]
+    return [head, "", *body(phase)]
+
+
+def json_link(stem: str, phase: Optional[Dict]) -> str:
+    """The line that ends a section with a no-op phase: where its raw figures are."""
+    return (f"Raw figures, per-repeat times and p10/p90: [{stem}.json]({stem}.json)"
+            + (" (no-op group: `overhead_noop_pg`)." if phase and "skipped" not in phase else "."))
+
+
 def target_lines(targets: List[Dict]) -> List[str]:
     return [f"- **{'PASS' if t['pass'] else 'MISS'}** {t['target']}: {t['value']}" for t in targets]
 

@@ -81,7 +81,9 @@ from _common import (
     Output,
     figure,
     fmt_size,
+    json_link,
     noop_phase,
+    noop_section,
     parse_size,
     rotations,
     run,
@@ -498,28 +500,21 @@ def overhead_markdown_table(records: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-def overhead_section(overhead: Dict) -> List[str]:
+def overhead_section(overhead: Optional[Dict]) -> List[str]:
     """The RESULTS.md lines for the no-op-group phase ([] when it was not asked for)."""
-    if overhead is None:
-        return []
-    head = f"### Per-call overhead on a no-op process group (fake backend, world size {overhead['world_size']})"
-    if "skipped" in overhead:
-        return [head, "", f"Skipped: {overhead['skipped']}", ""]
-    return [
-        head,
-        "",
+    return noop_section(overhead, "Per-call overhead on a no-op process group (fake backend", lambda o: [
         "Method: the same three calls on a second group, `dist.new_group(backend=\"fake\")` (torch's "
         "FakeProcessGroup: collectives complete at once without communicating; all_reduce does nothing, "
         "all_gather/reduce_scatter copy local data into the output), so what remains is each layer's own "
         "cost (dispatch, group resolution, checks, output allocation, Work/wait); "
-        f"each rank times batches of {overhead['batch']} back-to-back calls "
-        f"({overhead['calls_per_impl']} calls per size, op and implementation), one batch per implementation "
+        f"each rank times batches of {o['batch']} back-to-back calls "
+        f"({o['calls_per_impl']} calls per size, op and implementation), one batch per implementation "
         "per round in a rotating order, a batch's per-call time is the max over ranks, and figures are "
         "medians over batches (differences: medians of the per-round paired differences).",
         "",
-        overhead_markdown_table(overhead["results"]),
+        overhead_markdown_table(o["results"]),
         "",
-    ]
+    ])
 
 
 # ---------------------------------------------------------------------------
@@ -591,8 +586,7 @@ def results_section(report: Dict) -> List[str]:
         "![latency vs message size](collectives.png)",
         "",
         *overhead_section(overhead),
-        "Raw figures, per-repeat times and p10/p90: [collectives.json](collectives.json)"
-        + (" (no-op group: `overhead_noop_pg`)." if overhead and "skipped" not in overhead else "."),
+        json_link("collectives", overhead),
     ]
 
 

@@ -103,8 +103,10 @@ from _common import (
     bar_panel,
     check_everywhere,
     figure,
+    json_link,
     materialize,
     noop_phase,
+    noop_section,
     permutations,
     run,
     save_figure,
@@ -699,25 +701,18 @@ def plot(path: str, report: Dict) -> None:
 
 
 def overhead_lines(overhead: Optional[Dict]) -> List[str]:
-    if overhead is None:
-        return []
-    head = f"### Per-step cost without communication (no-op process group, world size {overhead['world_size']})"
-    if "skipped" in overhead:
-        return [head, "", f"Skipped: {overhead['skipped']}", ""]
-    return [
-        head,
-        "",
+    return noop_section(overhead, "Per-step cost without communication (no-op process group", lambda o: [
         "The same four steps on `dist.new_group(backend=\"fake\")` (torch's FakeProcessGroup: collectives "
         "complete at once without communicating), DTensor on `DeviceMesh.from_group` of it: what remains "
         "is each framework's own cost (dispatch, autograd, DTensor sharding propagation and wrapping, "
         "allocation) plus the small GEMMs. Each rank times batches of "
-        f"{overhead['batch']} back-to-back steps ({overhead['steps_per_impl']} per implementation), one batch "
+        f"{o['batch']} back-to-back steps ({o['steps_per_impl']} per implementation), one batch "
         "per implementation per round, the order cycling through all permutations, after a gloo barrier; "
         "a batch's per-step time is the max over ranks; medians over batches.",
         "",
-        overhead_table(overhead["results"]),
+        overhead_table(o["results"]),
         "",
-    ]
+    ])
 
 
 def results_section(report: Dict) -> List[str]:
@@ -754,8 +749,7 @@ def results_section(report: Dict) -> List[str]:
         "![step time per size](linear.png)",
         "",
         *overhead_lines(overhead),
-        "Raw figures, per-repeat times and p10/p90: [linear.json](linear.json)"
-        + (" (no-op group: `overhead_noop_pg`)." if overhead and "skipped" not in overhead else "."),
+        json_link("linear", overhead),
     ]
 
 
