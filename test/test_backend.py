@@ -728,3 +728,52 @@ def _check_backend_name():
 
 def test_backend_name(ranks):
     assert backend_pool(ranks, 2).run(_check_backend_name) == [(BACKEND, BACKEND)] * 2
+
+
+# ---------------------------------------------------------------- issue #16
+
+
+def _check_nan_under_min_max():
+    """NaN under max/min does not depend on which rank holds it (issue #16):
+    the backend's fold follows torch.maximum/minimum, as torch.amax does."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    nan = float("nan")
+    inputs = [torch.tensor([nan, 1, 2, 5]), torch.tensor([3, nan, 4, 0])] + \
+        [torch.tensor([1.0, 2, 3, 4])] * (world_size - 2)
+    stacked = torch.stack(inputs)
+    for dtype in FLOAT_DTYPES:
+        for reduce_op, reference in (("max", stacked.amax(0)), ("min", stacked.amin(0))):
+            x = inputs[rank].to(dtype, copy=True)
+            dist.all_reduce(x, op=C10D_OPS[reduce_op])
+            torch.testing.assert_close(x, reference.to(dtype), equal_nan=True, atol=0, rtol=0)
+            ours = ops.all_reduce(inputs[rank].to(dtype), reduce_op)
+            torch.testing.assert_close(ours, reference.to(dtype), equal_nan=True, atol=0, rtol=0)
+            # reduce_scatter of [p * 4]: each rank's piece of the same reduction.
+            full = torch.cat([inputs[rank]] * world_size).to(dtype)
+            piece = torch.empty(4, dtype=dtype)
+            dist.reduce_scatter_tensor(piece, full, op=C10D_OPS[reduce_op])
+            torch.testing.assert_close(piece, reference.to(dtype), equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_nan_under_min_max(ranks, world_size):
+    backend_pool(ranks, world_size).run(_check_nan_under_min_max)
+
+
+def _check_all_gather_into_tensor_shape():
+    """An output of the right element count but another shape is refused, as
+    gloo refuses it (it used to be filled in the concatenated layout)."""
+    world_size = dist.get_world_size()
+    x = torch.ones(2, 3)
+    ok = torch.empty(2 * world_size, 3)
+    dist.all_gather_into_tensor(ok, x)
+    assert torch.equal(ok, torch.ones(2 * world_size, 3))
+    for shape in [(world_size, 2, 3), (3, 2 * world_size), (6 * world_size,)]:
+        with pytest.raises(RuntimeError, match=r"all_gather_into_tensor: output has shape"):
+            dist.all_gather_into_tensor(torch.empty(shape), x)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_all_gather_into_tensor_checks_the_shape(ranks, world_size):
+    backend_pool(ranks, world_size).run(_check_all_gather_into_tensor_shape)

@@ -127,6 +127,9 @@ CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t num
   header.numel = numel;
   header.root = root;
   header.reduce = reduce;
+  if (numel >= 0) {
+    header.set_shape(t.sizes());
+  }
   return header;
 }
 
@@ -720,6 +723,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
   for (const auto i : c10::irange(inputs.size())) {
     check_tensor(op, "input", inputs[i]);
     check_like(op, "output", outputs[i], inputs[i], inputs[i].numel() * size_);
+    // gloo's rule: the output is the inputs concatenated along dim 0,
+    // [p * n0, n1, ..] (a 0-d input: [p]); the right numel in another shape is
+    // refused, not silently filled in a different layout.
+    std::vector<int64_t> expected = inputs[i].sizes().vec();
+    if (expected.empty()) {
+      expected.push_back(size_);
+    } else {
+      expected[0] *= size_;
+    }
+    TORCH_CHECK(outputs[i].sizes() == at::IntArrayRef(expected), "torch_tp backend: ", op, ": output has shape ",
+                outputs[i].sizes(), " but an input of shape ", inputs[i].sizes(), " over ", size_,
+                " ranks needs an output of shape ", at::IntArrayRef(expected),
+                " (the inputs concatenated along dim 0)");
     dense_inputs.push_back(inputs[i].contiguous());
     dense_outputs.emplace_back(outputs[i]);
   }

@@ -105,6 +105,16 @@ T mul(T a, T b) {
   }
 }
 
+// x != x is true only for NaN (this file is not built with -ffast-math).
+template <typename T>
+bool is_nan(T x) {
+  if constexpr (std::is_floating_point_v<T>) {
+    return x != x;
+  } else {
+    return false;
+  }
+}
+
 template <typename Codec, typename Op>
 void fold(void* out_ptr, const void* const* inputs, int n, int64_t numel, Op op, typename Codec::Acc scale) {
   using S = typename Codec::Storage;
@@ -146,10 +156,15 @@ void reduce_typed(ReduceKind kind, void* out, const void* const* inputs, int n, 
       return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return add(a, b); }, static_cast<A>(avg_divisor));
     case ReduceKind::Product:
       return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return mul(a, b); }, A(1));
+    // NOTE [NaN under min and max]: as torch.minimum/maximum (and torch.amax),
+    // a NaN on any rank makes the result NaN, whichever rank holds it and in
+    // whatever order the fold meets it: the accumulator `a` keeps a NaN by
+    // itself (every comparison with it is false) and a NaN `b` is taken. The
+    // test is one more compare and an or per element; the loop still vectorises.
     case ReduceKind::Min:
-      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return b < a ? b : a; }, A(1));
+      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return (b < a || is_nan(b)) ? b : a; }, A(1));
     case ReduceKind::Max:
-      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return a < b ? b : a; }, A(1));
+      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return (a < b || is_nan(b)) ? b : a; }, A(1));
   }
 }
 

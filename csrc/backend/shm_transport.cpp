@@ -60,6 +60,19 @@ size_t round_up(size_t value, size_t to) {
   return (value + to - 1) / to * to;
 }
 
+} // namespace
+
+void CallHeader::set_shape(c10::IntArrayRef shape) {
+  ndim = static_cast<int64_t>(shape.size());
+  std::fill(std::begin(sizes), std::end(sizes), 0);
+  for (const auto d : c10::irange(shape.size())) {
+    const size_t slot = std::min<size_t>(d, kHeaderDims - 1);
+    sizes[slot] = d <= slot ? shape[d] : sizes[slot] * shape[d];
+  }
+}
+
+namespace {
+
 std::string describe(const CallHeader& h) {
   std::string out = c10::str(op_code_name(static_cast<OpCode>(h.op)), "(call ", h.seq);
   if (h.dtype >= 0) {
@@ -74,7 +87,15 @@ std::string describe(const CallHeader& h) {
   if (h.reduce >= 0) {
     out += c10::str(", reduce_op=", reduce_kind_name(static_cast<ReduceKind>(h.reduce)));
   }
+  if (h.ndim >= 0) {
+    const auto kept = std::min<int64_t>(h.ndim, CallHeader::kHeaderDims);
+    out += c10::str(", shape=", c10::IntArrayRef(h.sizes, static_cast<size_t>(kept)));
+  }
   return out + ")";
+}
+
+bool same_shape(const CallHeader& a, const CallHeader& b) {
+  return a.ndim == b.ndim && std::equal(std::begin(a.sizes), std::end(a.sizes), std::begin(b.sizes));
 }
 
 } // namespace
@@ -346,7 +367,8 @@ void ShmTransport::check_headers(uint64_t step, const char* op) {
   for (const auto local : c10::irange(local_size())) {
     const CallHeader& theirs = peer_header(local, step);
     const bool same = theirs.seq == mine.seq && theirs.op == mine.op && theirs.dtype == mine.dtype &&
-                      theirs.numel == mine.numel && theirs.root == mine.root && theirs.reduce == mine.reduce;
+                      theirs.numel == mine.numel && theirs.root == mine.root && theirs.reduce == mine.reduce &&
+                      same_shape(theirs, mine);
     if (!same) {
       fail(c10::str("torch_tp backend: ", op, ": mismatch between ranks: rank ",
                     options_.group_ranks[options_.local_rank], " called ", describe(mine), " but rank ",

@@ -46,6 +46,8 @@
 
 #include "backend/shm_segment.h"
 
+#include <c10/util/ArrayRef.h>
+
 namespace torch_tp::backend {
 
 // What every rank says about the call it is making; compared across the ranks
@@ -59,6 +61,14 @@ struct CallHeader {
   int64_t root = -1;   // group rank of the root, or -1
   int64_t reduce = -1; // ReduceKind, or -1
   int64_t extra = 0;
+  // The tensor's shape, so that [2, 3] on one rank and [3, 2] on another (the
+  // same numel) is a mismatch too, as gloo's shape checks make it. ndim is -1
+  // where ranks may differ (all_to_all). Up to kHeaderDims sizes are kept;
+  // beyond that the last slot holds the product of the remaining sizes.
+  static constexpr int kHeaderDims = 8;
+  int64_t ndim = -1;
+  int64_t sizes[kHeaderDims] = {};
+  void set_shape(c10::IntArrayRef shape);
 };
 
 // The collectives, for headers and messages.
