@@ -17,7 +17,7 @@ fi
 
 export TORCH_TP_BUILD_TESTS=1
 source scripts/setup_env.sh
-"$PYTHON" -m pip install -q pytest numpy expecttest
+"$PYTHON" -m pip install -q pytest numpy expecttest hypothesis
 
 status=0
 ctest --test-dir build/cmake --output-on-failure --timeout 300 || status=1

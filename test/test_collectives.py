@@ -552,3 +552,133 @@ def test_cuda_nccl_world_size_1(ranks):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_cuda_gloo(ranks, world_size):
     ranks(world_size, "gloo").run(_check_cuda_ops)
+
+
+# ---------------------------------------------------------------- double backward of every collective
+
+
+def _check_collective_gradgrad(op, reduce_op):
+    """gradcheck and gradgradcheck of one collective over all ranks (see tp_gradcheck.py)."""
+    from tp_gradcheck import check_grad_and_gradgrad, seeded, shard_in, stack_out
+
+    world_size = dist.get_world_size()
+    name = dist.group.WORLD.group_name
+    X = seeded((world_size, 2, 3), 1)  # distinct values: no ties under min / max
+    if op == "all_reduce":
+        def fn(X):
+            return stack_out(torch.ops.torch_tp.all_reduce(shard_in(X, 0).squeeze(0), reduce_op, name))
+    elif op == "all_gather":
+        def fn(X):
+            return stack_out(torch.ops.torch_tp.all_gather(shard_in(X, 0).squeeze(0), 1, name))
+    elif op == "reduce_scatter":
+        X = seeded((world_size, 2 * world_size, 3), 1)
+
+        def fn(X):
+            return stack_out(torch.ops.torch_tp.reduce_scatter(shard_in(X, 0).squeeze(0), 0, reduce_op, name))
+    elif op == "copy_to_tp_region":
+        X = seeded((2, 3), 1)
+
+        def fn(X):
+            return stack_out(torch.ops.torch_tp.copy_to_tp_region(X, name))
+    else:
+        def fn(X):
+            return torch.ops.torch_tp.reduce_from_tp_region(shard_in(X, 0).squeeze(0), name)
+    return check_grad_and_gradgrad(fn, (X,))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_collectives_double_backward(ranks, world_size):
+    """Every collective's backward is itself differentiable, with the right
+    second derivative (issue #16: copy_to_tp_region's backward was a plain
+    all_reduce, reduce_from_tp_region's an identity, so a backward with
+    create_graph=True counted the replicated gradient p times or not at all)."""
+    pool = ranks(world_size)
+    for reduce_op in REDUCE_OPS:
+        pool.run(_check_collective_gradgrad, "all_reduce", reduce_op)
+        pool.run(_check_collective_gradgrad, "reduce_scatter", reduce_op)
+    for op in ["all_gather", "copy_to_tp_region", "reduce_from_tp_region"]:
+        pool.run(_check_collective_gradgrad, op, None)
+
+
+# ---------------------------------------------------------------- issue #16: NaN, cross-rank checks
+
+
+def _check_nan_under_min_max_ops():
+    """The ops' min/max follow torch.amax's NaN rule wherever torch_tp computes;
+    an all_reduce on gloo is gloo's reduction, whose rule is recorded here."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    nan = float("nan")
+    inputs = [torch.tensor([nan, 1, 2, 5]), torch.tensor([3, nan, 4, 0])]
+    stacked = torch.stack(inputs)
+    on_gloo = dist.get_backend() == "gloo"
+    for reduce_op, reference in (("max", stacked.amax(0)), ("min", stacked.amin(0))):
+        # reduce_scatter on gloo is torch_tp's own fold (NOTE [reduce-scatter on gloo]).
+        piece = ops.reduce_scatter(torch.cat([inputs[rank]] * world_size), 0, reduce_op)
+        torch.testing.assert_close(piece, reference, equal_nan=True, atol=0, rtol=0)
+        ours = ops.all_reduce(inputs[rank], reduce_op)
+        if on_gloo:
+            # gloo keeps a NaN only from the rank its fold starts with (rank 0 here).
+            gloo_rule = {"max": [nan, 1.0, 4.0, 5.0], "min": [nan, 1.0, 2.0, 0.0]}[reduce_op]
+            torch.testing.assert_close(ours, torch.tensor(gloo_rule), equal_nan=True, atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(ours, reference, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_nan_under_min_max(ranks, world_size):
+    ranks(world_size).run(_check_nan_under_min_max_ops)
+
+
+DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+
+
+def _check_cross_rank_mismatch(case):
+    """Each call moves the same number of elements on every rank but differs
+    in a dim or a shape; it must raise on every rank naming op and argument."""
+    rank = dist.get_rank()
+    name = dist.group.WORLD.group_name
+    x = torch.randn(4, 4, dtype=torch.float64)
+    w = torch.randn(3, 4, dtype=torch.float64)
+    if case == "all_gather_dim":
+        torch.ops.torch_tp.all_gather(x, rank, name)
+    elif case == "reduce_scatter_dim":
+        torch.ops.torch_tp.reduce_scatter(x, rank, "sum", name)
+    elif case == "column_gather_dim":
+        torch.ops.torch_tp.column_parallel_linear(torch.randn(2, 2, 4, dtype=torch.float64), w, None, name, rank)
+    elif case == "row_scatter_dim":
+        torch.ops.torch_tp.row_parallel_linear(torch.randn(2, 2, 4, dtype=torch.float64), w, None, name, rank)
+    elif case == "all_reduce_shape":
+        torch.ops.torch_tp.all_reduce(torch.ones((2, 3) if rank == 0 else (3, 2)), "sum", name)
+    elif case == "reduce_op":
+        torch.ops.torch_tp.all_reduce(x, "max" if rank == 0 else "min", name)
+
+
+@pytest.mark.parametrize("case, fragments", [
+    ("all_gather_dim", ["torch_tp::all_gather", "dim=0", "dim=1"]),
+    ("reduce_scatter_dim", ["torch_tp::reduce_scatter", "dim=0", "dim=1"]),
+    ("column_gather_dim", ["torch_tp::column_parallel_linear", "gather_dim=0", "gather_dim=1"]),
+    ("row_scatter_dim", ["torch_tp::row_parallel_linear", "scatter_dim=0", "scatter_dim=1"]),
+    ("all_reduce_shape", ["torch_tp::all_reduce", "[2, 3]", "[3, 2]"]),
+    ("reduce_op", ["torch_tp::all_reduce", "'max'", "'min'"]),
+])
+def test_cross_rank_mismatch_is_an_error_in_debug_mode(ranks, case, fragments):
+    """Issue #16: these returned a different answer on each rank, silently, on
+    both backends. With TORCH_DISTRIBUTED_DEBUG=DETAIL every rank raises."""
+    with pytest.raises(AssertionError) as info:
+        ranks(2, env=DEBUG_ENV).run(_check_cross_rank_mismatch, case)
+    message = str(info.value)
+    assert "rank(s) [0, 1]" in message, message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message}"
+
+
+def _check_debug_mode_passes_matching_calls():
+    x = _rank_input(dist.get_rank(), (4, 6), torch.float64)
+    y = ops.all_gather(x, 1)
+    assert y.shape == (4, 6 * dist.get_world_size())
+    ops.reduce_scatter(y, 1, "sum")
+    ops.all_gather(ops.shard(torch.ones(5, 2), 0), 0, full_size=5)  # uneven pieces are fine
+
+
+def test_debug_mode_passes_matching_calls(ranks):
+    ranks(3, env=DEBUG_ENV).run(_check_debug_mode_passes_matching_calls)

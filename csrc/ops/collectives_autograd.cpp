@@ -162,7 +162,12 @@ struct ReduceScatterFunction : public torch::autograd::Function<ReduceScatterFun
   }
 };
 
-// f: identity forward, sum all-reduce backward. See NOTE [tensor-parallel region pair].
+// f: identity forward, sum all-reduce backward; g: the reverse. See NOTE
+// [tensor-parallel region pair]. Each one's backward is the other op, not a
+// plain all_reduce or identity, so that a backward with create_graph=True
+// differentiates correctly: all_reduce's own backward (an all-reduce) would
+// count a replicated gradient once per rank, and an identity would drop
+// the sum over ranks. Without create_graph the backward skips g's copy.
 struct CopyToTpRegionFunction : public torch::autograd::Function<CopyToTpRegionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group_name) {
     ctx->saved_data["group_name"] = group_name;
@@ -175,19 +180,23 @@ struct CopyToTpRegionFunction : public torch::autograd::Function<CopyToTpRegionF
     if (!grad.defined()) {
       return {at::Tensor(), at::Tensor()};
     }
-    return {all_reduce(grad, "sum", ctx->saved_data["group_name"].toStringRef()), at::Tensor()};
+    return {reduce_from_tp_region(grad, ctx->saved_data["group_name"].toStringRef()), at::Tensor()};
   }
 };
 
-// g: sum all-reduce forward, identity backward.
 struct ReduceFromTpRegionFunction : public torch::autograd::Function<ReduceFromTpRegionFunction> {
-  static at::Tensor forward(AutogradContext* /*ctx*/, const at::Tensor& x, const std::string& group_name) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group_name) {
+    ctx->saved_data["group_name"] = group_name;
     at::AutoDispatchBelowADInplaceOrView guard;
     return reduce_from_tp_region(x, group_name);
   }
 
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
-    return {grads[0], at::Tensor()};
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined() || !at::GradMode::is_enabled()) {
+      return {grad, at::Tensor()};
+    }
+    return {copy_to_tp_region(grad, ctx->saved_data["group_name"].toStringRef()), at::Tensor()};
   }
 };
 

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/distributed/c10d/debug.h>
 #include <torch/version.h>
 
 namespace torch_tp {
@@ -100,7 +102,78 @@ c10::intrusive_ptr<c10d::Work> launch(const char* op, c10d::ProcessGroup& group,
   }
 }
 
+// FNV-1a of the op's name: the same in every process, unlike a pointer.
+int64_t name_hash(const char* name) {
+  uint64_t h = 1469598103934665603ull;
+  for (const char* c = name; *c != '\0'; ++c) {
+    h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 1);
+}
+
 } // namespace
+
+bool cross_rank_checks_enabled() {
+  return c10d::debug_level() == c10d::DebugLevel::Detail;
+}
+
+void check_same_across_ranks(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                             const at::Tensor& x, std::optional<Reduction> reduction, std::optional<int64_t> dim,
+                             std::optional<int64_t> full_size, const char* dim_arg) {
+  const int64_t world_size = group->getSize();
+  if (world_size == 1) {
+    return;
+  }
+  // [op, reduce_op, dim, full_size, ndim, sizes (kDims slots; the last holds
+  // the product of any further sizes; -1 for the size along dim where the
+  // pieces may differ)]; -1 for "not given".
+  constexpr int64_t kDims = 8;
+  constexpr int64_t kFields = 5 + kDims;
+  std::vector<int64_t> mine(kFields, 0);
+  mine[0] = name_hash(op);
+  mine[1] = reduction ? static_cast<int64_t>(*reduction) : -1;
+  mine[2] = dim.value_or(-1);
+  mine[3] = full_size.value_or(-1);
+  mine[4] = x.dim();
+  for (const auto d : c10::irange(x.dim())) {
+    const int64_t size = (dim && full_size && d == *dim) ? -1 : x.size(d);
+    int64_t& slot = mine[5 + std::min<int64_t>(d, kDims - 1)];
+    slot = d < kDims ? size : slot * size;
+  }
+  c10::OptionalDeviceGuard device_guard(x.device());
+  at::Tensor in = at::tensor(mine, at::TensorOptions().dtype(at::kLong)).to(x.device());
+  at::Tensor all = at::empty({world_size * kFields}, in.options());
+  launch(op, *group, x, [&] { return all_gather_into(*group, all, in); })->wait();
+  const at::Tensor table = all.view({world_size, kFields}).cpu();
+  const auto rows = table.accessor<int64_t, 2>();
+  const int64_t rank = group->getRank();
+  auto shape_of = [&](int64_t r) {
+    std::vector<int64_t> shape;
+    for (const auto d : c10::irange(std::min(rows[r][4], kDims))) {
+      shape.push_back(rows[r][5 + d]);
+    }
+    return c10::str(at::IntArrayRef(shape));
+  };
+  const char* why = " (checked because TORCH_DISTRIBUTED_DEBUG=DETAIL)";
+  for (const auto r : c10::irange(world_size)) {
+    TORCH_CHECK(rows[r][0] == mine[0], op, ": rank ", r, " is in a different collective than rank ", rank,
+                " (every rank must call the same torch_tp ops in the same order)", why);
+    auto reduce_op = [](int64_t code) { return code < 0 ? "none" : reduction_name(static_cast<Reduction>(code)); };
+    TORCH_CHECK(rows[r][1] == mine[1], op, ": reduce_op differs across ranks: rank ", rank, " passed '",
+                reduce_op(mine[1]), "' but rank ", r, " passed '", reduce_op(rows[r][1]), "'", why);
+    TORCH_CHECK(rows[r][2] == mine[2], op, ": ", dim_arg, " differs across ranks: rank ", rank, " passed ", dim_arg,
+                "=", mine[2], " but rank ", r, " passed ", dim_arg, "=", rows[r][2], " (wrapped to [0, ndim))", why);
+    TORCH_CHECK(rows[r][3] == mine[3], op, ": full_size differs across ranks: rank ", rank, " passed ", mine[3],
+                " but rank ", r, " passed ", rows[r][3], " (-1: not given)", why);
+    bool same_shape = rows[r][4] == mine[4];
+    for (const auto d : c10::irange(kDims)) {
+      same_shape = same_shape && rows[r][5 + d] == mine[5 + d];
+    }
+    TORCH_CHECK(same_shape, op, ": x has shape ", shape_of(rank), " on rank ", rank, " but ", shape_of(r), " on rank ",
+                r, (dim && full_size ? " (-1: the size along " : ""), (dim && full_size ? dim_arg : ""),
+                (dim && full_size ? ", which may differ)" : ""), "; the shapes must match across ranks", why);
+  }
+}
 
 ChunkRange chunk_range(int64_t n, int64_t world_size, int64_t rank) {
   const int64_t chunk = (n + world_size - 1) / world_size;
@@ -154,6 +227,9 @@ PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10
                                     at::Tensor& x, Reduction reduction) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous());
   const int64_t world_size = group->getSize();
+  if (cross_rank_checks_enabled()) {
+    check_same_across_ranks(op, group, x, reduction, std::nullopt, std::nullopt, "dim");
+  }
   c10::intrusive_ptr<c10d::Work> work;
   if (world_size > 1) {
     c10::OptionalDeviceGuard device_guard(x.device());
@@ -172,9 +248,13 @@ PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10
 }
 
 PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size) {
+                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
+                                   const char* dim_arg) {
   const int64_t world_size = group->getSize();
   const int64_t n = gathered_size(op, x, dim, full_size, world_size, group->getRank());
+  if (cross_rank_checks_enabled()) {
+    check_same_across_ranks(op, group, x, std::nullopt, dim, full_size, dim_arg);
+  }
   if (world_size == 1) {
     return PendingCollective({}, [out = x.clone(at::MemoryFormat::Contiguous)] { return out; }, op, group, x);
   }
@@ -191,8 +271,12 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
 }
 
 PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                       const at::Tensor& x, int64_t dim, Reduction reduction) {
+                                       const at::Tensor& x, int64_t dim, Reduction reduction,
+                                       const char* dim_arg) {
   const int64_t world_size = group->getSize();
+  if (cross_rank_checks_enabled()) {
+    check_same_across_ranks(op, group, x, reduction, dim, std::nullopt, dim_arg);
+  }
   if (world_size == 1) {
     return PendingCollective({}, [out = x.clone(at::MemoryFormat::Contiguous)] { return out; }, op, group, x);
   }

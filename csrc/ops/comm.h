@@ -58,12 +58,32 @@ PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10
 // Concatenates the ranks' pieces of x along `dim` (already wrapped). Without
 // `full_size` every rank's piece has x's size; with it, the pieces are the
 // torch.chunk pieces of full_size rows and x must hold this rank's.
+// `dim_arg` is the op's name for dim, for NOTE [cross-rank argument check].
 PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size);
+                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
+                                   const char* dim_arg = "dim");
 
 // Reduces x over the group and keeps this rank's torch.chunk piece along `dim`.
 PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                       const at::Tensor& x, int64_t dim, Reduction reduction);
+                                       const at::Tensor& x, int64_t dim, Reduction reduction,
+                                       const char* dim_arg = "dim");
+
+// NOTE [cross-rank argument check]
+// A collective only sees bytes: all_gather(x, dim=rank), or an all-reduce of
+// [2, 3] on one rank and [3, 2] on another, moves the same number of
+// elements and returns a different, wrong answer on each rank, on any
+// backend. With TORCH_DISTRIBUTED_DEBUG=DETAIL (c10d's own switch, read once
+// when torch.distributed is imported, or dist.set_debug_level), every torch_tp
+// collective first all-gathers a small description of the call (op, reduce_op,
+// dim, full_size, x's shape; the size along dim is left out where the pieces
+// may differ) and raises on every rank, naming the op, the argument and each
+// rank's value, when they differ. One extra small all-gather per collective:
+// a debugging aid, off by default. The torch_tp backend compares shapes in
+// its per-call header always (NOTE in shm_transport.h).
+bool cross_rank_checks_enabled();
+void check_same_across_ranks(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                             const at::Tensor& x, std::optional<Reduction> reduction, std::optional<int64_t> dim,
+                             std::optional<int64_t> full_size, const char* dim_arg);
 
 // Checks that x's size along `dim` is this rank's torch.chunk piece of
 // `full_size` rows and returns full_size (or p * x.size(dim) without it).

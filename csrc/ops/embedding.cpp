@@ -40,6 +40,29 @@ void check_embedding_args(const char* op, const at::Tensor& ids, const at::Tenso
               weight.device());
 }
 
+// NOTE [ids out of range]
+// F.embedding raises for an id outside [0, num_embeddings); so must these
+// ops, on every rank, before any collective (every rank sees the same ids:
+// replicated, or all-gathered first). vocab_parallel_embedding masks the ids
+// other ranks own, so an id no rank owns would otherwise come back as a zero
+// row. The check is at::_assert_async on whether all ids are in range: on
+// CUDA a device-side assert, as ATen's index kernels do, with no host sync;
+// on the CPU it raises at once, and we re-raise an IndexError (as
+// F.embedding's) naming the op and the first offending id. Under Meta and
+// fake tensors (torch.compile) it is a no-op, as ATen's own.
+void check_ids_in_range(const char* op, const at::Tensor& ids, int64_t num_embeddings, const char* what) {
+  const std::string message =
+      c10::str(op, ": ids must lie in [0, ", num_embeddings, ") (", what, "); an id outside it was given");
+  try {
+    at::_assert_async(((ids >= 0) & (ids < num_embeddings)).all(), message);
+  } catch (const c10::Error&) {
+    // Only real CPU data gets here, so reading it is fine.
+    const at::Tensor bad = ids.masked_select((ids < 0) | (ids >= num_embeddings));
+    TORCH_CHECK_INDEX(false, op, ": ids contains ", bad.numel() > 0 ? bad[0].item<int64_t>() : -1,
+                      ", outside [0, ", num_embeddings, ") (", what, ")");
+  }
+}
+
 // nn.Embedding's rule: -num_embeddings <= padding_idx < num_embeddings, negative counts from the end.
 std::optional<int64_t> wrap_padding_idx(const char* op, std::optional<int64_t> padding_idx, int64_t num_embeddings) {
   if (!padding_idx) {
@@ -64,10 +87,15 @@ at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::T
               "'s torch.chunk piece of vocab_size=", vocab_size, " over ", group->getSize(), " ranks has ",
               rows.length, " rows");
   const auto padding = wrap_padding_idx(op, padding_idx, vocab_size);
+  check_ids_in_range(op, ids, vocab_size, "vocab_size");
   const bool scatter = scatter_dim.has_value();
   const int64_t dim = scatter ? wrap_dim(op, *scatter_dim, ids.dim() + 1, "scatter_dim", "the output") : 0;
   TORCH_CHECK(!scatter || dim != ids.dim(), op, ": scatter_dim=", *scatter_dim,
               " is the embedding dimension; it must name a dimension of ids");
+  if (cross_rank_checks_enabled()) {
+    check_same_across_ranks(op, group, ids, std::nullopt, scatter ? std::optional<int64_t>(dim) : std::nullopt,
+                            std::nullopt, "scatter_dim");
+  }
 
   auto out_sizes = ids.sizes().vec();
   out_sizes.push_back(weight.size(1));
@@ -93,11 +121,19 @@ at::Tensor column_parallel_embedding_composite(const at::Tensor& ids, const at::
                                                std::optional<int64_t> gather_dim, std::optional<int64_t> full_size) {
   constexpr const char* op = "torch_tp::column_parallel_embedding";
   check_embedding_args(op, ids, weight);
-  resolve_group(op, group_name);
+  const auto group = resolve_group(op, group_name);
   const auto padding = wrap_padding_idx(op, padding_idx, weight.size(0));
-  const at::Tensor all_ids =
-      gather_dim ? all_gather(ids, wrap_dim(op, *gather_dim, ids.dim(), "gather_dim", "ids"), group_name, full_size)
-                 : ids;
+  at::Tensor all_ids = ids;
+  if (gather_dim) {
+    // Checked here so that errors name this op rather than torch_tp::all_gather.
+    const int64_t dim = wrap_dim(op, *gather_dim, ids.dim(), "gather_dim", "ids");
+    gathered_size(op, ids, dim, full_size, group->getSize(), group->getRank());
+    if (cross_rank_checks_enabled()) {
+      check_same_across_ranks(op, group, ids, std::nullopt, dim, full_size, "gather_dim");
+    }
+    all_ids = all_gather(ids, dim, group_name, full_size);
+  }
+  check_ids_in_range(op, all_ids, weight.size(0), "weight.size(0)");
   return at::embedding(weight, all_ids, padding.value_or(-1));
 }
 

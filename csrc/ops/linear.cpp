@@ -49,7 +49,10 @@
 #include "ops/comm.h"
 #include "ops/common.h"
 
+#include <torch_tp/ops.h>
+
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -102,6 +105,11 @@ std::optional<int64_t> check_linear_args(const char* op, const at::Tensor& x, co
   return wrapped;
 }
 
+void check_partial_grad_input(const char* op, bool partial_grad_input, std::optional<int64_t> gather_dim) {
+  TORCH_CHECK(!(partial_grad_input && gather_dim), op, ": partial_grad_input=True does not combine with gather_dim=",
+              gather_dim.value_or(0), " (the backward must reduce-scatter grad_x back to the sequence shards)");
+}
+
 // x [.., K] as the 2-D [M, K] the GEMMs take (M = the product of the leading
 // dims; spelled out because reshape({-1, 0}) is ambiguous for a rank whose
 // shard has no features).
@@ -124,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward(
   const auto dim = check_linear_args(op, x, weight, bias, gather_dim, "gather_dim");
   const Activation act = parse_activation(op, activation);
   const auto group = resolve_group(op, group_name);
-  const at::Tensor x_full = dim ? start_all_gather(op, group, x, *dim, full_size).wait() : x;
+  const at::Tensor x_full = dim ? start_all_gather(op, group, x, *dim, full_size, "gather_dim").wait() : x;
   const GemmResult result = gemm(op, rows2d(x_full), weight, bias, act);
   const auto sizes = with_features(x_full.sizes(), weight.size(0));
   at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : result.pre_activation.view(sizes);
@@ -140,7 +148,7 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
   at::Tensor partial =
       gemm(op, rows2d(x), weight, std::nullopt, Activation::None).out.view(
           with_features(x.sizes(), weight.size(0)));
-  at::Tensor y = dim ? start_reduce_scatter(op, group, partial, *dim, Reduction::Sum).wait()
+  at::Tensor y = dim ? start_reduce_scatter(op, group, partial, *dim, Reduction::Sum, "scatter_dim").wait()
                      : start_all_reduce_(op, group, partial, Reduction::Sum).wait();
   // Added once, after the reduction, so the result is nn.Linear's.
   return bias ? y.add_(*bias) : y;
@@ -154,15 +162,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
     bool bias_defined, c10::string_view group_name, std::optional<int64_t> gather_dim,
     std::optional<int64_t> full_size, c10::string_view activation, bool partial_grad_input) {
   constexpr const char* op = "torch_tp::column_parallel_linear backward";
-  TORCH_CHECK(!(partial_grad_input && gather_dim), op,
-              ": partial_grad_input=True does not combine with gather_dim (its backward reduce-scatters grad_x)");
+  check_partial_grad_input(op, partial_grad_input, gather_dim);
   const auto group = resolve_group(op, group_name);
   const bool sequence_parallel = gather_dim.has_value();
   const int64_t dim = sequence_parallel ? (*gather_dim < 0 ? *gather_dim + x.dim() : *gather_dim) : 0;
 
   std::optional<PendingCollective> x_gather;
   if (sequence_parallel) {
-    x_gather.emplace(start_all_gather(op, group, x, dim, full_size));
+    x_gather.emplace(start_all_gather(op, group, x, dim, full_size, "gather_dim"));
   }
   const at::Tensor grad_pre = parse_activation(op, activation) == Activation::GeluTanh
       ? at::gelu_backward(grad_out, pre_activation, "tanh")
@@ -178,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
             bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options())};
   }
   PendingCollective grad_x_comm = sequence_parallel
-      ? start_reduce_scatter(op, group, grad_x_rows, dim, Reduction::Sum)
+      ? start_reduce_scatter(op, group, grad_x_rows, dim, Reduction::Sum, "gather_dim")
       : start_all_reduce_(op, group, grad_x_rows, Reduction::Sum);
   // Overlaps the grad-input collective.
   at::Tensor grad_weight = grad2d.t().mm(rows2d(x_full));
@@ -195,13 +202,80 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kern
   at::Tensor grad_full = grad_out;
   if (scatter_dim) {
     const int64_t dim = *scatter_dim < 0 ? *scatter_dim + x.dim() : *scatter_dim;
-    grad_full = start_all_gather(op, group, grad_out, dim, x.size(dim)).wait();
+    grad_full = start_all_gather(op, group, grad_out, dim, x.size(dim), "scatter_dim").wait();
   }
   const at::Tensor grad2d = rows2d(grad_full);
   at::Tensor grad_x = grad2d.mm(weight).view(x.sizes());
   at::Tensor grad_weight = grad2d.t().mm(rows2d(x));
   at::Tensor grad_bias = bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options());
   return {grad_x, grad_weight, grad_bias};
+}
+
+// ---------------------------------------------------------------- double backward
+
+// NOTE [double backward]
+// The fused backward kernels above are not differentiable (they are plain
+// ops with no autograd kernel), so a backward with create_graph=True would
+// silently treat their outputs as constants. Under create_graph the autograd
+// functions below instead compute the same gradients as a composition of
+// differentiable ATen ops and torch_tp collectives, which autograd records.
+// The collectives must be the ones whose own backward is the adjoint, with
+// the conventions of the forward (NOTE [tensor-parallel region pair]): a
+// replicated tensor counts once, so where a replicated value meets per-rank
+// work its gradient goes through f (copy_to_tp_region: identity, its backward
+// sums over ranks), and a sum of per-rank partials that yields a replicated
+// value is g (reduce_from_tp_region); shards go through all_gather /
+// reduce_scatter, each the other's adjoint. Column, with x_in = f(x)
+// (or all_gather(x, s) under sequence parallelism, or x itself with
+// partial_grad_input, whose grad_x stays partial):
+//     pre    = x_in @ W^T + b       (recomputed only for the activation)
+//     g_pre  = gelu_backward(grad, pre)  or grad
+//     grad_x = g(g_pre @ W)  /  reduce_scatter(g_pre @ W, s)  /  g_pre @ W
+//     grad_W = g_pre^T @ x_in,   grad_b = sum(g_pre)
+// Row, with grad_in = f(grad) (or all_gather(grad, s)):
+//     grad_x = grad_in @ W,   grad_W = grad_in^T @ x
+//     grad_b = sum(grad) (replicated, counted once), or under sequence
+//              parallelism g(sum of this rank's rows)
+// Each costs what the fused backward costs plus, with an activation, the
+// forward GEMM again; only second-order training pays it.
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_differentiable(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const std::string& group_name, std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+    const std::string& activation, bool partial_grad_input) {
+  constexpr const char* op = "torch_tp::column_parallel_linear backward";
+  const std::optional<int64_t> dim =
+      gather_dim ? std::optional<int64_t>(wrap_dim(op, *gather_dim, x.dim(), "gather_dim")) : std::nullopt;
+  const at::Tensor x_in = dim ? all_gather(x, *dim, group_name, full_size)
+                              : (partial_grad_input ? x : copy_to_tp_region(x, group_name));
+  at::Tensor grad_pre = grad_out;
+  if (parse_activation(op, activation) == Activation::GeluTanh) {
+    const at::Tensor pre = at::linear(x_in, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+    grad_pre = at::gelu_backward(grad_out, pre, "tanh");
+  }
+  const at::Tensor grad_x_partial = at::matmul(grad_pre, weight);
+  const at::Tensor grad_x = partial_grad_input ? grad_x_partial
+      : dim                                    ? reduce_scatter(grad_x_partial, *dim, "sum", group_name)
+                                               : reduce_from_tp_region(grad_x_partial, group_name);
+  const at::Tensor grad2d = rows2d(grad_pre);
+  return {grad_x, grad2d.t().mm(rows2d(x_in)), bias.defined() ? grad2d.sum(0) : at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_differentiable(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, bool bias_defined,
+    const std::string& group_name, std::optional<int64_t> scatter_dim) {
+  constexpr const char* op = "torch_tp::row_parallel_linear backward";
+  const std::optional<int64_t> dim =
+      scatter_dim ? std::optional<int64_t>(wrap_dim(op, *scatter_dim, x.dim(), "scatter_dim")) : std::nullopt;
+  const at::Tensor grad_in = dim ? all_gather(grad_out, *dim, group_name, x.size(*dim))
+                                 : copy_to_tp_region(grad_out, group_name);
+  const at::Tensor grad2d = rows2d(grad_in);
+  at::Tensor grad_bias;
+  if (bias_defined) {
+    const at::Tensor local_sum = rows2d(grad_out).sum(0);
+    grad_bias = dim ? reduce_from_tp_region(local_sum, group_name) : local_sum;
+  }
+  return {at::matmul(grad_in, weight), grad2d.t().mm(rows2d(x)), grad_bias};
 }
 
 // ---------------------------------------------------------------- autograd
@@ -223,14 +297,16 @@ struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnPar
                                                    const std::optional<at::Tensor>&, c10::string_view,
                                                    std::optional<int64_t>, std::optional<int64_t>, c10::string_view)>(
             "torch_tp::_column_parallel_linear_forward");
+    check_partial_grad_input("torch_tp::column_parallel_linear", partial_grad_input, gather_dim);
     at::Tensor out, pre;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(out, pre) =
           forward_op.call(x, weight, bias, group_name, gather_dim, full_size, activation);
     }
-    // Under sequence parallelism x is the local shard: the backward re-gathers it.
-    ctx->save_for_backward({x, weight, pre});
+    // Under sequence parallelism x is the local shard: the backward re-gathers
+    // it. bias only for NOTE [double backward].
+    ctx->save_for_backward({x, weight, pre, bias.value_or(at::Tensor())});
     ctx->saved_data["bias_defined"] = bias.has_value();
     ctx->saved_data["group_name"] = group_name;
     ctx->saved_data["gather_dim"] = gather_dim;
@@ -251,11 +327,18 @@ struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnPar
     if (!grads[0].defined()) {
       return variable_list(8);
     }
+    variable_list grads_in(8);
+    if (at::GradMode::is_enabled()) {  // create_graph: NOTE [double backward]
+      std::tie(grads_in[0], grads_in[1], grads_in[2]) = column_parallel_linear_backward_differentiable(
+          grads[0], saved[0], saved[1], saved[3], ctx->saved_data["group_name"].toStringRef(),
+          optional_int(ctx->saved_data["gather_dim"]), optional_int(ctx->saved_data["full_size"]),
+          ctx->saved_data["activation"].toStringRef(), ctx->saved_data["partial_grad_input"].toBool());
+      return grads_in;
+    }
     auto [grad_x, grad_weight, grad_bias] = backward_op.call(
         grads[0], saved[0], saved[1], saved[2], bias_defined, ctx->saved_data["group_name"].toStringRef(),
         optional_int(ctx->saved_data["gather_dim"]), optional_int(ctx->saved_data["full_size"]),
         ctx->saved_data["activation"].toStringRef(), ctx->saved_data["partial_grad_input"].toBool());
-    variable_list grads_in(8);
     grads_in[0] = grad_x;
     grads_in[1] = grad_weight;
     grads_in[2] = bias_defined ? grad_bias : at::Tensor();
@@ -292,6 +375,12 @@ struct RowParallelLinearFunction : public torch::autograd::Function<RowParallelL
     const bool bias_defined = ctx->saved_data["bias_defined"].toBool();
     if (!grads[0].defined()) {
       return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    if (at::GradMode::is_enabled()) {  // create_graph: NOTE [double backward]
+      auto [grad_x, grad_weight, grad_bias] = row_parallel_linear_backward_differentiable(
+          grads[0], saved[0], saved[1], bias_defined, ctx->saved_data["group_name"].toStringRef(),
+          optional_int(ctx->saved_data["scatter_dim"]));
+      return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
     }
     auto [grad_x, grad_weight, grad_bias] =
         backward_op.call(grads[0], saved[0], saved[1], bias_defined, ctx->saved_data["group_name"].toStringRef(),
@@ -341,6 +430,13 @@ TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
 TORCH_LIBRARY_IMPL(torch_tp, Autograd, m) {
   m.impl("column_parallel_linear", column_parallel_linear_autograd);
   m.impl("row_parallel_linear", row_parallel_linear_autograd);
+  // The pieces are not differentiable themselves (the public ops are, to any
+  // order: NOTE [double backward]). Called directly on tensors that require
+  // grad, a backward through them raises naming the op instead of silently
+  // treating their outputs as constants.
+  m.impl("_column_parallel_linear_forward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("_column_parallel_linear_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("_row_parallel_linear_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
 } // namespace torch_tp

@@ -47,6 +47,11 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
                                        const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                        std::optional<int64_t> scatter_dim, LinearGemm gemm);
 
+// partial_grad_input leaves grad_x partial (NOTE [partial grad_x] in
+// linear.cpp); with a gather_dim the backward must reduce-scatter it, so the
+// pair is refused here, in the forward, not first in the backward.
+void check_partial_grad_input(const char* op, bool partial_grad_input, std::optional<int64_t> gather_dim);
+
 // The forward kernels, one instantiation per device GEMM (linear.cpp: ATen,
 // linear_cuda.cpp: cuBLASLt).
 // partial_grad_input only changes the backward (see linear.cpp).
@@ -54,7 +59,8 @@ template <LinearGemm Gemm>
 at::Tensor column_parallel_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                          std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                         c10::string_view activation, bool /*partial_grad_input*/) {
+                                         c10::string_view activation, bool partial_grad_input) {
+  check_partial_grad_input("torch_tp::column_parallel_linear", partial_grad_input, gather_dim);
   return std::get<0>(
       column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, Gemm));
 }

@@ -104,7 +104,8 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_meta(
 at::Tensor column_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                        std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                       c10::string_view activation, bool /*partial_grad_input*/) {
+                                       c10::string_view activation, bool partial_grad_input) {
+  check_partial_grad_input("torch_tp::column_parallel_linear", partial_grad_input, gather_dim);
   return std::get<0>(
       column_parallel_linear_forward_meta(x, weight, bias, group_name, gather_dim, full_size, activation));
 }
