@@ -730,11 +730,11 @@ def test_backend_name(ranks):
     assert backend_pool(ranks, 2).run(_check_backend_name) == [(BACKEND, BACKEND)] * 2
 
 
-# ---------------------------------------------------------------- issue #16
+# ---------------------------------------------------------------- NaN under min/max, all_gather_into_tensor's shape
 
 
 def _check_nan_under_min_max():
-    """NaN under max/min does not depend on which rank holds it (issue #16):
+    """NaN under max/min does not depend on which rank holds it:
     the backend's fold follows torch.maximum/minimum, as torch.amax does."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     nan = float("nan")

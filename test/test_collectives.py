@@ -589,7 +589,7 @@ def _check_collective_gradgrad(op, reduce_op):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_collectives_double_backward(ranks, world_size):
     """Every collective's backward is itself differentiable, with the right
-    second derivative (issue #16: copy_to_tp_region's backward was a plain
+    second derivative (copy_to_tp_region's backward used to be a plain
     all_reduce, reduce_from_tp_region's an identity, so a backward with
     create_graph=True counted the replicated gradient p times or not at all)."""
     pool = ranks(world_size)
@@ -600,7 +600,7 @@ def test_collectives_double_backward(ranks, world_size):
         pool.run(_check_collective_gradgrad, op, None)
 
 
-# ---------------------------------------------------------------- issue #16: NaN, cross-rank checks
+# ---------------------------------------------------------------- NaN, cross-rank checks
 
 
 def _check_nan_under_min_max_ops():
@@ -662,7 +662,7 @@ def _check_cross_rank_mismatch(case):
     ("reduce_op", ["torch_tp::all_reduce", "'max'", "'min'"]),
 ])
 def test_cross_rank_mismatch_is_an_error_in_debug_mode(ranks, case, fragments):
-    """Issue #16: these returned a different answer on each rank, silently, on
+    """These used to return a different answer on each rank, silently, on
     both backends. With TORCH_DISTRIBUTED_DEBUG=DETAIL every rank raises."""
     with pytest.raises(AssertionError) as info:
         ranks(2, env=DEBUG_ENV).run(_check_cross_rank_mismatch, case)

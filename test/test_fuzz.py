@@ -1,4 +1,4 @@
-"""Fuzzing the ops (issue #16): random shapes, dims, dtypes, reductions, uneven
+"""Fuzzing the ops: random shapes, dims, dtypes, reductions, uneven
 shards, NaNs and out-of-range ids, each checked on every rank against a
 float64 reference computed from all ranks' inputs in one process.
 

@@ -9,7 +9,7 @@ every rank; a rank whose output is a shard backpropagates its shard of G.
 Tolerances, relative to the largest magnitude of the reference tensor (so
 entries near zero are judged on the tensor's scale):
   float64   1e-10: reordered sums, ~K * 2^-53 per GEMM.
-  float32   1e-5:  the issue's bound; GEMM blocking and the p-way split
+  float32   1e-5:  GEMM blocking and the p-way split
             reorder K-term sums (K <= 64 here, 2^-24 each).
   bfloat16  3e-2:  8-bit significands (2^-8 = 3.9e-3); a row-parallel output
             is rounded in each rank's partial GEMM and again in each of up to
@@ -121,8 +121,8 @@ def _check_column_partial_grad_input():
     y.backward(ops.shard(grad, -1))
     _close(ops.all_reduce(x_r.grad, "sum"), ref_x.grad, dtype, "summed partial grad_x")
     _close(w_r.grad, ops.shard(ref_w.grad, 0), dtype, "grad_weight")
-    # Refused in the forward (issue #16: it used to be accepted there and
-    # refused only in the backward), with and without autograd, and on Meta.
+    # Refused in the forward (not accepted there and refused only in
+    # the backward), with and without autograd, and on Meta.
     x_shard = ops.shard(x, 1)
     for args in [(_param(x_shard), w_r), (x_shard, w_r.detach()), (x_shard.to("meta"), w_r.detach().to("meta"))]:
         with pytest.raises(RuntimeError, match="column_parallel_linear: partial_grad_input=True does not combine "
@@ -723,8 +723,8 @@ def test_cuda_matmul_settings_are_restored(cuda_ranks, ranks):
 # ---------------------------------------------------------------- double backward
 
 
-def _check_column_double_backward_issue_repro():
-    """Issue #16's repro: d/dx of sum(d/dx sum(y^2)) through a column-parallel
+def _check_column_gelu_double_backward():
+    """The reported case: d/dx of sum(d/dx sum(y^2)) through a column-parallel
     linear with GELU, against F.gelu(F.linear(x, w), approximate="tanh")."""
     world_size = dist.get_world_size()
     x = _full((3, 4), 1, torch.float64)
@@ -744,8 +744,8 @@ def _check_column_double_backward_issue_repro():
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_column_double_backward_issue_repro(ranks, world_size):
-    ranks(world_size).run(_check_column_double_backward_issue_repro)
+def test_column_gelu_double_backward(ranks, world_size):
+    ranks(world_size).run(_check_column_gelu_double_backward)
 
 
 def _check_layer_gradgrad(layer, bias, dim, activation="none", partial_grad_input=False):
@@ -796,7 +796,7 @@ def _check_layer_gradgrad(layer, bias, dim, activation="none", partial_grad_inpu
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_layers_double_backward(ranks, world_size):
-    """Issue #16: the linear ops' backward was a non-differentiable op, so a
+    """The linear ops' backward used to be a non-differentiable op, so a
     backward with create_graph=True returned wrong second derivatives (for
     every activation, with and without gather/scatter dims). Every op's
     first and second derivatives are now checked against finite differences."""
@@ -814,7 +814,7 @@ def test_layers_double_backward(ranks, world_size):
         pool.run(_check_layer_gradgrad, "column_embedding", False, dim)
 
 
-# ---------------------------------------------------------------- issue #16: ids out of range
+# ---------------------------------------------------------------- ids out of range
 
 
 def _check_embedding_ids_out_of_range():

@@ -7,8 +7,8 @@ library's own style classes). All three see the same inputs for three AdamW
 steps; after each step the outputs, the gradients (gathered to full tensors)
 and the updated parameters must agree.
 
-Tolerance: fp32, 1e-5 relative to each tensor's largest magnitude (the issue's
-bound). The three compute the same sums in different orders (sharded GEMMs,
+Tolerance: fp32, 1e-5 relative to each tensor's largest magnitude (orders of
+magnitude below a sharding mistake). The three compute the same sums in different orders (sharded GEMMs,
 reductions over ranks). AdamW's first steps move every weight by about
 lr * g / (|g| + eps), which amplifies a gradient's roundoff by up to lr / eps
 where |g| is small: a weight whose exact gradient is zero (a causal
