@@ -27,8 +27,6 @@ op and the rank; ranks whose calls disagree (op, dtype, element count, root)
 raise one that says ``mismatch``.
 """
 
-import os
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -40,17 +38,10 @@ __all__ = ["BACKEND_NAME"]
 BACKEND_NAME = "torch_tp"
 
 
-def _host_key() -> str:
-    return os.environ.get("TORCH_TP_HOST_KEY") or socket.gethostname()
-
-
 def _create_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Backend:
-    # Place the ranks on nodes: every rank publishes its host key in the
-    # group's store (already prefixed per group by torch) and reads all.
-    store.set(f"torch_tp/host/{rank}", _host_key())
-    keys = [f"torch_tp/host/{r}" for r in range(world_size)]
-    store.wait(keys, timeout)
-    hosts = [store.get(key).decode() for key in keys]
+    # Place the ranks on nodes through the group's store (already prefixed
+    # per group by torch), as torch_tp::new_group does in C++.
+    hosts = _C.exchange_host_keys(store, rank, world_size, timeout)
     nodes = list(dict.fromkeys(hosts))  # ordered by each node's first rank
     gloo_all = gloo_leaders = None
     if len(nodes) > 1:

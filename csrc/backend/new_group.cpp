@@ -10,31 +10,9 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include <unistd.h>
-
-#include <cerrno>
-#include <climits>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 namespace torch_tp {
-
-namespace {
-
-// The node this rank counts as on: TORCH_TP_HOST_KEY, or the hostname, as in
-// torch_tp/backend.py.
-std::string host_key() {
-  if (const char* key = std::getenv("TORCH_TP_HOST_KEY"); key != nullptr && *key != '\0') {
-    return key;
-  }
-  char name[HOST_NAME_MAX + 1] = {};
-  TORCH_CHECK(gethostname(name, HOST_NAME_MAX) == 0, "torch_tp::new_group: gethostname failed: ",
-              std::strerror(errno));
-  return name;
-}
-
-} // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                  int world_size, const std::string& group_name,
@@ -46,21 +24,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_group(const c10::intrusive_ptr<c10d::
   TORCH_CHECK(!group_name.empty(), "torch_tp::new_group: group_name is empty");
   TORCH_CHECK(options.timeout.count() > 0, "torch_tp::new_group: timeout=", options.timeout.count(),
               " ms must be positive");
-  // The group's own key space: the host keys here, the backend's segment token.
+  // The group's own key space: the host keys, the backend's segment token.
   auto group_store = c10::make_intrusive<c10d::PrefixStore>("torch_tp/" + group_name, store);
 
-  const std::string mine = host_key();
-  group_store->set("host/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-  std::vector<std::string> keys;
-  for (const auto r : c10::irange(world_size)) {
-    keys.push_back("host/" + std::to_string(r));
-  }
-  group_store->wait(keys, options.timeout);
-  std::vector<std::string> hosts;
-  for (const auto& key : keys) {
-    const std::vector<uint8_t> host = group_store->get(key);
-    hosts.emplace_back(host.begin(), host.end());
-  }
+  std::vector<std::string> hosts = backend::exchange_host_keys(group_store, rank, world_size, options.timeout);
   for (const auto r : c10::irange(world_size)) {
     TORCH_CHECK(hosts[r] == hosts[0], "torch_tp::new_group: group '", group_name, "' spans nodes: rank 0 is on '",
                 hosts[0], "' and rank ", r, " on '", hosts[r],

@@ -10,6 +10,8 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -215,6 +217,31 @@ size_t buffer_bytes_from_env() {
               " is not a valid size: it must be a whole number of bytes, at least ", kMinBufferBytes,
               " (default ", kDefaultBufferBytes, ")");
   return static_cast<size_t>(value);
+}
+
+std::vector<std::string> exchange_host_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                            std::chrono::milliseconds timeout) {
+  std::string mine;
+  if (const char* key = std::getenv("TORCH_TP_HOST_KEY"); key != nullptr && *key != '\0') {
+    mine = key;
+  } else {
+    char name[HOST_NAME_MAX + 1] = {};
+    TORCH_CHECK(gethostname(name, HOST_NAME_MAX) == 0, "torch_tp backend: gethostname failed: ",
+                std::strerror(errno));
+    mine = name;
+  }
+  store->set("torch_tp/host/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<std::string> keys;
+  for (const auto r : c10::irange(size)) {
+    keys.push_back("torch_tp/host/" + std::to_string(r));
+  }
+  store->wait(keys, timeout);
+  std::vector<std::string> hosts;
+  for (const auto& key : keys) {
+    const std::vector<uint8_t> host = store->get(key);
+    hosts.emplace_back(host.begin(), host.end());
+  }
+  return hosts;
 }
 
 // A FIFO of calls run by one thread. stop() lets the queued calls run out

@@ -54,6 +54,13 @@ constexpr size_t kDefaultBufferBytes = 2 * 1024 * 1024;
 // TORCH_TP_SHM_BUFFER_BYTES, validated, or the default.
 size_t buffer_bytes_from_env();
 
+// Places the group's ranks on nodes: every rank publishes its host key
+// (TORCH_TP_HOST_KEY, or the hostname) in the group's store and reads all of
+// them. Returns the keys by group rank (Options::host_keys). Both ways of
+// making a group use it: torch_tp/backend.py's factory and torch_tp::new_group.
+std::vector<std::string> exchange_host_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                            std::chrono::milliseconds timeout);
+
 class ProcessGroupShm : public c10d::Backend {
  public:
   struct Options {

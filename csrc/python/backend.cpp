@@ -34,6 +34,9 @@ void init_backend(py::module_& m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("host_keys"),
            py::arg("buffer_bytes") = py::none(), py::arg("gloo_all") = py::none(),
            py::arg("gloo_leaders") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("exchange_host_keys", &torch_tp::backend::exchange_host_keys, py::arg("store"), py::arg("rank"),
+        py::arg("size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
+        "Every rank's host key (TORCH_TP_HOST_KEY or the hostname), by rank, exchanged through the store");
 }
 
 } // namespace torch_tp::python
