@@ -24,6 +24,7 @@ __all__ = [
     "from_dtensor",
     "gather_replicated",
     "gather_to_replicated_dtensor",
+    "global_shape_of",
     "normalize",
     "partial_grad_local",
     "record_shard",
@@ -156,19 +157,33 @@ def split_replicated(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
 # NOTE [global sizes of plain shards]
 # A plain tensor carries no global shape, and torch.chunk pieces need not be
 # even (a sequence of 16 over 3 ranks: 6, 6, 4), so a plain Shard(d) input
-# does not say how many rows the gather must produce. Under torchtitan's plan
+# does not say how many rows a gather must produce. Under torchtitan's plan
 # the sequence shards between the layers are plain tensors: the embedding and
 # the row-parallel wo/w2 hand them back with use_local_output=True, and the
 # residual adds make new tensors, so nothing can ride on the tensor itself.
 # But torch_tp made those shards and knew their global size then. Each style
 # that produces a Shard(d) piece records the global size under (group, ndim,
-# d); a style that takes a plain Shard(d) input reads it back when this
-# rank's torch.chunk piece of the recorded size is the input's local size.
-# Every rank runs the same program and records the same size (the global
-# shape is the same on every rank), so every rank reads the same one and the
-# gathers agree. Without a fitting record (a shard torch_tp did not make), the
-# pieces are taken to be even, as DTensor.from_local takes them; an input in
-# uneven pieces must then come as a DTensor, which carries its global shape.
+# d), and a style that needs the global size of a plain Shard(d) input reads
+# it back.
+#
+# Whether the ranks communicate for it must not depend on a rank's own piece:
+# the ranks would then make different calls (one a size exchange, another the
+# data gather) and fail in a collective size mismatch. So it rests only on
+# what every rank has alike, whether a record exists (every rank runs the
+# same program and records the same keys):
+# * a record: a rank whose piece is its torch.chunk piece of the recorded size
+#   takes that size; where that holds on every rank, the pieces are exactly
+#   the torch.chunk split of it. A rank whose piece does not fit (a record of
+#   an earlier step, or of another tensor with the same key) takes its pieces
+#   to be even, as DTensor.from_local does. A stale record that fits on some
+#   ranks only therefore still leaves them disagreeing
+#   (TORCH_DISTRIBUTED_DEBUG=DETAIL catches it: NOTE [cross-rank argument
+#   check] in comm.h);
+# * no record (a shard that torch_tp did not make): the ranks all-gather their
+#   piece sizes (one int64 each) and check them against the torch.chunk split
+#   of their sum, all alike, before any data moves. The layers of a torch_tp
+#   model find a record, so only such inputs pay this collective.
+# A DTensor input carries its global shape and needs neither.
 _shard_sizes: Dict[Tuple[str, int, int], int] = {}
 
 
@@ -178,23 +193,13 @@ def record_shard(local: torch.Tensor, placement: Placement, group: TPGroup, glob
         _shard_sizes[(group.name, local.dim(), placement.dim)] = global_shape[placement.dim]
 
 
-def _recorded_global_shape(local: torch.Tensor, dim: int, group: TPGroup) -> Optional[torch.Size]:
-    size = _shard_sizes.get((group.name, local.dim(), dim))
-    if size is None or chunk_range(size, group.size, group.rank)[1] != local.size(dim):
-        return None
-    shape = list(local.shape)
-    shape[dim] = size
-    return torch.Size(shape)
-
-
 def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
     """``(local tensor, its placement, global shape or None)``.
 
     A DTensor brings its own placement and global shape; a plain tensor is
-    taken to be in the ``declared`` layout. A plain ``Shard(d)`` piece that a
-    torch_tp style produced has the global shape recorded then (NOTE [global
-    sizes of plain shards]); otherwise it is unknown here (None), and the
-    caller takes the pieces to be even, as ``DTensor.from_local`` does.
+    taken to be in the ``declared`` layout, and its global shape is None here:
+    a caller that needs it asks ``global_shape_of`` (NOTE [global sizes of
+    plain shards]), so that only the calls that use it may pay for it.
     """
     if isinstance(x, DTensor):
         if x.device_mesh.ndim != 1:
@@ -203,14 +208,51 @@ def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, 
         if local is None:
             local = x.to_local()
         placement, global_shape = normalize(x.placements[0], x.ndim), x.shape
-    elif isinstance(x, torch.Tensor):
-        local, placement = x, normalize(declared, x.ndim)
-        global_shape = _recorded_global_shape(x, placement.dim, group) if isinstance(placement, Shard) else None
-    else:
-        raise TypeError(f"torch_tp: expected a torch.Tensor or DTensor input, got {type(x).__name__}")
-    if isinstance(placement, Shard) and global_shape is not None and torch.compiler.is_compiling():
-        _refuse_empty_pieces_under_compile(global_shape, placement.dim, group)
-    return local, placement, global_shape
+        if isinstance(placement, Shard) and torch.compiler.is_compiling():
+            _refuse_empty_pieces_under_compile(global_shape, placement.dim, group)
+        return local, placement, global_shape
+    if isinstance(x, torch.Tensor):
+        return x, normalize(declared, x.ndim), None
+    raise TypeError(f"torch_tp: expected a torch.Tensor or DTensor input, got {type(x).__name__}")
+
+
+def global_shape_of(local: torch.Tensor, placement: Placement, global_shape: Optional[torch.Size],
+                    group: TPGroup) -> torch.Size:
+    """The global shape of ``local`` in layout ``placement``: ``global_shape`` when
+    ``from_dtensor`` knew it, else NOTE [global sizes of plain shards]."""
+    if global_shape is not None:
+        return global_shape
+    if not isinstance(placement, Shard):
+        return local.shape
+    dim = placement.dim
+    size = _shard_sizes.get((group.name, local.dim(), dim))
+    if size is None:
+        size = _exchanged_global_size(local, dim, group)
+    elif chunk_range(size, group.size, group.rank)[1] != local.size(dim):
+        size = local.size(dim) * group.size
+    shape = list(local.shape)
+    shape[dim] = size
+    shape = torch.Size(shape)
+    if torch.compiler.is_compiling():
+        _refuse_empty_pieces_under_compile(shape, dim, group)
+    return shape
+
+
+@torch.compiler.disable
+def _exchanged_global_size(local: torch.Tensor, dim: int, group: TPGroup) -> int:
+    """Every rank's piece size along ``dim``; their sum, once they are checked to be its torch.chunk split.
+    (A metadata exchange with a host sync, so torch.compile runs it outside the graph.)"""
+    mine = torch.tensor([local.size(dim)], dtype=torch.int64, device=local.device)
+    pieces = torch.ops.torch_tp.all_gather(mine, 0, group.name, None).tolist()
+    size = sum(pieces)
+    expected = [chunk_range(size, group.size, rank)[1] for rank in range(group.size)]
+    if pieces != expected:
+        raise ValueError(
+            f"torch_tp: a plain Shard({dim}) input has pieces of {pieces} along dim {dim} on ranks "
+            f"0..{group.size - 1} (this rank: shape {tuple(local.shape)}), which is not torch.chunk's split of "
+            f"their sum {size} ({expected}). Shard inputs must be torch.chunk pieces; pass another layout as a "
+            "DTensor that describes it.")
+    return size
 
 
 def _refuse_empty_pieces_under_compile(global_shape: torch.Size, dim: int, group: TPGroup) -> None:

@@ -58,6 +58,7 @@ from ._layout import (
     TPGroup,
     convert,
     from_dtensor,
+    global_shape_of,
     gather_replicated,
     gather_to_replicated_dtensor,
     normalize,
@@ -318,7 +319,7 @@ def _colwise_linear_forward(self, x):
         return _output_sharded_on_last(self, out, self.out_features)
     local, layout, global_shape = from_dtensor(x, self._tp_input_layout, self._tp_group)
     dim = _gather_dim(self, layout, local.dim())
-    full = None if dim is None or global_shape is None else global_shape[dim]
+    full = None if dim is None else global_shape_of(local, layout, global_shape, self._tp_group)[dim]
     out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
                                                      self._tp_group.name, dim, full)
     return _output_sharded_on_last(self, out, self.out_features)
@@ -327,7 +328,7 @@ def _colwise_linear_forward(self, x):
 def _colwise_embedding_forward(self, ids):
     local, layout, global_shape = from_dtensor(ids, self._tp_input_layout, self._tp_group)
     dim = _gather_dim(self, layout, local.dim() + 1)
-    full = None if dim is None or global_shape is None else global_shape[dim]
+    full = None if dim is None else global_shape_of(local, layout, global_shape, self._tp_group)[dim]
     out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
                                                         self.padding_idx, dim, full)
     return _output_sharded_on_last(self, out, self.embedding_dim)
@@ -359,7 +360,7 @@ def _rowwise_linear_forward(self, x):
 def _rowwise_embedding_forward(self, ids):
     local, layout, global_shape = from_dtensor(ids, self._tp_input_layout, self._tp_group)
     if isinstance(layout, Shard):
-        full = None if global_shape is None else global_shape[layout.dim]
+        full = global_shape_of(local, layout, global_shape, self._tp_group)[layout.dim]
         local = torch.ops.torch_tp.all_gather(local, layout.dim, self._tp_group.name, full)
     global_shape = local.shape + (self.embedding_dim,)
     features = Shard(local.dim())
@@ -474,6 +475,7 @@ def _sequence_parallel_forward(self, *args, **kwargs):
             # Sharded on another dim (a batch-sharded Shard(0) input): DTensor moves it, as in torch.
             x = x.redistribute(self._tp_mesh, (sharding,))
         local, layout, global_shape = from_dtensor(x, sharding, self._tp_group)
+        global_shape = global_shape_of(local, layout, global_shape, self._tp_group)
         wanted = normalize(sharding, local.dim())
         if layout != wanted:
             local = convert(local, layout, wanted, self._tp_group, global_shape)
@@ -517,17 +519,15 @@ def _prepare(value, mesh: DeviceMesh, group: TPGroup, layout: Optional[Placement
         return value
     local, actual, global_shape = from_dtensor(value, layout, group)
     target = actual if desired is None else normalize(desired, local.dim())
+    if use_local_output and target == actual:
+        return local
+    global_shape = global_shape_of(local, actual, global_shape, group)
     if use_local_output:
-        return local if target == actual else convert(local, actual, target, group, global_shape)
+        return convert(local, actual, target, group, global_shape)
     if isinstance(actual, Shard) and isinstance(target, Replicate):
-        full_size = None if global_shape is None else global_shape[actual.dim]
-        return gather_to_replicated_dtensor(local, actual.dim, mesh, group, full_size)
+        return gather_to_replicated_dtensor(local, actual.dim, mesh, group, global_shape[actual.dim])
     # Other moves of a DTensor: let DTensor make them, so that the gradients of
     # what consumes it (partial or not) are reduced as torch reduces them.
-    if global_shape is None:
-        global_shape = list(local.shape)
-        if isinstance(actual, Shard):
-            global_shape[actual.dim] *= mesh.size()
     dt = value if isinstance(value, DTensor) else to_dtensor(local, mesh, actual, global_shape)
     return dt if target == actual else dt.redistribute(mesh, (target,))
 
