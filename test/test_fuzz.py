@@ -34,6 +34,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import torch_tp  # noqa: E402
+
 from _compare import mismatch  # noqa: E402
 
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5, torch.bfloat16: 3e-2, torch.int32: 0, torch.int64: 0}
@@ -56,11 +58,6 @@ def _rank_tensor(shape, dtype, seed, rank, nan=False):
             t.view(-1)[torch.randint(t.numel(), (1,), generator=gen)] = float("nan")
         return t.to(dtype)
     return torch.randint(-4, 5, shape, generator=gen, dtype=dtype)
-
-
-def _chunk_len(n, p, r):
-    c = -(-n // p) if n else 0
-    return max(0, min(c, n - r * c)) if c else 0
 
 
 def _reduce(stacked, reduce_op):
@@ -87,15 +84,14 @@ def _run_case(case):
                 dim = case["dim"] % len(shape)
                 out = torch.ops.torch_tp.reduce_scatter(xs[rank], dim, reduce_op, name)
                 full = _reduce(torch.stack(xs), reduce_op)
-                ref = torch.chunk(full, p, dim)[rank] if _chunk_len(shape[dim], p, rank) else \
-                    full.narrow(dim, 0, 0)
+                ref = _shard(full, dim, p, rank)
             ref = ref.to(out.dtype) if not dtype.is_floating_point else ref
             return mismatch(out, ref, op, TOL[dtype], equal_nan=True)
         if op == "all_gather":
             dim = case["dim"] % len(shape)
             n = shape[dim]
             if case["uneven"]:
-                sizes = [_chunk_len(n, p, r) for r in range(p)]
+                sizes = [torch_tp.chunk_range(n, p, r)[1] for r in range(p)]
                 full_size = n
             else:
                 sizes, full_size = [n] * p, None
