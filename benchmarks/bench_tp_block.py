@@ -111,7 +111,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import torch_tp  # noqa: F401  (the package under test; load_tp_api("torch_tp") imports it too)
+import torch_tp
 from _common import (
     Output,
     bar_panel,
@@ -259,17 +259,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 # helpers
 
 
-def chunk_lengths(n: int, world: int) -> List[int]:
-    """The lengths of torch.chunk(range(n), world)'s pieces, padded with zeros to world pieces."""
-    size = -(-n // world)
-    return [max(0, min(size, n - r * size)) for r in range(world)]
-
-
 def gather_pieces(local: torch.Tensor, dim: int, full_len: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The full tensor from every rank's torch.chunk piece along ``dim`` (plain dist.all_gather, padded)."""
     world = group.size()
-    lengths = chunk_lengths(full_len, world)
-    size = -(-full_len // world)
+    lengths = [torch_tp.chunk_range(full_len, world, r)[1] for r in range(world)]
+    size = lengths[0]  # every piece padded to the first, the longest
     if local.size(dim) != lengths[group.rank()]:
         raise AssertionError(f"piece of length {local.size(dim)} on dim {dim}, expected {lengths[group.rank()]}")
     shape = list(local.shape)

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import torch_tp  # noqa: F401  (registers the backend in this process too)
 from torch_tp import ops
 
+from _compare import mismatch
 from reductions import C10D_OPS, REDUCE_OPS, reduce_reference
 
 BACKEND = "torch_tp"
@@ -108,18 +109,6 @@ def digest(tensor):
     return hashlib.sha1(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def close(actual, expected, tol, what):
-    """None if ``actual`` matches ``expected`` (dtype-converted), else a description."""
-    try:
-        if tol["rtol"] == 0 and tol["atol"] == 0:
-            assert torch.equal(actual.to(expected.dtype), expected), "not equal"
-        else:
-            torch.testing.assert_close(actual.to(expected.dtype), expected, **tol)
-    except AssertionError as e:
-        return f"{what}: {str(e)[:400]}"
-    return None
-
-
 # ---------------------------------------------------------------- all_reduce
 
 
@@ -143,12 +132,12 @@ def _check_all_reduce(dtype):
                                          reduce_op)
             exact = reduce_op in ("min", "max")
             tol = dict(rtol=0, atol=0) if exact else reference_tolerance(dtype, p)
-            failures.append(close(ours, reference, tol, f"{case} vs reference"))
+            failures.append(mismatch(ours, reference, f"{case} vs reference", **tol))
             if dtype != torch.int16:  # gloo has no int16 kernels
                 theirs = x.clone()
                 dist.all_reduce(theirs, op=C10D_OPS[reduce_op], group=gloo_group())
                 tol = dict(rtol=0, atol=0) if exact else gloo_tolerance(dtype, p)
-                failures.append(close(ours, theirs, tol, f"{case} vs gloo"))
+                failures.append(mismatch(ours, theirs, f"{case} vs gloo", **tol))
     return [f for f in failures if f], digests
 
 
@@ -176,7 +165,7 @@ def _check_all_reduce_default_buffer(numels):
         dist.all_reduce(x)
         digests[numel] = digest(x)
         reference = torch.stack([rank_input(r, numel, torch.float32) for r in range(p)]).double().sum(0)
-        failures.append(close(x, reference, reference_tolerance(torch.float32, p), f"n={numel}"))
+        failures.append(mismatch(x, reference, f"n={numel}", **reference_tolerance(torch.float32, p)))
     return [f for f in failures if f], digests
 
 
@@ -198,14 +187,14 @@ def _check_all_gather(dtype):
         as_list = [torch.full((numel,), 7).to(dtype) for _ in range(p)]
         dist.all_gather(as_list, x)
         for r in range(p):
-            failures.append(close(as_list[r], expected[r], dict(rtol=0, atol=0), f"list n={numel} from {r}"))
+            failures.append(mismatch(as_list[r], expected[r], f"list n={numel} from {r}", rtol=0, atol=0))
         into = torch.empty(p * numel, dtype=dtype)
         dist.all_gather_into_tensor(into, x)
-        failures.append(close(into, torch.cat(expected), dict(rtol=0, atol=0), f"into-tensor n={numel}"))
+        failures.append(mismatch(into, torch.cat(expected), f"into-tensor n={numel}", rtol=0, atol=0))
         # A 2-D output gathered along dim 0, as DTensor and FSDP use it.
         into_2d = torch.empty(p, numel, dtype=dtype)
         dist.all_gather_into_tensor(into_2d, x.view(1, numel))
-        failures.append(close(into_2d, torch.stack(expected), dict(rtol=0, atol=0), f"into 2-D n={numel}"))
+        failures.append(mismatch(into_2d, torch.stack(expected), f"into 2-D n={numel}", rtol=0, atol=0))
     return [f for f in failures if f], {}
 
 
@@ -229,18 +218,18 @@ def _check_reduce_scatter(dtype):
 
             out = torch.empty(numel, dtype=dtype)
             dist.reduce_scatter_tensor(out, inputs[rank], op=C10D_OPS[reduce_op])
-            failures.append(close(out, reference, tol, f"tensor {case}"))
+            failures.append(mismatch(out, reference, f"tensor {case}", **tol))
 
             out_list = torch.empty(numel, dtype=dtype)
             dist.reduce_scatter(out_list, list(inputs[rank].chunk(p)) if numel else
                                 [torch.empty(0, dtype=dtype) for _ in range(p)], op=C10D_OPS[reduce_op])
-            failures.append(close(out_list, reference, tol, f"list {case}"))
+            failures.append(mismatch(out_list, reference, f"list {case}", **tol))
 
             if dtype not in (torch.int16, torch.bool) and reduce_op != "avg":
                 theirs = torch.empty(numel, dtype=dtype)
                 dist.reduce_scatter_tensor(theirs, inputs[rank], op=C10D_OPS[reduce_op], group=gloo_group())
                 tol = dict(rtol=0, atol=0) if exact else gloo_tolerance(dtype, p)
-                failures.append(close(out, theirs, tol, f"{case} vs gloo"))
+                failures.append(mismatch(out, theirs, f"{case} vs gloo", **tol))
     return [f for f in failures if f], {}
 
 
@@ -263,35 +252,35 @@ def _check_rooted(dtype):
             # broadcast
             x = rank_input(rank, numel, dtype, seed=1)
             dist.broadcast(x, src=root)
-            failures.append(close(x, rank_input(root, numel, dtype, seed=1), exact, f"broadcast {case}"))
+            failures.append(mismatch(x, rank_input(root, numel, dtype, seed=1), f"broadcast {case}", **exact))
             # reduce: only the root's result is defined (gloo uses the others' tensors as scratch)
             x = rank_input(rank, numel, dtype, seed=2)
             dist.reduce(x, dst=root, op=dist.ReduceOp.MAX)
             if rank == root:
                 reference = reduce_reference(torch.stack([rank_input(r, numel, dtype, seed=2) for r in range(p)]),
                                              "max")
-                failures.append(close(x, reference, exact, f"reduce max {case}"))
+                failures.append(mismatch(x, reference, f"reduce max {case}", **exact))
             # gather
             x = rank_input(rank, numel, dtype, seed=3)
             gathered = [torch.empty(numel, dtype=dtype) for _ in range(p)] if rank == root else None
             dist.gather(x, gathered, dst=root)
             if rank == root:
                 for r in range(p):
-                    failures.append(close(gathered[r], rank_input(r, numel, dtype, seed=3), exact,
-                                          f"gather {case} from {r}"))
+                    failures.append(mismatch(gathered[r], rank_input(r, numel, dtype, seed=3),
+                                             f"gather {case} from {r}", **exact))
             # scatter: the root's piece r goes to rank r
             pieces = [rank_input(100 + r, numel, dtype, seed=4) for r in range(p)]
             out = torch.empty(numel, dtype=dtype)
             dist.scatter(out, pieces if rank == root else None, src=root)
-            failures.append(close(out, pieces[rank], exact, f"scatter {case}"))
+            failures.append(mismatch(out, pieces[rank], f"scatter {case}", **exact))
     if dtype.is_floating_point:  # a reduce that rounds: the sum, against the float64 reference
         for root in range(p):
             x = rank_input(rank, 30_000, dtype, seed=5)
             dist.reduce(x, dst=root, op=dist.ReduceOp.SUM)
             if rank == root:
                 stacked = torch.stack([rank_input(r, 30_000, dtype, seed=5) for r in range(p)])
-                failures.append(close(x, reduce_reference(stacked, "sum"), reference_tolerance(dtype, p),
-                                      f"reduce sum root={root}"))
+                failures.append(mismatch(x, reduce_reference(stacked, "sum"),
+                                         f"reduce sum root={root}", **reference_tolerance(dtype, p)))
     return [f for f in failures if f], {}
 
 
@@ -326,7 +315,7 @@ def _check_all_to_all(dtype, scale):
     out = torch.empty_like(even)
     dist.all_to_all_single(out, even)
     expected = torch.cat([rank_input(r, p * 3 * scale, dtype, seed=7).chunk(p)[rank] for r in range(p)])
-    failures.append(close(out, expected, exact, "all_to_all_single even"))
+    failures.append(mismatch(out, expected, "all_to_all_single even", **exact))
 
     # single tensor, uneven splits
     in_splits = [_split(rank, r, scale) for r in range(p)]
@@ -334,13 +323,13 @@ def _check_all_to_all(dtype, scale):
     out = torch.empty(sum(out_splits), dtype=dtype)
     dist.all_to_all_single(out, sent(rank), output_split_sizes=out_splits, input_split_sizes=in_splits)
     expected = torch.cat([piece(r, rank) for r in range(p)])
-    failures.append(close(out, expected, exact, "all_to_all_single uneven"))
+    failures.append(mismatch(out, expected, "all_to_all_single uneven", **exact))
 
     # list form, uneven
     outs = [torch.empty(_split(r, rank, scale), dtype=dtype) for r in range(p)]
     dist.all_to_all(outs, [piece(rank, r) for r in range(p)])
     for r in range(p):
-        failures.append(close(outs[r], piece(r, rank), exact, f"all_to_all list from {r}"))
+        failures.append(mismatch(outs[r], piece(r, rank), f"all_to_all list from {r}", **exact))
     return [f for f in failures if f], {}
 
 
@@ -367,14 +356,14 @@ def _check_send_recv(numel):
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, right), dist.P2POp(dist.irecv, got, left)])
     for work in works:
         work.wait()
-    failures.append(close(got, rank_input(left, numel, torch.float32, seed=8), exact, f"ring n={numel}"))
+    failures.append(mismatch(got, rank_input(left, numel, torch.float32, seed=8), f"ring n={numel}", **exact))
     # isend both ways first, then the receives (gloo's send does not wait for the receive).
     sends = [dist.isend(rank_input(rank, numel, torch.float32, seed=9 + k), right) for k in range(2)]
     for k in range(2):
         got = torch.empty(numel)
         dist.recv(got, src=left)
-        failures.append(close(got, rank_input(left, numel, torch.float32, seed=9 + k), exact,
-                              f"message {k} n={numel} (order kept)"))
+        failures.append(mismatch(got, rank_input(left, numel, torch.float32, seed=9 + k),
+                                 f"message {k} n={numel} (order kept)", **exact))
     for work in sends:
         work.wait()
     # Blocking send/recv in an order that matches up.
@@ -384,7 +373,7 @@ def _check_send_recv(numel):
         elif rank == p - 1:
             got = torch.empty(numel)
             dist.recv(got, src=0)
-            failures.append(close(got, rank_input(0, numel, torch.float32, seed=8), exact, "blocking 0 -> p-1"))
+            failures.append(mismatch(got, rank_input(0, numel, torch.float32, seed=8), "blocking 0 -> p-1", **exact))
     return [f for f in failures if f], {}
 
 
@@ -408,8 +397,8 @@ def _check_send_recv_all_pairs(numel):
         if src != rank:
             got = torch.empty(numel)
             dist.recv(got, src=src, tag=rank)
-            failures.append(close(got, rank_input(src * p + rank, numel, torch.float32, seed=30), exact,
-                                  f"{src} -> {rank} n={numel}"))
+            failures.append(mismatch(got, rank_input(src * p + rank, numel, torch.float32, seed=30),
+                                     f"{src} -> {rank} n={numel}", **exact))
     return [f for f in failures if f], {}
 
 
@@ -436,7 +425,7 @@ def _check_many_small_messages(count):
         expected = message(left, k)
         got = torch.empty_like(expected)
         dist.recv(got, src=left, tag=k % 5)
-        failures.append(close(got, expected, dict(rtol=0, atol=0), f"message {k}"))
+        failures.append(mismatch(got, expected, f"message {k}", rtol=0, atol=0))
     for work in sends:
         work.wait()
     return [f for f in failures if f], {}
@@ -471,7 +460,7 @@ def _check_send_recv_mismatch():
     else:
         got = torch.empty_like(x)
         dist.recv(got, src=0)
-        failures.append(close(got, x, dict(rtol=0, atol=0), "after the mismatches"))
+        failures.append(mismatch(got, x, "after the mismatches", rtol=0, atol=0))
     return [f for f in failures if f], {}
 
 
@@ -515,13 +504,13 @@ def _check_async():
         assert work.is_completed()
         assert torch.equal(future.wait()[0], x), "the future's value is not the reduced tensor"
         reference = torch.stack([rank_input(r, n, torch.float32, seed=10) for r in range(p)]).double().sum(0)
-        failures.append(close(x, reference, reference_tolerance(torch.float32, p), f"async n={n}"))
-    failures.append(close(gathered, torch.cat([rank_input(r, 1000, torch.float32, seed=11) for r in range(p)]),
-                          dict(rtol=0, atol=0), "async all_gather"))
+        failures.append(mismatch(x, reference, f"async n={n}", **reference_tolerance(torch.float32, p)))
+    failures.append(mismatch(gathered, torch.cat([rank_input(r, 1000, torch.float32, seed=11) for r in range(p)]),
+                             "async all_gather", rtol=0, atol=0))
     # A continuation chained on the future runs once the collective is done.
     y = torch.ones(5)
     chained = dist.all_reduce(y, async_op=True).get_future().then(lambda fut: fut.value()[0] * 2)
-    failures.append(close(chained.wait(), torch.full((5,), 2.0 * p), dict(rtol=0, atol=0), "future.then"))
+    failures.append(mismatch(chained.wait(), torch.full((5,), 2.0 * p), "future.then", rtol=0, atol=0))
     # Once wait() returns, the future is done too: torch's DDP join() reads
     # work.get_future().value() right after work.wait(). (The Work used to be
     # finished before its future, and this failed now and then.)
@@ -550,7 +539,7 @@ def _check_coalesced():
     cm.wait()
     for n, x in zip(numels, xs):
         reference = torch.stack([rank_input(r, n, torch.float32, seed=12) for r in range(p)]).double().sum(0)
-        failures.append(close(x, reference, reference_tolerance(torch.float32, p), f"coalesced all_reduce n={n}"))
+        failures.append(mismatch(x, reference, f"coalesced all_reduce n={n}", **reference_tolerance(torch.float32, p)))
     # all_gather_into_tensor and reduce_scatter_tensor, coalesced
     outs = [torch.empty(p * n) for n in numels]
     with dist._coalescing_manager():
@@ -558,14 +547,15 @@ def _check_coalesced():
             dist.all_gather_into_tensor(out, rank_input(rank, n, torch.float32, seed=13))
     for n, out in zip(numels, outs):
         expected = torch.cat([rank_input(r, n, torch.float32, seed=13) for r in range(p)])
-        failures.append(close(out, expected, exact, f"coalesced all_gather n={n}"))
+        failures.append(mismatch(out, expected, f"coalesced all_gather n={n}", **exact))
     outs = [torch.empty(n) for n in numels]
     with dist._coalescing_manager():
         for n, out in zip(numels, outs):
             dist.reduce_scatter_tensor(out, rank_input(rank, p * n, torch.float32, seed=14), op=dist.ReduceOp.MAX)
     for n, out in zip(numels, outs):
         stacked = torch.stack([rank_input(r, p * n, torch.float32, seed=14) for r in range(p)])
-        failures.append(close(out, stacked.amax(0)[rank * n:(rank + 1) * n], exact, f"coalesced reduce_scatter n={n}"))
+        failures.append(mismatch(out, stacked.amax(0)[rank * n:(rank + 1) * n],
+                                 f"coalesced reduce_scatter n={n}", **exact))
     # the functional collectives torch.compile, DTensor and FSDP2 emit
     group_name = dist.group.WORLD.group_name
     functional = torch.ops._c10d_functional
@@ -573,19 +563,20 @@ def _check_coalesced():
     reduced = [functional.wait_tensor(t) for t in functional.all_reduce_coalesced(ys, "sum", group_name)]
     for n, y in zip(numels, reduced):
         reference = torch.stack([rank_input(r, n, torch.float32, seed=15) for r in range(p)]).double().sum(0)
-        failures.append(close(y, reference, reference_tolerance(torch.float32, p), f"functional all_reduce n={n}"))
+        failures.append(mismatch(y, reference, f"functional all_reduce n={n}", **reference_tolerance(torch.float32, p)))
     gathered = [functional.wait_tensor(t)
                 for t in functional.all_gather_into_tensor_coalesced(ys, p, group_name)]
     for n, g in zip(numels, gathered):
         expected = torch.cat([rank_input(r, n, torch.float32, seed=15) for r in range(p)])
-        failures.append(close(g, expected, exact, f"functional all_gather n={n}"))
+        failures.append(mismatch(g, expected, f"functional all_gather n={n}", **exact))
     big = [rank_input(rank, p * n, torch.float32, seed=16) for n in numels]
     scattered = [functional.wait_tensor(t)
                  for t in functional.reduce_scatter_tensor_coalesced(big, "sum", p, group_name)]
     for n, s in zip(numels, scattered):
         stacked = torch.stack([rank_input(r, p * n, torch.float32, seed=16) for r in range(p)])
         reference = stacked.double().sum(0)[rank * n:(rank + 1) * n]
-        failures.append(close(s, reference, reference_tolerance(torch.float32, p), f"functional reduce_scatter n={n}"))
+        failures.append(mismatch(s, reference, f"functional reduce_scatter n={n}",
+                                 **reference_tolerance(torch.float32, p)))
     return [f for f in failures if f], {}
 
 
@@ -610,14 +601,14 @@ def _check_several_groups():
     if rank % 2 == 1:
         x_odd = torch.full((3,), float(rank))
         dist.all_reduce(x_odd, group=odd_ones)
-        failures.append(close(x_odd, torch.full((3,), 4.0), dict(rtol=0, atol=0), "group [1, 3]"))
+        failures.append(mismatch(x_odd, torch.full((3,), 4.0), "group [1, 3]", rtol=0, atol=0))
     w_all.wait()
     w_pair.wait()
     partners = [2 * (rank // 2), 2 * (rank // 2) + 1]
     pair_ref = torch.stack([rank_input(r, 50_000, torch.float32, seed=17) for r in partners]).double().sum(0)
     all_ref = torch.stack([rank_input(r, 50_000, torch.float32, seed=18) for r in range(4)]).double().sum(0)
-    failures.append(close(x_pair, pair_ref, reference_tolerance(torch.float32, 2), "pair group"))
-    failures.append(close(x_all, all_ref, reference_tolerance(torch.float32, 4), "second full group"))
+    failures.append(mismatch(x_pair, pair_ref, "pair group", **reference_tolerance(torch.float32, 2)))
+    failures.append(mismatch(x_all, all_ref, "second full group", **reference_tolerance(torch.float32, 4)))
     # A 2x2 DeviceMesh: its dimension groups use the default backend.
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     for dim in ("dp", "tp"):
@@ -626,8 +617,8 @@ def _check_several_groups():
         members = dist.get_process_group_ranks(group)
         y = torch.full((1000,), float(rank + 1))
         dist.all_reduce(y, group=group)
-        failures.append(close(y, torch.full((1000,), float(sum(m + 1 for m in members))), dict(rtol=0, atol=0),
-                              f"mesh dim {dim}"))
+        failures.append(mismatch(y, torch.full((1000,), float(sum(m + 1 for m in members))),
+                                 f"mesh dim {dim}", rtol=0, atol=0))
     for group in pairs + [everyone, odd_ones]:
         dist.destroy_process_group(group)
     return [f for f in failures if f], {}
@@ -652,7 +643,7 @@ def _check_torch_tp_ops():
         ("all_gather", lambda g: ops.all_gather(x, 1, group=g)),
         ("reduce_scatter", lambda g: ops.reduce_scatter(x, 0, "max", group=g)),
     ]:
-        failures.append(close(fn(dist.group.WORLD), fn(gloo), tol, name))
+        failures.append(mismatch(fn(dist.group.WORLD), fn(gloo), name, **tol))
     # A column- then row-parallel MLP, forward and backward.
     gen = torch.Generator().manual_seed(20)
     w1 = torch.randn(8 * p, 6, generator=gen)
@@ -670,7 +661,7 @@ def _check_torch_tp_ops():
     # loss: float32 roundoff relative to the largest element of each tensor.
     for name, ours, theirs in zip(["output", "grad w1", "grad w2"], results["torch_tp"], results["gloo"]):
         scale = theirs.abs().max().item()
-        failures.append(close(ours, theirs, dict(rtol=1e-5, atol=1e-5 * scale), f"mlp {name}"))
+        failures.append(mismatch(ours, theirs, f"mlp {name}", rtol=1e-5, atol=1e-5 * scale))
     return [f for f in failures if f], {}
 
 
@@ -715,7 +706,8 @@ def _check_non_contiguous():
     except RuntimeError as e:
         return [] if "contiguous" in str(e) else [f"unclear error: {e}"], {}
     reference = torch.stack([rank_input(r, 12, torch.float32, seed=21).view(3, 4).t() for r in range(p)])
-    return [f for f in [close(x, reference.double().sum(0), reference_tolerance(torch.float32, p), "t()")] if f], {}
+    return [f for f in [mismatch(x, reference.double().sum(0), "t()",
+                                 **reference_tolerance(torch.float32, p))] if f], {}
 
 
 def test_non_contiguous(ranks):

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import torch_tp
 from torch_tp.parallel.checkpoint import clip_grad_norm_, get_full_state_dict, load_full_state_dict
 
-from test_parallelize import Transformer, _transformer_plan
+from _compare import assert_close
+from test_parallelize import SCALE_FLOOR, Transformer, _transformer_plan
 
 NORM_RTOL = 1e-6
 BACKWARD_RTOL = 1e-5
@@ -241,16 +242,6 @@ def test_load_full_state_dict_errors(ranks, world_size):
 # ---------------------------------------------------------------- clip_grad_norm_
 
 
-def _assert_close(actual, expected, rtol, what):
-    """Elementwise |actual - expected| <= rtol * |expected| (bitwise for rtol=0)."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if rtol == 0:
-        assert torch.equal(actual, expected), f"{what}: not bitwise equal"
-        return
-    error = ((actual - expected).abs() - rtol * expected.abs()).max().item() if actual.numel() else 0.0
-    assert error <= 0, f"{what}: exceeds rtol {rtol:.0e} by {error:.3e}"
-
-
 def _local_piece(param, full):
     """This rank's piece of ``full`` in ``param``'s layout (a plain tensor)."""
     if isinstance(param, DTensor) and isinstance(param.placements[0], Shard):
@@ -300,9 +291,10 @@ def _check_clip(sequence_parallel, vocab, norm_type, max_norm, exact_grads, drop
     inf = norm_type == float("inf")
     rtol = 0 if inf and exact_grads else NORM_RTOL
     assert total.dtype == expected.dtype and total.shape == expected.shape
-    _assert_close(total, expected, rtol, f"total {norm_type}-norm")
+    assert_close(total, expected, f"total {norm_type}-norm", rtol=rtol, atol=0)
     if torch_clips:
-        _assert_close(total, torch_total, NORM_RTOL, f"total {norm_type}-norm vs torch's on the DTensor parameters")
+        assert_close(total, torch_total, f"total {norm_type}-norm vs torch's on the DTensor parameters",
+                     rtol=NORM_RTOL, atol=0)
     clipped = max_norm / (expected.item() + 1e-6) < 1
     for (name, p_ref), p_par in pairs:
         if p_ref.grad is None:
@@ -310,18 +302,16 @@ def _check_clip(sequence_parallel, vocab, norm_type, max_norm, exact_grads, drop
             continue
         grad = _local(p_par.grad)
         if torch_clips:
-            _assert_close(grad, torch_clipped[name], NORM_RTOL, f"clipped grad {name} vs torch's clip")
+            assert_close(grad, torch_clipped[name], f"clipped grad {name} vs torch's clip", rtol=NORM_RTOL, atol=0)
         if not clipped:
             # The coefficient clamps to exactly 1: gradients unchanged, bit for bit.
             assert torch.equal(grad, before[name]), f"{name}: changed without clipping"
         if exact_grads:
-            _assert_close(grad, _local_piece(p_par, p_ref.grad), rtol, f"clipped grad {name}")
+            assert_close(grad, _local_piece(p_par, p_ref.grad), f"clipped grad {name}", rtol=rtol, atol=0)
         else:
             # Compared as the backward grads are: relative to the tensor's largest magnitude.
-            expected_piece = _local_piece(p_par, p_ref.grad)
-            scale = expected_piece.abs().max().clamp_min(1e-12) if expected_piece.numel() else 1.0
-            error = ((grad - expected_piece).abs().max() / scale).item() if expected_piece.numel() else 0.0
-            assert error <= BACKWARD_RTOL, f"clipped grad {name}: relative error {error:.2e}"
+            assert_close(grad, _local_piece(p_par, p_ref.grad), f"clipped grad {name}", BACKWARD_RTOL,
+                         floor=SCALE_FLOOR)
     return total.item(), expected.item(), clipped
 
 

@@ -51,17 +51,14 @@ import torch_tp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import llama_model  # noqa: E402
 from test_checkpoint import _local  # noqa: E402
-from test_parallelize import _close as _close_within, _full_param as _full  # noqa: E402
+from test_parallelize import _full_param as _full  # noqa: E402
+from _compare import assert_close  # noqa: E402
 
 F64_RTOL = 1e-9
 # multiple_of=48: an FFN hidden size of 144, which 2, 3 and 4 divide (torch's TP needs an even split there).
 CONFIG = dict(vocab_size=67, dim=48, n_layers=2, n_heads=6, multiple_of=48, max_seq_len=12)
 BATCH, SEQ = 4, 12
 LIBS = {"torch_tp": torch_tp, "torch": torch_tp_api}
-
-
-def _close(actual, expected, what):
-    _close_within(actual, expected, what, floor=1e-30, rtol=F64_RTOL)
 
 
 def _llama(seed, device=None, **config):
@@ -111,7 +108,7 @@ def _reference(steps, seed=0):
 def _assert_model_equals_reference(model, reference, what):
     params = dict(model.named_parameters())
     for name, expected in reference.named_parameters():
-        _close(params[name], expected, f"{what}: {name}")
+        assert_close(params[name], expected, f"{what}: {name}", F64_RTOL)
 
 
 # ---------------------------------------------------------------- state dicts
@@ -164,7 +161,7 @@ def _check_full_state_dicts():
     ours = torch_tp.get_full_state_dict(model)
     for key, want in want_model.items():
         assert not isinstance(model_state[key], DTensor), key
-        _close(model_state[key], want, f"model state {key}")
+        assert_close(model_state[key], want, f"model state {key}", F64_RTOL)
         assert torch.equal(ours[key], model_state[key]), f"torch_tp.get_full_state_dict {key}"
     assert optim_state["param_groups"] == want_optim["param_groups"]
     assert set(optim_state["state"]) == set(want_optim["state"])
@@ -172,7 +169,7 @@ def _check_full_state_dicts():
         for key, want in state.items():
             got = optim_state["state"][fqn][key]
             assert not isinstance(got, DTensor) and got.shape == want.shape, (fqn, key)
-            _close(got, want, f"optimizer state {fqn}.{key}")
+            assert_close(got, want, f"optimizer state {fqn}.{key}", F64_RTOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -276,7 +273,7 @@ def _check_fsdp_tp(lib, sequence_parallel, loss_parallel, steps=3):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     for name, want in reference.state_dict().items():
         assert not isinstance(full[name], DTensor) and full[name].shape == want.shape, name
-        _close(full[name], want, f"{lib} full state dict {name}")
+        assert_close(full[name], want, f"{lib} full state dict {name}", F64_RTOL)
 
 
 @pytest.mark.parametrize("lib", ["torch_tp", "torch"])
@@ -409,11 +406,11 @@ def _run_compiled(steps):
             losses[name] = loss
             grads[name] = {pname: p.grad for pname, p in model.named_parameters()}
         for name in ("blocks", "model"):
-            _close(losses[name], losses["eager"], f"compiled {name}: loss at step {step}")
+            assert_close(losses[name], losses["eager"], f"compiled {name}: loss at step {step}", F64_RTOL)
             assert grads[name].keys() == grads["eager"].keys()
             for pname, grad in grads[name].items():
                 assert grad.placements == grads["eager"][pname].placements, (name, pname, grad.placements)
-                _close(grad, grads["eager"][pname], f"compiled {name}: {pname}.grad at step {step}")
+                assert_close(grad, grads["eager"][pname], f"compiled {name}: {pname}.grad at step {step}", F64_RTOL)
         for optimizer in optimizers.values():
             optimizer.step()
             optimizer.zero_grad()
@@ -507,9 +504,9 @@ def _check_plain_uneven_input():
     piece = x.detach().chunk(world, dim=1)[rank].clone().requires_grad_()
     out = model(piece)
     out.square().sum().backward()
-    _close(out, reference(x).chunk(world, dim=1)[rank], "output piece")
-    _close(piece.grad, x.grad.chunk(world, dim=1)[rank], "input gradient piece")
-    _close(model.up.weight.grad.full_tensor(), reference.up.weight.grad, "up.weight gradient")
+    assert_close(out, reference(x).chunk(world, dim=1)[rank], "output piece", F64_RTOL)
+    assert_close(piece.grad, x.grad.chunk(world, dim=1)[rank], "input gradient piece", F64_RTOL)
+    assert_close(model.up.weight.grad.full_tensor(), reference.up.weight.grad, "up.weight gradient", F64_RTOL)
 
     _, fresh = _norm_mlp_on_fresh_group()
     not_chunk = [5, 5, 6]  # 16 rows, but torch.chunk gives 6, 6, 4
@@ -616,10 +613,10 @@ def _check_subclasses():
             buffer.seek(0)
             loaded = torch.load(buffer, weights_only=False)
             assert type(loaded.up) is type(model.up) and type(loaded.down) is type(model.down)
-            _close(loaded(x), results["torch_tp"][0], "output of the unpickled model")
-        _close(results["torch_tp"][0], results["torch"][0], f"{kind.__name__} output")
+            assert_close(loaded(x), results["torch_tp"][0], "output of the unpickled model", F64_RTOL)
+        assert_close(results["torch_tp"][0], results["torch"][0], f"{kind.__name__} output", F64_RTOL)
         for name, grad in results["torch"][1].items():
-            _close(results["torch_tp"][1][name], grad, f"{kind.__name__} grad {name}")
+            assert_close(results["torch_tp"][1][name], grad, f"{kind.__name__} grad {name}", F64_RTOL)
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -673,10 +670,10 @@ def _check_foreign_styles():
         results[lib] = (out, model)
     ours, theirs = results["torch_tp"][1], results["torch"][1]
     assert type(ours.up).__name__ == "ColwiseParallelLinear" and type(ours.down) is nn.Linear
-    _close(results["torch_tp"][0], results["torch"][0], "output")
+    assert_close(results["torch_tp"][0], results["torch"][0], "output", F64_RTOL)
     for (name, p_ours), p_theirs in zip(ours.named_parameters(), theirs.parameters()):
         assert type(p_ours) is type(p_theirs) and p_ours.placements == p_theirs.placements, name
-        _close(p_ours.grad, p_theirs.grad, f"grad {name}")
+        assert_close(p_ours.grad, p_theirs.grad, f"grad {name}", F64_RTOL)
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -34,6 +34,7 @@ import torch_tp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import llama_model  # noqa: E402
+from _compare import assert_close  # noqa: E402
 
 # fp32, relative to each tensor's largest magnitude, for the data-parallel model
 # against the single-process model on the whole batch. The two compute the
@@ -45,14 +46,9 @@ import llama_model  # noqa: E402
 # PARAM_SCALE_FLOOR, since a bias that starts at 0 is only O(lr) after a step).
 RTOL = 1e-5
 PARAM_SCALE_FLOOR = 0.1
+# Other tensors' floor, which only keeps an all-zero reference from dividing by zero.
+SCALE_FLOOR = 1e-12
 TINY_BUCKET_MB = 0.002  # ~2 KB: several buckets even for the small test models
-
-
-def _close(actual, expected, what, floor=1e-12, rtol=RTOL):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    scale = expected.abs().max().clamp_min(floor)
-    error = ((actual - expected).abs().max() / scale).item()
-    assert error <= rtol, f"{what}: relative error {error:.2e} > {rtol:.0e}"
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -268,13 +264,13 @@ def _check_training_matches_reference(steps=5, global_batch=8):
         # Equal local batches: the mean of the local means is the global mean.
         ddp(x[rank * local:(rank + 1) * local]).square().mean().backward()
         for (name, p), q in zip(reference.named_parameters(), ddp.module.parameters()):
-            _close(q.grad, p.grad, f"step {step} grad {name}")
+            assert_close(q.grad, p.grad, f"step {step} grad {name}", RTOL, floor=SCALE_FLOOR)
         opt_ref.step()
         opt_ddp.step()
         opt_ref.zero_grad()
         opt_ddp.zero_grad()
         for (name, p), q in zip(reference.named_parameters(), ddp.module.parameters()):
-            _close(q, p, f"step {step} param {name}", PARAM_SCALE_FLOOR)
+            assert_close(q, p, f"step {step} param {name}", RTOL, floor=PARAM_SCALE_FLOOR)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -307,7 +303,7 @@ def _check_no_sync(micro_batches=3):
             for x in rank_xs:
                 (reference(x).square().mean() / world).backward()
         for (name, p), q in zip(reference.named_parameters(), ours.module.parameters()):
-            _close(q.grad, p.grad, f"round {round_} accumulated grad {name}")
+            assert_close(q.grad, p.grad, f"round {round_} accumulated grad {name}", RTOL, floor=SCALE_FLOOR)
         ours.zero_grad()
         theirs.zero_grad()
 
@@ -514,13 +510,14 @@ def _check_2d(ddp_class, steps=3):
         mine = slice(2 * dp_rank, 2 * dp_rank + 2)  # this dp rank's half of the batch
         F.cross_entropy(ddp(inputs[mine]).flatten(0, 1), targets[mine].flatten()).backward()
         for (name, p), layout, q in zip(reference.named_parameters(), layouts, trained):
-            _close(full(layout, q.grad), p.grad, f"step {step} grad {name}")
+            assert_close(full(layout, q.grad), p.grad, f"step {step} grad {name}", RTOL, floor=SCALE_FLOOR)
         opt_ref.step()
         opt_ddp.step()
         opt_ref.zero_grad()
         opt_ddp.zero_grad()
         for (name, p), layout, q in zip(reference.named_parameters(), layouts, trained):
-            _close(full(layout, q.detach()), p.detach(), f"step {step} param {name}", PARAM_SCALE_FLOOR)
+            assert_close(full(layout, q.detach()), p.detach(),
+                         f"step {step} param {name}", RTOL, floor=PARAM_SCALE_FLOOR)
     if ddp_class is torch_tp.DistributedDataParallel:
         assert ddp.reducer.has_rebuilt_buckets() and len(ddp.reducer.bucket_indices()) > 1
     # Outside the forward, the modules hold the local parameters again.

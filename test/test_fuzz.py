@@ -34,7 +34,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-TOL = {torch.float64: 1e-10, torch.float32: 5e-5, torch.bfloat16: 3e-2}
+import torch_tp  # noqa: E402
+
+from _compare import mismatch  # noqa: E402
+
+TOL = {torch.float64: 1e-10, torch.float32: 5e-5, torch.bfloat16: 3e-2, torch.int32: 0, torch.int64: 0}
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "column_linear", "row_linear", "vocab_embedding",
        "column_embedding"]
 REDUCE_OPS = ["sum", "avg", "min", "max", "product"]
@@ -54,27 +58,6 @@ def _rank_tensor(shape, dtype, seed, rank, nan=False):
             t.view(-1)[torch.randint(t.numel(), (1,), generator=gen)] = float("nan")
         return t.to(dtype)
     return torch.randint(-4, 5, shape, generator=gen, dtype=dtype)
-
-
-def _chunk_len(n, p, r):
-    c = -(-n // p) if n else 0
-    return max(0, min(c, n - r * c)) if c else 0
-
-
-def _close(actual, expected, dtype, what):
-    if actual.shape != expected.shape:
-        return f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if expected.numel() == 0:
-        return None
-    a, e = actual.double(), expected.double()
-    if not torch.equal(a.isnan(), e.isnan()):
-        return f"{what}: NaN at different places: {a} vs {e}"
-    a, e = a.nan_to_num(0.0), e.nan_to_num(0.0)
-    if not dtype.is_floating_point:
-        return None if torch.equal(a, e) else f"{what}: {a} != {e}"
-    scale = e.abs().max().clamp_min(1e-30)
-    error = ((a - e).abs().max() / scale).item()
-    return None if error <= TOL[dtype] else f"{what}: max error {error:.3e} of the scale exceeds {TOL[dtype]:.0e}"
 
 
 def _reduce(stacked, reduce_op):
@@ -101,14 +84,14 @@ def _run_case(case):
                 dim = case["dim"] % len(shape)
                 out = torch.ops.torch_tp.reduce_scatter(xs[rank], dim, reduce_op, name)
                 full = _reduce(torch.stack(xs), reduce_op)
-                ref = torch.chunk(full, p, dim)[rank] if _chunk_len(shape[dim], p, rank) else \
-                    full.narrow(dim, 0, 0)
-            return _close(out, ref.to(out.dtype) if not dtype.is_floating_point else ref, dtype, op)
+                ref = _shard(full, dim, p, rank)
+            ref = ref.to(out.dtype) if not dtype.is_floating_point else ref
+            return mismatch(out, ref, op, TOL[dtype], equal_nan=True)
         if op == "all_gather":
             dim = case["dim"] % len(shape)
             n = shape[dim]
             if case["uneven"]:
-                sizes = [_chunk_len(n, p, r) for r in range(p)]
+                sizes = [torch_tp.chunk_range(n, p, r)[1] for r in range(p)]
                 full_size = n
             else:
                 sizes, full_size = [n] * p, None
@@ -118,7 +101,7 @@ def _run_case(case):
                 s[dim] = sizes[r]
                 xs.append(_rank_tensor(s, dtype, seed, r))
             out = torch.ops.torch_tp.all_gather(xs[rank], dim, name, full_size)
-            return _close(out, torch.cat(xs, dim), dtype, op)
+            return mismatch(out, torch.cat(xs, dim), op, TOL[dtype], equal_nan=True)
         if op in ("column_linear", "row_linear"):
             return _run_linear(case, rank, p, name, dtype)
         return _run_embedding(case, rank, p, name)
@@ -170,11 +153,12 @@ def _run_linear(case, rank, p, name, dtype):
         g_out = _shard(grad, 1, p, rank) if seq else grad
         gx_ref, gw_ref = _shard(ref_x.grad, -1, p, rank), _shard(ref_w.grad, 1, p, rank)
         gb_ref = ref_b.grad if b is not None else None
-    problems = [_close(y.detach(), y_ref, dtype, "output")]
+    problems = [mismatch(y.detach(), y_ref, "output", TOL[dtype], equal_nan=True)]
     y.backward(g_out.to(dtype))
-    problems += [_close(x_r.grad, gx_ref, dtype, "grad_x"), _close(w_r.grad, gw_ref, dtype, "grad_weight")]
+    problems += [mismatch(x_r.grad, gx_ref, "grad_x", TOL[dtype], equal_nan=True),
+                 mismatch(w_r.grad, gw_ref, "grad_weight", TOL[dtype], equal_nan=True)]
     if b is not None:
-        problems.append(_close(b_r.grad, gb_ref, dtype, "grad_bias"))
+        problems.append(mismatch(b_r.grad, gb_ref, "grad_bias", TOL[dtype], equal_nan=True))
     problems = [pr for pr in problems if pr]
     return "; ".join(problems) if problems else None
 
@@ -194,7 +178,8 @@ def _run_embedding(case, rank, p, name):
         if not valid:
             return "no error for an id out of range"
         ref = F.embedding(ids, weight)
-        return _close(out, _shard(ref, sd, p, rank) if sd is not None else ref, torch.float64, "vocab_embedding")
+        return mismatch(out, _shard(ref, sd, p, rank) if sd is not None else ref, "vocab_embedding",
+                        TOL[torch.float64], equal_nan=True)
     case["expect_error"] = "torch_tp::column_parallel_embedding"
     gd = case["dim"] % ids.dim() if case["seq_parallel"] else None
     local = _shard(ids, gd, p, rank) if gd is not None else ids
@@ -202,7 +187,8 @@ def _run_embedding(case, rank, p, name):
     out = torch.ops.torch_tp.column_parallel_embedding(local, _shard(weight, 1, p, rank), name, None, gd, full_size)
     if not valid:
         return "no error for an id out of range"
-    return _close(out, _shard(F.embedding(ids, weight), -1, p, rank), torch.float64, "column_embedding")
+    return mismatch(out, _shard(F.embedding(ids, weight), -1, p, rank), "column_embedding", TOL[torch.float64],
+                    equal_nan=True)
 
 
 def _run_cases(cases):

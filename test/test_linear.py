@@ -24,16 +24,9 @@ import torch.nn.functional as F
 
 from torch_tp import ops
 
+from _compare import assert_close
+
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
-
-
-def _close(actual, expected, dtype, what):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if expected.numel() == 0:
-        return
-    scale = expected.double().abs().max().clamp_min(1e-30)
-    error = (actual.double() - expected.double()).abs().max() / scale
-    assert error <= TOL[dtype], f"{what}: max error {error:.3e} of the scale exceeds {TOL[dtype]:.0e}"
 
 
 def _full(shape, seed, dtype):
@@ -73,12 +66,12 @@ def _check_column(dtype, in_features, out_features, seq, bias, sequence_parallel
     x_r = _param(ops.shard(x, 1) if sequence_parallel else x)
     y = torch.ops.torch_tp.column_parallel_linear(
         x_r, w_r, b_r, _group(), 1 if sequence_parallel else None, seq if sequence_parallel else None, activation)
-    _close(y, ops.shard(ref_y, -1), dtype, "output")
+    assert_close(y, ops.shard(ref_y, -1), "output", TOL[dtype])
     y.backward(ops.shard(grad, -1))
-    _close(x_r.grad, ops.shard(ref_x.grad, 1) if sequence_parallel else ref_x.grad, dtype, "grad_x")
-    _close(w_r.grad, ops.shard(ref_w.grad, 0), dtype, "grad_weight")
+    assert_close(x_r.grad, ops.shard(ref_x.grad, 1) if sequence_parallel else ref_x.grad, "grad_x", TOL[dtype])
+    assert_close(w_r.grad, ops.shard(ref_w.grad, 0), "grad_weight", TOL[dtype])
     if bias:
-        _close(b_r.grad, ops.shard(ref_b.grad, 0), dtype, "grad_bias")
+        assert_close(b_r.grad, ops.shard(ref_b.grad, 0), "grad_bias", TOL[dtype])
 
 
 def _check_row(dtype, in_features, out_features, seq, bias, sequence_parallel):
@@ -99,13 +92,13 @@ def _check_row(dtype, in_features, out_features, seq, bias, sequence_parallel):
     b_full = _param(b) if bias else None
     x_r = _param(ops.shard(x, -1))
     y = torch.ops.torch_tp.row_parallel_linear(x_r, w_r, b_full, _group(), 1 if sequence_parallel else None)
-    _close(y, ops.shard(ref_y, 1) if sequence_parallel else ref_y, dtype, "output")
+    assert_close(y, ops.shard(ref_y, 1) if sequence_parallel else ref_y, "output", TOL[dtype])
     y.backward(ops.shard(grad, 1) if sequence_parallel else grad)
-    _close(x_r.grad, ops.shard(ref_x.grad, -1), dtype, "grad_x")
-    _close(w_r.grad, ops.shard(ref_w.grad, 1), dtype, "grad_weight")
+    assert_close(x_r.grad, ops.shard(ref_x.grad, -1), "grad_x", TOL[dtype])
+    assert_close(w_r.grad, ops.shard(ref_w.grad, 1), "grad_weight", TOL[dtype])
     if bias:
         # Complete on every rank, also under sequence parallelism (see NOTE [no partial gradients]).
-        _close(b_full.grad, ref_b.grad, dtype, "grad_bias")
+        assert_close(b_full.grad, ref_b.grad, "grad_bias", TOL[dtype])
 
 
 def _check_column_partial_grad_input():
@@ -119,8 +112,8 @@ def _check_column_partial_grad_input():
     x_r, w_r = _param(x), _param(ops.shard(weight, 0))
     y = torch.ops.torch_tp.column_parallel_linear(x_r, w_r, ops.shard(b, 0), _group(), partial_grad_input=True)
     y.backward(ops.shard(grad, -1))
-    _close(ops.all_reduce(x_r.grad, "sum"), ref_x.grad, dtype, "summed partial grad_x")
-    _close(w_r.grad, ops.shard(ref_w.grad, 0), dtype, "grad_weight")
+    assert_close(ops.all_reduce(x_r.grad, "sum"), ref_x.grad, "summed partial grad_x", TOL[dtype])
+    assert_close(w_r.grad, ops.shard(ref_w.grad, 0), "grad_weight", TOL[dtype])
     # Refused in the forward (not accepted there and refused only in
     # the backward), with and without autograd, and on Meta.
     x_shard = ops.shard(x, 1)
@@ -183,9 +176,9 @@ def _check_compiled_mlp(sequence_parallel):
     torch._dynamo.reset()
     compiled = torch.compile(_mlp, fullgraph=True)(*params, group, sequence_parallel, seq)
     compiled.square().sum().backward()
-    _close(compiled, eager, torch.float32, "compiled output")
+    assert_close(compiled, eager, "compiled output", TOL[torch.float32])
     for p, g in zip(params, eager_grads):
-        _close(p.grad, g, torch.float32, "compiled grad")
+        assert_close(p.grad, g, "compiled grad", TOL[torch.float32])
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -240,9 +233,9 @@ def _check_vocab_parallel_embedding(dtype, vocab, dim, padding_idx, sequence_par
     w_r = _param(ops.shard(weight, 0))
     out = torch.ops.torch_tp.vocab_parallel_embedding(
         ids, w_r, _group(), vocab, padding_idx, 1 if sequence_parallel else None)
-    _close(out, ops.shard(ref, 1) if sequence_parallel else ref, dtype, "output")
+    assert_close(out, ops.shard(ref, 1) if sequence_parallel else ref, "output", TOL[dtype])
     out.backward(ops.shard(grad, 1) if sequence_parallel else grad)
-    _close(w_r.grad, ops.shard(ref_w.grad, 0), dtype, "grad_weight")  # empty on a rank that owns no rows
+    assert_close(w_r.grad, ops.shard(ref_w.grad, 0), "grad_weight", TOL[dtype])  # empty on a rank that owns no rows
     if padding_idx is not None:
         assert ref_w.grad[padding_idx].abs().sum() == 0
 
@@ -262,9 +255,9 @@ def _check_column_parallel_embedding(dtype, vocab, dim, padding_idx, gather):
     my_ids = ops.shard(ids, 1) if gather else ids
     out = torch.ops.torch_tp.column_parallel_embedding(
         my_ids, w_r, _group(), padding_idx, 1 if gather else None, seq if gather else None)
-    _close(out, ops.shard(ref, -1), dtype, "output")
+    assert_close(out, ops.shard(ref, -1), "output", TOL[dtype])
     out.backward(ops.shard(grad, -1))
-    _close(w_r.grad, ops.shard(ref_w.grad, 1), dtype, "grad_weight")
+    assert_close(w_r.grad, ops.shard(ref_w.grad, 1), "grad_weight", TOL[dtype])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -434,16 +427,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
-def _close_cuda(actual, expected, what):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if expected.numel() == 0:
-        return
-    tol = CUDA_TOL[expected.dtype]
-    scale = expected.double().abs().max().clamp_min(1e-30)
-    error = ((actual.double() - expected.double()).abs().max() / scale).item()
-    assert error <= tol, f"{what}: max error {error:.3e} of the scale exceeds {tol:.0e}"
-
-
 def _restoring_matmul_settings(fn, *args):
     """Runs ``fn(*args)`` on this rank's GPU (rank r on cuda:r % count) and
     puts torch.backends.cuda.matmul's settings back as they were, whatever fn
@@ -494,12 +477,13 @@ def _check_cuda_column_on(x, w, b, activation, what, w_full=None, b_full=None):
     x_r, w_r = x.detach().requires_grad_(), w.detach().requires_grad_()
     b_r = None if b is None else b.detach().requires_grad_()
     y = torch.ops.torch_tp.column_parallel_linear(x_r, w_r, b_r, group, None, None, activation)
-    _close_cuda(y, ops.shard(ref.detach(), -1), f"{what}: output")
+    tol = CUDA_TOL[ref.dtype]
+    assert_close(y, ops.shard(ref.detach(), -1), f"{what}: output", tol)
     grads = torch.autograd.grad(y, [x_r, w_r] + ([] if b is None else [b_r]), ops.shard(grad, -1))
-    _close_cuda(grads[0], ref_x.grad, f"{what}: grad_x")
-    _close_cuda(grads[1], ops.shard(ref_w.grad, 0), f"{what}: grad_weight")
+    assert_close(grads[0], ref_x.grad, f"{what}: grad_x", tol)
+    assert_close(grads[1], ops.shard(ref_w.grad, 0), f"{what}: grad_weight", tol)
     if b is not None:
-        _close_cuda(grads[2], ops.shard(ref_b.grad, 0), f"{what}: grad_bias")
+        assert_close(grads[2], ops.shard(ref_b.grad, 0), f"{what}: grad_bias", tol)
 
 
 def _check_cuda_row_on(x, w, b, what, x_full, w_full):
@@ -511,11 +495,12 @@ def _check_cuda_row_on(x, w, b, what, x_full, w_full):
     ref.backward(grad)
     inputs = [t.detach().requires_grad_() for t in (x, w, b)]
     y = torch.ops.torch_tp.row_parallel_linear(*inputs, _group())
-    _close_cuda(y, ref.detach(), f"{what}: output")
+    tol = CUDA_TOL[ref.dtype]
+    assert_close(y, ref.detach(), f"{what}: output", tol)
     grads = torch.autograd.grad(y, inputs, grad)
-    _close_cuda(grads[0], ops.shard(ref_x.grad, -1), f"{what}: grad_x")
-    _close_cuda(grads[1], ops.shard(ref_w.grad, 1), f"{what}: grad_weight")
-    _close_cuda(grads[2], ref_b.grad, f"{what}: grad_bias")
+    assert_close(grads[0], ops.shard(ref_x.grad, -1), f"{what}: grad_x", tol)
+    assert_close(grads[1], ops.shard(ref_w.grad, 1), f"{what}: grad_weight", tol)
+    assert_close(grads[2], ref_b.grad, f"{what}: grad_bias", tol)
 
 
 def _check_cuda_linear():
@@ -737,10 +722,10 @@ def _check_column_gelu_double_backward():
     x_r, w_r = _param(x), _param(ops.shard(w, 0))
     y = torch.ops.torch_tp.column_parallel_linear(x_r, w_r, None, _group(), None, None, "gelu_tanh")
     (gx,) = torch.autograd.grad((y ** 2).sum(), x_r, create_graph=True)
-    _close(gx, ref_gx, torch.float64, "first-order grad_x")
+    assert_close(gx, ref_gx, "first-order grad_x", TOL[torch.float64])
     gx.sum().backward()
-    _close(x_r.grad, ref_x.grad, torch.float64, "second-order x.grad")
-    _close(w_r.grad, ops.shard(ref_w.grad, 0), torch.float64, "second-order w.grad")
+    assert_close(x_r.grad, ref_x.grad, "second-order x.grad", TOL[torch.float64])
+    assert_close(w_r.grad, ops.shard(ref_w.grad, 0), "second-order w.grad", TOL[torch.float64])
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

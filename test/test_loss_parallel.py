@@ -37,6 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_tp.parallel.loss import loss_parallel
 
+from _compare import assert_close
+
 WORLD_SIZES = [1, 2, 3, 4]
 REDUCTIONS = ["mean", "sum", "none"]
 VS_UNSHARDED = 1e-5
@@ -51,19 +53,6 @@ def _mesh():
     if world not in _MESH:
         _MESH[world] = init_device_mesh("cpu", (world,))
     return _MESH[world]
-
-
-def _close(actual, expected, tol, what):
-    if isinstance(actual, DTensor):
-        actual = actual.full_tensor()
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if expected.numel() == 0:
-        return
-    assert torch.equal(actual.isnan(), expected.isnan()), f"{what}: NaNs differ: {actual} vs {expected}"
-    a, e = actual.double().nan_to_num(), expected.double().nan_to_num()
-    scale = e.abs().max().clamp_min(1e-30)
-    error = (a - e).abs().max() / scale
-    assert error <= tol, f"{what}: max error {error:.3e} of the scale exceeds {tol:.0e}"
 
 
 class _Head(nn.Module):
@@ -116,13 +105,13 @@ def _check_three_ways(dt, full, ours_fn, ref_fn, torch_ok=True):
     assert type(loss) is torch.Tensor, f"expected a plain tensor, got {type(loss).__name__}"
     assert isinstance(grad, DTensor) and grad.placements == dt.placements
     ref_loss, ref_grad = _grad_of(ref_fn, full)
-    _close(loss, ref_loss.detach(), VS_UNSHARDED, "loss vs unsharded")
-    _close(grad, ref_grad, VS_UNSHARDED, "grad vs unsharded")
+    assert_close(loss, ref_loss.detach(), "loss vs unsharded", VS_UNSHARDED, equal_nan=True)
+    assert_close(grad, ref_grad, "grad vs unsharded", VS_UNSHARDED, equal_nan=True)
     if torch_ok:
         with torch_loss_parallel():
             t_loss, t_grad = _grad_of(ours_fn, dt)
-        _close(loss, t_loss.full_tensor().detach(), VS_TORCH, "loss vs torch's loss_parallel")
-        _close(grad, t_grad.full_tensor(), VS_TORCH, "grad vs torch's loss_parallel")
+        assert_close(loss, t_loss.full_tensor().detach(), "loss vs torch's loss_parallel", VS_TORCH, equal_nan=True)
+        assert_close(grad, t_grad.full_tensor(), "grad vs torch's loss_parallel", VS_TORCH, equal_nan=True)
     return loss
 
 
@@ -223,15 +212,15 @@ def _run_weight(reduction, ignored):
         with loss_parallel():
             loss, grad = _grad_of(ce, dt)
         ref_loss, ref_grad = _grad_of(ref, full)
-        _close(loss, ref_loss.detach(), VS_UNSHARDED, "weighted loss vs unsharded")
-        _close(grad, ref_grad, VS_UNSHARDED, "weighted grad vs unsharded")
+        assert_close(loss, ref_loss.detach(), "weighted loss vs unsharded", VS_UNSHARDED, equal_nan=True)
+        assert_close(grad, ref_grad, "weighted grad vs unsharded", VS_UNSHARDED, equal_nan=True)
         if not ignored:
             # torch's backward with weight gathers weight[ignore_index] and
             # fails ("index -100 is out of bounds"): compared without ignored labels.
             with torch_loss_parallel():
                 t_loss, t_grad = _grad_of(ce, dt)
-            _close(loss, t_loss.full_tensor().detach(), VS_TORCH, "weighted loss vs torch")
-            _close(grad, t_grad.full_tensor(), VS_TORCH, "weighted grad vs torch")
+            assert_close(loss, t_loss.full_tensor().detach(), "weighted loss vs torch", VS_TORCH, equal_nan=True)
+            assert_close(grad, t_grad.full_tensor(), "weighted grad vs torch", VS_TORCH, equal_nan=True)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -258,10 +247,10 @@ def _run_model_end_to_end():
     loss.backward()  # outside the context: torch's loss_parallel needs it inside
     ref_loss = criterion(ref(x_ref).flatten(0, 1), labels.flatten())
     ref_loss.backward()
-    _close(loss, ref_loss.detach(), VS_UNSHARDED, "loss")
-    _close(x_tp.grad, x_ref.grad, VS_UNSHARDED, "grad x")
+    assert_close(loss, ref_loss.detach(), "loss", VS_UNSHARDED, equal_nan=True)
+    assert_close(x_tp.grad, x_ref.grad, "grad x", VS_UNSHARDED, equal_nan=True)
     for (name, p), q in zip(tp.named_parameters(), ref.parameters()):
-        _close(p.grad, q.grad, VS_UNSHARDED, f"grad {name}")
+        assert_close(p.grad, q.grad, f"grad {name}", VS_UNSHARDED, equal_nan=True)
     assert abs(loss.item() - ref_loss.item()) <= VS_UNSHARDED * abs(ref_loss.item())
 
 
@@ -360,13 +349,13 @@ def _run_log_softmax_nll(reduction):
     with loss_parallel():
         loss, grad = _grad_of(modified_in_place, dt)
     ref_loss, ref_grad = _grad_of(modified_ref, full)
-    _close(loss, ref_loss.detach(), VS_UNSHARDED, "in-place modified log_softmax loss")
-    _close(grad, ref_grad, VS_UNSHARDED, "in-place modified log_softmax grad")
+    assert_close(loss, ref_loss.detach(), "in-place modified log_softmax loss", VS_UNSHARDED, equal_nan=True)
+    assert_close(grad, ref_grad, "in-place modified log_softmax grad", VS_UNSHARDED, equal_nan=True)
 
     with loss_parallel():
         lp = F.log_softmax(dt, -1)
     assert isinstance(lp, DTensor) and lp.placements == (Shard(2),)
-    _close(lp, F.log_softmax(full, -1).detach(), VS_UNSHARDED, "log_softmax value")
+    assert_close(lp, F.log_softmax(full, -1).detach(), "log_softmax value", VS_UNSHARDED, equal_nan=True)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -386,8 +375,8 @@ def _run_bfloat16():
         loss, grad = _grad_of(lambda x: F.cross_entropy(x.flatten(0, 1), labels), dt)
     ref_loss, ref_grad = _grad_of(lambda x: F.cross_entropy(x.flatten(0, 1), labels), full)
     assert loss.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16
-    _close(loss.float(), ref_loss.detach(), 2 ** -8, "bf16 loss")  # one bf16 rounding
-    _close(grad.full_tensor().float(), ref_grad, 2 ** -8, "bf16 grad")
+    assert_close(loss.float(), ref_loss.detach(), "bf16 loss", 2 ** -8, equal_nan=True)  # one bf16 rounding
+    assert_close(grad.full_tensor().float(), ref_grad, "bf16 grad", 2 ** -8, equal_nan=True)
 
 
 def test_bfloat16(ranks):
@@ -499,8 +488,8 @@ def _run_2d():
                     with ctx():
                         out.sum().backward()
                     results[name] = out
-                    _close(out, expected, VS_UNSHARDED, f"{what}: {name} loss")
-                    _close(x.grad, ref_x.grad, VS_UNSHARDED, f"{what}: {name} grad")
+                    assert_close(out, expected, f"{what}: {name} loss", VS_UNSHARDED, equal_nan=True)
+                    assert_close(x.grad, ref_x.grad, f"{what}: {name} grad", VS_UNSHARDED, equal_nan=True)
                 ours, theirs = results["torch_tp"], results["torch"]
                 assert ours.placements == theirs.placements, f"{what}: {ours.placements} vs {theirs.placements}"
                 assert ours.shape == theirs.shape, f"{what}: {ours.shape} vs {theirs.shape}"

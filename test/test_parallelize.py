@@ -38,25 +38,18 @@ import torch_tp
 # The example's Llama model and torchtitan-style plan (examples/llama_model.py).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import llama_model  # noqa: E402
+from _compare import assert_close  # noqa: E402
 
 RTOL = 1e-5
+# Tensors are judged against at least this magnitude, which only keeps an
+# all-zero reference (a gradient that is exactly 0) from dividing by zero.
+SCALE_FLOOR = 1e-12
 
 
 # Parameters are judged against at least this magnitude: a zero-initialized
 # bias is only O(lr) = 1e-3 after a step, and against that size roundoff in the
 # three copies' AdamW normalization would read as a large relative error.
 PARAM_SCALE_FLOOR = 0.1
-
-
-def _close(actual, expected, what, floor=1e-12, rtol=RTOL):
-    """max |actual - expected| <= rtol * max(max |expected|, floor); DTensors compared unsharded."""
-    actual, expected = _full_param(actual).detach(), _full_param(expected).detach()
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if expected.numel() == 0:
-        return
-    scale = expected.abs().max().clamp_min(floor)
-    error = ((actual - expected).abs().max() / scale).item()
-    assert error <= rtol, f"{what}: relative error {error:.2e} > {rtol:.0e}"
 
 
 def _full_param(param):
@@ -222,21 +215,24 @@ def _check_against_torch(model_name, sequence_parallel, steps=3):
                         for n in ("torch_tp", "torch")}
         else:
             gathered = outputs
-        _close(gathered["torch_tp"], outputs["reference"], f"step {step} output vs unsharded")
-        _close(gathered["torch"], outputs["reference"], f"step {step} torch output vs unsharded")
+        assert_close(gathered["torch_tp"], outputs["reference"],
+                     f"step {step} output vs unsharded", RTOL, floor=SCALE_FLOOR)
+        assert_close(gathered["torch"], outputs["reference"],
+                     f"step {step} torch output vs unsharded", RTOL, floor=SCALE_FLOOR)
         for name, out in outputs.items():
             (out.square().sum() / full_numel).backward()
         for (name, p_ref), p_ours, p_theirs in zip(reference.named_parameters(), ours.parameters(),
                                                     theirs.parameters()):
-            _close(_grad_as_param(p_ours), p_ref.grad, f"step {step} grad {name}")
-            _close(_full_param(p_theirs.grad), p_ref.grad, f"step {step} torch grad {name}")
+            assert_close(_grad_as_param(p_ours), p_ref.grad, f"step {step} grad {name}", RTOL, floor=SCALE_FLOOR)
+            assert_close(_full_param(p_theirs.grad), p_ref.grad,
+                         f"step {step} torch grad {name}", RTOL, floor=SCALE_FLOOR)
         for optimizer in optimizers.values():
             optimizer.step()
             optimizer.zero_grad()
         for (name, p_ref), p_ours, p_theirs in zip(reference.named_parameters(), ours.parameters(),
                                                     theirs.parameters()):
-            _close(_full_param(p_ours), p_ref, f"step {step} param {name}", PARAM_SCALE_FLOOR)
-            _close(_full_param(p_theirs), p_ref, f"step {step} torch param {name}", PARAM_SCALE_FLOOR)
+            assert_close(_full_param(p_ours), p_ref, f"step {step} param {name}", RTOL, floor=PARAM_SCALE_FLOOR)
+            assert_close(_full_param(p_theirs), p_ref, f"step {step} torch param {name}", RTOL, floor=PARAM_SCALE_FLOOR)
 
 
 def _grad_as_param(param):
@@ -388,13 +384,13 @@ def _check_style_options():
             assert out_ours.shape == out_theirs.shape, f"{what}: global shape"
         local_ours = out_ours.to_local() if isinstance(out_ours, DTensor) else out_ours
         local_theirs = out_theirs.to_local() if isinstance(out_theirs, DTensor) else out_theirs
-        _close(local_ours, local_theirs, f"{what}: output")
+        assert_close(local_ours, local_theirs, f"{what}: output", RTOL, floor=SCALE_FLOOR)
         (local_ours.square().sum()).backward()
         (local_theirs.square().sum()).backward()
         for (name, p_ours), p_theirs in zip(ours.named_parameters(), theirs.parameters()):
             # Compared unsharded: torch may keep a gradient in another placement than its parameter's.
             g_ours = _grad_as_param(p_ours)
-            _close(g_ours, _full_param(p_theirs.grad), f"{what}: grad {name}")
+            assert_close(g_ours, _full_param(p_theirs.grad), f"{what}: grad {name}", RTOL, floor=SCALE_FLOOR)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -461,7 +457,7 @@ def _check_replicated_grad_reduction():
         loss(theirs, x).backward()
     theirs_grads = dict((n, _full_param(p.grad)) for n, p in theirs.named_parameters())
     for name, p in ours.named_parameters():
-        _close(_grad_as_param(p), theirs_grads[name], f"accumulated grad {name}")
+        assert_close(_grad_as_param(p), theirs_grads[name], f"accumulated grad {name}", RTOL, floor=SCALE_FLOOR)
     if world_size > 1:
         assert reduces == [1, 1], f"all-reduces per backward: {reduces}, want one (deferred, coalesced)"
 
@@ -480,7 +476,7 @@ def _check_replicated_grad_reduction():
         out = ours.norm2(h)
         (out.to_local() if isinstance(out, DTensor) else out).square().sum().backward()
     for name, p in ours.named_parameters():
-        _close(_grad_as_param(p), expected[name], f"reentrant checkpoint grad {name}")
+        assert_close(_grad_as_param(p), expected[name], f"reentrant checkpoint grad {name}", RTOL, floor=SCALE_FLOOR)
 
     # A backward that raises part-way never reaches its end: what it recorded
     # stays recorded (Partial, still correct as DTensors), and the next backward
@@ -505,8 +501,8 @@ def _check_replicated_grad_reduction():
     theirs.zero_grad()
     loss(theirs, xs[0]).backward()
     for name, p in ours.named_parameters():
-        _close(_grad_as_param(p), _full_param(dict(theirs.named_parameters())[name].grad),
-               f"grad after a failed backward {name}")
+        assert_close(_grad_as_param(p), _full_param(dict(theirs.named_parameters())[name].grad),
+                     f"grad after a failed backward {name}", RTOL, floor=SCALE_FLOOR)
 
     # torch.autograd.grad: nothing accumulates; the result is the Partial DTensor torch gives too.
     params = [dict(ours.named_parameters())[n] for n in norm_params]
@@ -516,7 +512,8 @@ def _check_replicated_grad_reduction():
     for name, g in zip(norm_params, got):
         if world_size > 1:
             assert g.placements == (Partial(),), f"autograd.grad {name}: {g.placements}"
-        _close(g, _full_param(dict(theirs.named_parameters())[name].grad), f"autograd.grad {name}")
+        assert_close(g, _full_param(dict(theirs.named_parameters())[name].grad),
+                     f"autograd.grad {name}", RTOL, floor=SCALE_FLOOR)
 
     # create_graph (a lone norm: torch_tp's linear backward is not differentiable
     # twice): reduced at once, since the gradient is part of a graph; same values.
@@ -528,7 +525,8 @@ def _check_replicated_grad_reduction():
     for (name, p_ours), p_theirs in zip(lone[0].named_parameters(), lone[1].parameters()):
         assert p_ours.grad.requires_grad, f"create_graph grad {name} is not differentiable"
         assert p_ours.grad.placements == (Replicate(),), f"create_graph grad {name}: {p_ours.grad.placements}"
-        _close(p_ours.grad.detach(), _full_param(p_theirs.grad.detach()), f"create_graph grad {name}")
+        assert_close(p_ours.grad.detach(), _full_param(p_theirs.grad.detach()),
+                     f"create_graph grad {name}", RTOL, floor=SCALE_FLOOR)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -566,7 +564,7 @@ def _check_prepared_dtensor_with_mixed_consumers():
         weight = _grad_as_param(model.proj.weight) if lib is torch_tp else _full_param(model.proj.weight.grad)
         results.append((h, other, inp.grad, weight))
     for what, ours, theirs in zip(["proj output", "DTensor output", "input grad", "weight grad"], *results):
-        _close(ours, theirs, what)
+        assert_close(ours, theirs, what, RTOL, floor=SCALE_FLOOR)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -595,11 +593,11 @@ def _check_dtensor_inputs_and_src_rank():
     x = torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(5))
     plain = model(x)
     as_dtensor = model(DTensor.from_local(x, mesh, [Replicate()], run_check=False))
-    _close(as_dtensor, plain, "DTensor Replicate input")
+    assert_close(as_dtensor, plain, "DTensor Replicate input", RTOL, floor=SCALE_FLOOR)
     seq = DTensor.from_local(torch_tp.shard(x, 1), mesh, [Shard(1)], run_check=False)
     # model.w1 declares a Replicate input; a Shard(1) DTensor is read by its own placement.
-    _close(torch_tp.ops.all_gather(torch_tp.shard(model(x), 1), 1), plain, "round trip")
-    _close(model.w1(seq), model.w1(x), "DTensor Shard(1) input is gathered")
+    assert_close(torch_tp.ops.all_gather(torch_tp.shard(model(x), 1), 1), plain, "round trip", RTOL, floor=SCALE_FLOOR)
+    assert_close(model.w1(seq), model.w1(x), "DTensor Shard(1) input is gathered", RTOL, floor=SCALE_FLOOR)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -22,7 +22,8 @@ if _C.built_with_torch.split("+")[0] != torch.__version__.split("+")[0]:
         "is installed; rebuild it with `pip install --no-build-isolation .`"
     )
 
-from . import backend, ops  # noqa: E402
+from . import backend  # noqa: E402,F401  (registers the "torch_tp" process-group backend)
+from . import ops  # noqa: E402
 from .ops import (  # noqa: E402
     all_gather,
     all_reduce,
@@ -33,21 +34,9 @@ from .ops import (  # noqa: E402
     shard,
 )
 
-from .ddp import DistributedDataParallel  # noqa: E402
-from .parallel import (  # noqa: E402
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    clip_grad_norm_,
-    get_full_state_dict,
-    load_full_state_dict,
-    loss_parallel,
-    parallelize_module,
-)
+from . import ddp, parallel  # noqa: E402
+from .ddp import *  # noqa: E402,F403
+from .parallel import *  # noqa: E402,F403
 
 __version__ = "0.1.0"
 
@@ -55,27 +44,18 @@ __version__ = "0.1.0"
 #: share/cmake; see NOTE [the installed CMake package] in setup.py).
 cmake_prefix_path = os.path.join(os.path.dirname(__file__), "share", "cmake")
 
+# The modules' public names, and of torch_tp.ops only the collectives and the
+# torch.chunk helpers: the layer ops are reached as torch_tp.ops.*.
 __all__ = [
-    "ColwiseParallel",
-    "DistributedDataParallel",
-    "ParallelStyle",
-    "PrepareModuleInput",
-    "PrepareModuleInputOutput",
-    "PrepareModuleOutput",
-    "RowwiseParallel",
-    "SequenceParallel",
+    *ddp.__all__,
+    *parallel.__all__,
     "all_gather",
     "all_reduce",
     "chunk_range",
-    "clip_grad_norm_",
-    "cmake_prefix_path",
     "copy_to_tp_region",
-    "get_full_state_dict",
-    "load_full_state_dict",
-    "loss_parallel",
-    "ops",
-    "parallelize_module",
     "reduce_from_tp_region",
     "reduce_scatter",
     "shard",
+    "cmake_prefix_path",
+    "ops",
 ]

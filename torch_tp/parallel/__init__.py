@@ -1,29 +1,13 @@
-"""Tensor-parallel module API, mirroring ``torch.distributed.tensor.parallel``."""
+"""Tensor-parallel module API, mirroring ``torch.distributed.tensor.parallel``.
 
-from .api import parallelize_module
-from .checkpoint import clip_grad_norm_, get_full_state_dict, load_full_state_dict
-from .loss import loss_parallel
-from .style import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+Each submodule's ``__all__`` names its public API; the package re-exports
+them and builds its own ``__all__`` from theirs.
+"""
 
-__all__ = [
-    "ColwiseParallel",
-    "ParallelStyle",
-    "PrepareModuleInput",
-    "PrepareModuleInputOutput",
-    "PrepareModuleOutput",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "clip_grad_norm_",
-    "get_full_state_dict",
-    "load_full_state_dict",
-    "loss_parallel",
-    "parallelize_module",
-]
+from . import api, checkpoint, loss, style
+from .api import *  # noqa: F403
+from .checkpoint import *  # noqa: F403
+from .loss import *  # noqa: F403
+from .style import *  # noqa: F403
+
+__all__ = [*api.__all__, *checkpoint.__all__, *loss.__all__, *style.__all__]

@@ -18,21 +18,6 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from ..ops import chunk_range
 
-__all__ = [
-    "TPGroup",
-    "convert",
-    "from_dtensor",
-    "gather_replicated",
-    "gather_to_replicated_dtensor",
-    "global_shape_of",
-    "normalize",
-    "partial_grad_local",
-    "record_shard",
-    "split_replicated",
-    "to_dtensor",
-    "tp_group",
-]
-
 
 class TPGroup(NamedTuple):
     """A 1-D mesh's process group as the layouts use it: its registered name (what the

@@ -33,8 +33,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-__all__ = ["distribute_parameters", "local_tensor", "module_path", "naming_module"]
-
 # The qualified name (from the module parallelize_module was given) of the
 # module a style is being applied to, for error messages.
 _module_path: contextvars.ContextVar[str] = contextvars.ContextVar("torch_tp_module_path", default="")

@@ -49,8 +49,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-__all__ = ["complete_partial_grads_after_backward"]
-
 # id(parameter) -> (registration number, parameter): parameters whose .grad
 # holds Partial sums that the next end-of-backward callback completes. Strong
 # references, here and in the hooks: a weak reference to a parameter would
