@@ -280,6 +280,17 @@ def wall_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float
     return (t1 - t0) / calls, laps
 
 
+def cuda_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
+    """:func:`wall_time` on a GPU: seconds per call between CUDA events recorded on the current stream (no laps)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls, {}
+
+
 class Samples:
     """The times :func:`time_interleaved` took: ``per_rank[key]`` is ``[ranks, repeats]``, seconds."""
 
@@ -332,7 +343,7 @@ def time_interleaved(
         warmup: untimed rounds first, the same as the timed ones.
         barrier: ``"step"``: ``dist.barrier(group)`` before every timed step; ``"round"``: once before each
             round (batched steps); or a callable, ``barrier(key)`` before that step.
-        timer: ``timer(fn, calls) -> (seconds per call, laps)`` (:func:`wall_time`; CUDA events on a GPU).
+        timer: ``timer(fn, calls) -> (seconds per call, laps)`` (:func:`wall_time`; :func:`cuda_time` on a GPU).
         gc_off: cyclic GC off while timing.
 
     Returns:
@@ -492,13 +503,32 @@ def bar_panel(ax, labels: List[str], colors: List[str], stats_list: List[Dict], 
 # the runner
 
 
-def add_output_args(parser, files: str, quick: str) -> None:
-    """``--out-dir``, ``--quick`` and ``--no-results-md``, which every benchmark takes."""
-    parser.add_argument("--out-dir", default="benchmarks",
-                        help=f"directory for {files} and RESULTS.md (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help=quick)
+def add_output_args(parser, files: str = "", quick: Optional[str] = None, out_dir: str = "benchmarks") -> None:
+    """``--out-dir`` (for ``files`` and RESULTS.md), ``--no-results-md`` and, for a script with a smoke mode
+    (``quick``: its help), ``--quick``."""
+    parser.add_argument("--out-dir", default=out_dir,
+                        help=f"directory for {files + ' and ' if files else ''}RESULTS.md (default: %(default)s)")
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--no-results-md", action="store_true",
-                        help="do not update RESULTS.md (still writes the json and png)")
+                        help="do not update RESULTS.md" + (" (still writes the json and png)" if files else ""))
+
+
+def add_repeat_scale_arg(parser, per: str) -> None:
+    """``--repeat-scale``: a factor on the number of timed repeats of each ``per`` (size, configuration)."""
+    parser.add_argument("--repeat-scale", type=float, default=1.0,
+                        help=f"multiply the per-{per} number of timed repeats by this factor (default: %(default)s)")
+
+
+def scaled_repeats(repeats: int, scale: float) -> int:
+    """``repeats`` times ``--repeat-scale``, at least 3 (a median and p10/p90 need a few)."""
+    return max(3, round(repeats * scale))
+
+
+def add_no_overhead_arg(parser, what: str) -> None:
+    """``--no-overhead``: skip the :func:`noop_phase` (``what``: "per-call", "per-step")."""
+    parser.add_argument("--no-overhead", action="store_true",
+                        help=f"skip the {what} overhead phase on the no-op (fake backend) process group")
 
 
 @dataclass

@@ -63,6 +63,7 @@ from _common import (
     KiB,
     MiB,
     Output,
+    add_output_args,
     check_everywhere,
     figure,
     fmt_size,
@@ -274,9 +275,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="torch_tp backend vs gloo: all_reduce, all_gather, reduce_scatter latency and bus bandwidth "
                     "(launch with torchrun --nproc-per-node 2 or 4)")
-    parser.add_argument("--out-dir", default="benchmarks", help="where the json, png and RESULTS.md go")
-    parser.add_argument("--quick", action="store_true", help="smoke run: four sizes, three repeats")
-    parser.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still json, png)")
+    add_output_args(parser, "backend_ws<p>.json, backend_ws<p>.png", quick="smoke run: four sizes, three repeats")
     return parser.parse_args(argv)
 
 

@@ -79,6 +79,9 @@ from _common import (
     KiB,
     MiB,
     Output,
+    add_no_overhead_arg,
+    add_output_args,
+    add_repeat_scale_arg,
     figure,
     fmt_size,
     json_link,
@@ -88,6 +91,7 @@ from _common import (
     rotations,
     run,
     save_figure,
+    scaled_repeats,
     section_head,
     time_interleaved,
 )
@@ -172,16 +176,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "section of RESULTS.md into --out-dir."
         ),
     )
-    p.add_argument(
-        "--out-dir",
-        default="benchmarks",
-        help="directory for collectives.json, collectives.png and RESULTS.md (default: %(default)s)",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run (~40 s): same sizes, about a tenth of the repeats and of the no-op-group calls",
-    )
+    add_output_args(p, "collectives.json, collectives.png",
+                    quick="smoke run (~40 s): same sizes, about a tenth of the repeats and of the no-op-group calls")
     p.add_argument(
         "--sizes",
         default=None,
@@ -192,12 +188,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=",".join(OPS),
         help="comma-separated subset of the ops to run (default: %(default)s)",
     )
-    p.add_argument(
-        "--repeat-scale",
-        type=float,
-        default=1.0,
-        help="multiply the per-size number of timed repeats by this factor (default: %(default)s)",
-    )
+    add_repeat_scale_arg(p, "size")
     p.add_argument(
         "--warmup",
         type=int,
@@ -205,11 +196,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="untimed calls per (size, op, implementation) before timing (default: 5, 2 with --quick; "
         "halved for sizes >= 16 MiB)",
     )
-    p.add_argument(
-        "--no-overhead",
-        action="store_true",
-        help="skip the per-call overhead phase on the no-op (fake backend) process group",
-    )
+    add_no_overhead_arg(p, "per-call")
     p.add_argument(
         "--overhead-sizes",
         default=None,
@@ -229,11 +216,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help=f"calls per timed batch in the overhead phase (default: {OVERHEAD_BATCH}, "
         f"{OVERHEAD_BATCH_QUICK} with --quick)",
-    )
-    p.add_argument(
-        "--no-results-md",
-        action="store_true",
-        help="do not update RESULTS.md (still writes the json and png)",
     )
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES)
@@ -364,7 +346,7 @@ def check_agreement(
 def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: int) -> List[Dict]:
     records = []
     for nbytes in args.sizes:
-        repeats = max(3, round(default_repeats(nbytes, args.quick) * args.repeat_scale))
+        repeats = scaled_repeats(default_repeats(nbytes, args.quick), args.repeat_scale)
         warmup = max(1, args.warmup // 2) if nbytes >= 16 * MiB else args.warmup
         steps, resets, full_bytes = {}, {}, {}
         for op in args.ops:

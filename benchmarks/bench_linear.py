@@ -100,6 +100,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
 from _common import (
     Output,
+    add_no_overhead_arg,
+    add_output_args,
+    add_repeat_scale_arg,
     bar_panel,
     check_everywhere,
     figure,
@@ -110,6 +113,7 @@ from _common import (
     permutations,
     run,
     save_figure,
+    scaled_repeats,
     section_head,
     target_lines,
     time_interleaved,
@@ -203,16 +207,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "linear.png and the bench_linear section of RESULTS.md into --out-dir."
         ),
     )
-    p.add_argument(
-        "--out-dir",
-        default="benchmarks",
-        help="directory for linear.json, linear.png and RESULTS.md (default: %(default)s)",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: the sizes but the largest, a few repeats each, a short no-op-group phase",
-    )
+    add_output_args(p, "linear.json, linear.png",
+                    quick="smoke run: the sizes but the largest, a few repeats each, a short no-op-group phase")
     p.add_argument(
         "--sizes",
         default=None,
@@ -222,22 +218,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         + ",".join(fmt_size(s) for s in QUICK_SIZES)
         + ")",
     )
-    p.add_argument(
-        "--repeat-scale",
-        type=float,
-        default=1.0,
-        help="multiply the per-size number of timed repeats by this factor (default: %(default)s)",
-    )
-    p.add_argument(
-        "--no-overhead",
-        action="store_true",
-        help="skip the per-step overhead phase on the no-op (fake backend) process group",
-    )
-    p.add_argument(
-        "--no-results-md",
-        action="store_true",
-        help="do not update RESULTS.md (still writes the json and png)",
-    )
+    add_repeat_scale_arg(p, "size")
+    add_no_overhead_arg(p, "per-step")
     args = p.parse_args(argv)
     args.sizes = parse_sizes(args.sizes) if args.sizes else list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     if not args.sizes:
@@ -466,7 +448,7 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
         # also the first (untimed) step of each
         agreement = check_everywhere(
             case.check, f"bench_linear: the implementations disagree at {fmt_size(case.size)}", group)
-        repeats = max(3, round(nearest(QUICK_REPEATS if args.quick else FULL_REPEATS, size) * args.repeat_scale))
+        repeats = scaled_repeats(nearest(QUICK_REPEATS if args.quick else FULL_REPEATS, size), args.repeat_scale)
         warmup = nearest(QUICK_WARMUP if args.quick else FULL_WARMUP, size)
         # Every order of the implementations, cycled through repeat by repeat.
         samples = time_interleaved(case.steps, repeats, group, order=permutations(IMPLS), reset=case.resets,

@@ -114,6 +114,8 @@ from torch.distributed.tensor import DTensor
 import torch_tp
 from _common import (
     Output,
+    add_output_args,
+    add_repeat_scale_arg,
     bar_panel,
     check_everywhere,
     figure,
@@ -121,6 +123,7 @@ from _common import (
     rotations,
     run,
     save_figure,
+    scaled_repeats,
     section_head,
     stats,
     target_lines,
@@ -225,14 +228,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "tensor parallelism, side by side in one torchrun job (gloo by default, CPU, float32)."
         ),
     )
-    p.add_argument("--out-dir", default="benchmarks",
-                   help="directory for tp_block.json, tp_block.png and RESULTS.md (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="smoke run: every configuration, a few repeats")
+    add_output_args(p, "tp_block.json, tp_block.png", quick="smoke run: every configuration, a few repeats")
     p.add_argument("--configs", default=None,
                    help="comma-separated subset of " + ",".join(CONFIG_NAMES) + " (default: all)")
-    p.add_argument("--repeat-scale", type=float, default=1.0,
-                   help="multiply each configuration's number of timed repeats by this factor (default: %(default)s)")
-    p.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still writes json, png)")
+    add_repeat_scale_arg(p, "configuration")
     p.add_argument("--optimizer", choices=["fused", "for-loop"], default="fused",
                    help="the AdamW timed after each step: the example's fused one (default), or torch's for-loop "
                    "implementation (foreach=False: one DTensor dispatch per parameter and op)")
@@ -586,7 +585,7 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         )
         collectives = {impl: count_collectives(case, impl) for impl in impls}  # rank 0's go in the json
         t_checked = time.perf_counter()
-        repeats = max(3, round((cfg.quick_repeats if args.quick else cfg.repeats) * args.repeat_scale))
+        repeats = scaled_repeats(cfg.quick_repeats if args.quick else cfg.repeats, args.repeat_scale)
         warmup = cfg.quick_warmup if args.quick else cfg.warmup
 
         samples = time_interleaved({impl: training_step(case, impl) for impl in impls}, repeats, group,
