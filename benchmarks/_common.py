@@ -172,6 +172,22 @@ def check_everywhere(
     return dict(zip(sorted(worst), vals.tolist()))
 
 
+def rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference, relative to the largest magnitude of ``ref``."""
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, what: str, rtol: float, atol_scale: float,
+          min_scale: float = 1e-30) -> float:
+    """``torch.testing.assert_close`` in float32, ``atol = atol_scale * max(max|ref|, min_scale)`` (a tolerance
+    on the tensor's own scale), naming ``what`` in the error. Returns :func:`rel_diff`."""
+    got, ref = got.detach().float(), ref.detach().float()
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=atol_scale * max(scale, min_scale),
+                               msg=lambda m: f"{what}: {m}")
+    return rel_diff(got, ref)
+
+
 def materialize(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Wait for an eager functional collective's result (an AsyncCollectiveTensor, also inside a DTensor):
     DTensor hands back its outputs and gradients before their collectives have finished."""
@@ -312,9 +328,13 @@ class Samples:
     def median(self, key: str, unit: str = "ms") -> float:
         return median(self.max(key)) * UNITS[unit]
 
+    def paired_stats(self, a: str, b: str, unit: str = "ms") -> Dict[str, float]:
+        """:func:`stats` over repeats of ``a - b``: the repeats interleave both, so the difference cancels drift."""
+        return stats(self.max(a) - self.max(b), unit)
+
     def paired(self, a: str, b: str, unit: str = "ms") -> float:
-        """The median over repeats of ``a - b``: the repeats interleave both, so the difference cancels drift."""
-        return median(self.max(a) - self.max(b)) * UNITS[unit]
+        """The median over repeats of ``a - b`` (:meth:`paired_stats`)."""
+        return self.paired_stats(a, b, unit)[f"median_{unit}"]
 
 
 def time_interleaved(

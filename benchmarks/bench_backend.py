@@ -68,6 +68,7 @@ from _common import (
     figure,
     fmt_size,
     median,
+    rel_diff,
     run,
     save_figure,
     target_lines,
@@ -141,7 +142,7 @@ def check(groups: Dict[str, object], op: str, dtype: torch.dtype, p: int, rank: 
         tol = 0.0
     else:
         tol = (1e-6 if dtype == torch.float32 else 2.0**-8) * p
-    worst = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    worst = rel_diff(ours, theirs)
     if worst > tol:
         raise AssertionError(f"torch_tp differs from gloo by {worst:.3g} relative (tolerance {tol:g})")
     return {f"{op} {str(dtype).removeprefix('torch.')}": worst}

@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _common import Output, add_output_args, figure, rotations, run, save_figure, time_interleaved
+from _common import Output, add_output_args, check_everywhere, figure, rotations, run, save_figure, time_interleaved
 
 import torch_tp
 
@@ -127,10 +127,14 @@ def bench(args: argparse.Namespace, rank: int) -> List[Dict]:
         # NOTE [same computation]
         same = all(torch.equal(p.grad, q.grad)
                    for p, q in zip(wrapped["torch_tp"].parameters(), wrapped["torch"].parameters()))
-        flag = torch.tensor([0 if same else 1])
-        dist.all_reduce(flag)
-        if flag.item():
-            raise RuntimeError(f"bucket {cap} MiB: torch_tp and torch DDP gradients differ; refusing to time")
+
+        def same_grads() -> Dict[str, float]:
+            if not same:
+                raise AssertionError("gradients not bitwise equal")
+            return {}
+
+        check_everywhere(same_grads, f"bench_ddp: bucket {cap:g} MiB: torch_tp and torch DDP gradients differ",
+                         dist.group.WORLD)
 
         flat = torch.zeros(numel)
         chunk = max(1, int(cap * 1024 * 1024) // 4)

@@ -105,6 +105,7 @@ from _common import (
     add_repeat_scale_arg,
     bar_panel,
     check_everywhere,
+    close,
     figure,
     json_link,
     materialize,
@@ -424,15 +425,9 @@ class Case:
                 raise AssertionError(
                     f"{fmt_size(self.size)} {name}: result names differ: {sorted(got)} vs {sorted(ref)}"
                 )
-            rel = 0.0
-            for k in ref:
-                # atol: fp32's default 1e-5, scaled with the tensor's magnitude.
-                torch.testing.assert_close(
-                    got[k], ref[k], rtol=RTOL, atol=1e-5 * max(1.0, ref[k].abs().max().item()),
-                    msg=lambda m, k=k, name=name: f"{fmt_size(self.size)}: {name}: {k}: {m}",
-                )
-                rel = max(rel, ((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item())
-            worst[name] = rel
+            # atol: fp32's default 1e-5, scaled with the tensor's magnitude where that is above 1.
+            worst[name] = max(close(got[k], ref[k], f"{fmt_size(self.size)}: {name}: {k}", RTOL, 1e-5, min_scale=1.0)
+                              for k in ref)
         return worst
 
 

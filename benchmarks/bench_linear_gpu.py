@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
-from _common import Output, add_output_args, cuda_time, run, time_interleaved, wall_time
+from _common import Output, add_output_args, cuda_time, rel_diff, run, time_interleaved, wall_time
 
 TAG = "bench_linear_gpu"
 TOLERANCE = 2e-2  # bf16: the variants differ by a few roundings of the output's scale
@@ -95,7 +95,7 @@ def measure(args: argparse.Namespace) -> Output:
         for ours, theirs in [("column_parallel_linear", "nn.Linear"), ("row_parallel_linear", "nn.Linear"),
                              ("fused epilogue", "unfused linear+gelu")]:
             a, e = variants[ours]().float(), variants[theirs]().float()
-            error = ((a - e).abs().max() / e.abs().max()).item()
+            error = rel_diff(a, e)
             if error > TOLERANCE:
                 raise RuntimeError(f"bench_linear_gpu: {ours} differs from {theirs} by {error:.2e} of the scale")
 

@@ -118,6 +118,7 @@ from _common import (
     add_repeat_scale_arg,
     bar_panel,
     check_everywhere,
+    close,
     figure,
     materialize,
     rotations,
@@ -125,7 +126,6 @@ from _common import (
     save_figure,
     scaled_repeats,
     section_head,
-    stats,
     target_lines,
     time_interleaved,
 )
@@ -272,19 +272,6 @@ def gather_pieces(local: torch.Tensor, dim: int, full_len: int, group: dist.Proc
     outs = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(outs, buf, group=group)
     return torch.cat([o.narrow(dim, 0, n) for o, n in zip(outs, lengths)], dim=dim)
-
-
-def close(got: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    """assert_close with the benchmark's tolerances; returns the max relative difference (to max |ref|)."""
-    got, ref = got.detach().float(), ref.detach().float()
-    # atol relative to the tensor's own scale, never an absolute floor: some gradients here are ~1e-6
-    # (the norm weights' under a mean loss), which a fixed atol of 1e-5 would let through however wrong.
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    torch.testing.assert_close(
-        got, ref, rtol=RTOL, atol=ATOL_SCALE * max(scale, 1e-30),
-        msg=lambda m: f"{what}: {m}",
-    )
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------------------
@@ -489,13 +476,16 @@ class Case:
             pairs += [(COMPILED, "torch_tp"), (COMPILED, "reference")]
         for a, b in pairs:
             what = f"{self.cfg.name}: {a} vs {b}"
-            rel = close(losses[a], losses[b], f"{what}: loss")
+            # atol on each tensor's own scale, never an absolute floor (close's default): some gradients here
+            # are tiny (the norm weights' under a mean loss), which a fixed atol of 1e-5 would let through
+            # however wrong.
+            rel = close(losses[a], losses[b], f"{what}: loss", RTOL, ATOL_SCALE)
             if set(grads[a]) != set(grads[b]):
                 raise AssertionError(f"{what}: gradient names differ: {sorted(grads[a])} vs {sorted(grads[b])}")
             for name in grads[b]:
-                rel = max(rel, close(grads[a][name], grads[b][name], f"{what}: grad of {name}"))
+                rel = max(rel, close(grads[a][name], grads[b][name], f"{what}: grad of {name}", RTOL, ATOL_SCALE))
             for name in extras.get(b, {}):
-                rel = max(rel, close(extras[a][name], extras[b][name], f"{what}: {name}"))
+                rel = max(rel, close(extras[a][name], extras[b][name], f"{what}: {name}", RTOL, ATOL_SCALE))
             worst[f"{a} vs {b}"] = rel
         self.loss_value = float(losses["reference"])
         self.outputs.clear()
@@ -632,7 +622,7 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         if COMPILED in impls:  # how many times faster compiled blocks make torch_tp's step
             rec["eager_over_compiled"] = med["torch_tp"] / med[COMPILED]
             rec["dtensor_over_compiled"] = med["dtensor"] / med[COMPILED]
-        diffs = stats(samples.max("dtensor/step") - samples.max("torch_tp/step"), "ms")
+        diffs = samples.paired_stats("dtensor/step", "torch_tp/step", "ms")
         rec["dtensor_minus_torch_tp_ms"] = diffs["median_ms"]
         rec["dtensor_minus_torch_tp_p10_p90_ms"] = [diffs["p10_ms"], diffs["p90_ms"]]
         records.append(rec)
