@@ -76,6 +76,14 @@ def fmt_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def bandwidths_GBps(op: str, nbytes: int, seconds: float, p: int) -> Tuple[float, float]:
+    """``(algbw, busbw)`` of a collective over ``nbytes`` (S: the all_reduce tensor, the all_gather output, the
+    reduce_scatter input) in ``seconds`` on ``p`` ranks, GB/s (1e9 B/s), as nccl-tests define them: ``algbw =
+    S / t``; ``busbw = algbw * 2(p-1)/p`` for all_reduce, ``algbw * (p-1)/p`` for all_gather and reduce_scatter."""
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * (2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p)
+
+
 # ---------------------------------------------------------------------------
 # the run's setting
 
@@ -226,15 +234,18 @@ def make_noop_group(world_group: dist.ProcessGroup) -> Tuple[Optional[dist.Proce
 
 
 def noop_phase(name: str, world_group: dist.ProcessGroup, measure: Callable[[dist.ProcessGroup], Dict]) -> Dict:
-    """``measure(fake_group)`` on a no-op group (:func:`make_noop_group`), or ``{"skipped": why}`` where torch
-    cannot make one. Its collectives complete at once without communicating, so what a step costs there is
+    """``measure(fake_group)`` on a no-op group (:func:`make_noop_group`), with the group's backend, the world
+    size and the phase's seconds, or ``{"skipped": why}`` where torch cannot make one. Its collectives complete at once without communicating, so what a step costs there is
     each layer's own work: dispatch, argument checks, allocation, autograd."""
     fake_group, why = make_noop_group(world_group)
     if fake_group is None:
         if dist.get_rank() == 0:
             print(f"[{name}] no-op group phase skipped: {why}", flush=True)
         return {"skipped": why, "world_size": world_group.size()}
-    return measure(fake_group)
+    start = time.perf_counter()
+    phase = measure(fake_group)
+    return {"backend": dist.get_backend(fake_group), "world_size": world_group.size(), **phase,
+            "elapsed_s": time.perf_counter() - start}
 
 
 # ---------------------------------------------------------------------------
@@ -427,6 +438,24 @@ def update_results_md(path: str, section: str, begin_marker: str, end_marker: st
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def method_notes(unit: str) -> Dict[str, Any]:
+    """The json's "method" entries for NOTE [method] as every torchrun benchmark applies it; ``unit``: what one
+    timed sample is ("step", "call")."""
+    return {
+        f"barrier_before_each_{unit}": True,
+        "per_repeat_time": f"max over ranks of each rank's wall time (perf_counter) of the {unit}",
+        "stat": "median over repeats; p10/p90 reported",
+    }
+
+
+def plot_title(report: Dict, threads: bool = True) -> str:
+    """A plot's title past its subject: backend, world size, CPU, cores (and ``threads`` per rank), torch."""
+    m = report["machine"]
+    cores = f"{m['cpus_usable']} cores" + (f", {m['torch_num_threads']} thread/rank" if threads else "")
+    return (f"{m['backend']}, world size {m['world_size']}, {m['cpu_model']} ({cores}), torch {m['torch_version']}"
+            + (" [quick]" if report["quick"] else ""))
 
 
 def quick_note(meta: Dict) -> str:

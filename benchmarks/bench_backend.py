@@ -64,6 +64,7 @@ from _common import (
     MiB,
     Output,
     add_output_args,
+    bandwidths_GBps,
     check_everywhere,
     figure,
     fmt_size,
@@ -92,10 +93,6 @@ def repeats(size: int, quick: bool) -> int:
     if quick:
         return 3
     return 30 if size <= MiB else 15 if size <= 16 * MiB else 7
-
-
-def bus_factor(op: str, p: int) -> float:
-    return 2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p
 
 
 class Collective:
@@ -176,10 +173,10 @@ def measure_pair(op: str, dtype_name: str, size: int, groups: Dict, p: int, rank
     record = {"op": op, "dtype": dtype_name, "bytes": size, "backends": {}}
     for name in BACKENDS:
         st = samples.stats(name, "us")
-        algbw = size / (st["median_us"] * 1e-6)
+        algbw, busbw = bandwidths_GBps(op, size, st["median_us"] * 1e-6, p)
         record["backends"][name] = {
             **{k: st[k] for k in ("median_us", "p10_us", "p90_us")},
-            "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(op, p) / 1e9,
+            "algbw_GBps": algbw, "busbw_GBps": busbw,
             "samples_s": samples.max(name).tolist(),
         }
     gloo, ours = record["backends"]["gloo"], record["backends"]["torch_tp"]
@@ -303,9 +300,8 @@ def measure(args: argparse.Namespace) -> Output:
     target_list = targets(records, p)
     data = {"memcpy_GBps": memcpy / 1e9, "buffer_bytes_env": os.environ.get("TORCH_TP_SHM_BUFFER_BYTES"),
             "checks_worst_rel": checks, "records": records, "targets": target_list}
-    console = [f"{'PASS' if t['pass'] else 'MISS'} {t['target']}: {t['value']}" for t in target_list]
     return Output(tag=f"bench_backend ws={p}", stem=f"backend_ws{p}", data=data, section=results_section,
-                  plot=plot, console=console)
+                  plot=plot, console=target_lines(target_list))
 
 
 def main(argv: Sequence[str]) -> int:

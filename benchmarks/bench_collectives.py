@@ -82,12 +82,15 @@ from _common import (
     add_no_overhead_arg,
     add_output_args,
     add_repeat_scale_arg,
+    bandwidths_GBps,
     figure,
     fmt_size,
     json_link,
+    method_notes,
     noop_phase,
     noop_section,
     parse_size,
+    plot_title,
     rotations,
     run,
     save_figure,
@@ -362,7 +365,6 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: 
         elapsed = time.perf_counter() - t_size
 
         for op in args.ops:
-            bus_factor = 2.0 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
             rec = {
                 "op": op,
                 "size_bytes": nbytes,
@@ -374,9 +376,7 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: 
             }
             for impl in IMPLS:
                 s = samples.stats(f"{op} {impl}", "us")
-                algbw = full_bytes[op] / (s["median_us"] * 1e-6) / 1e9
-                s["algbw_GBps"] = algbw
-                s["busbw_GBps"] = algbw * bus_factor
+                s["algbw_GBps"], s["busbw_GBps"] = bandwidths_GBps(op, full_bytes[op], s["median_us"] * 1e-6, world)
                 rec["impls"][impl] = s
             med = {k: rec["impls"][k]["median_us"] for k in IMPLS}
             rec["torch_tp_overhead_us"] = samples.paired(f"{op} torch_tp", f"{op} raw", "us")
@@ -405,7 +405,6 @@ def bench_overhead(
     batch = args.overhead_batch
     n_batches = max(3, -(-args.overhead_calls // batch))
     records = []
-    t_phase = time.perf_counter()
     for nbytes in args.overhead_sizes:
         t_size = time.perf_counter()
         for op in args.ops:
@@ -439,16 +438,13 @@ def bench_overhead(
                 flush=True,
             )
     return {
-        "backend": dist.get_backend(fake_group),
         "group": "dist.new_group(backend='fake') beside the gloo world group, after importing "
         "torch.testing._internal.distributed.fake_pg (registers torch's FakeProcessGroup)",
-        "world_size": world,
         "sizes": list(args.overhead_sizes),
         "calls_per_impl": n_batches * batch,
         "batch": batch,
         "batches": n_batches,
         "warmup_batches": OVERHEAD_WARMUP_BATCHES,
-        "elapsed_s": time.perf_counter() - t_phase,
         "method": {
             "backend_semantics": "collectives return a completed Work without communicating: all_reduce does "
             "nothing, all_gather / reduce_scatter copy local data into the output; values are not checked, "
@@ -523,7 +519,7 @@ def markdown_table(records: List[Dict]) -> str:
 
 
 def plot(path: str, report: Dict) -> None:
-    records, m = report["results"], report["machine"]
+    records = report["results"]
     ops = [op for op in OPS if any(r["op"] == op for r in records)]
     fig, axes = figure(1, len(ops), (5.2, 4.4))
     styles = {"torch_tp": ("o-", "C0"), "functional": ("s--", "C1"), "raw": ("^:", "C2")}
@@ -545,8 +541,7 @@ def plot(path: str, report: Dict) -> None:
         ax.set_ylabel("latency, us (median; bars p10-p90)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    save_figure(fig, path, f"{m['backend']}, world size {m['world_size']}, {m['cpu_model']} "
-                f"({m['cpus_usable']} cores), torch {m['torch_version']}" + (" [quick]" if report["quick"] else ""))
+    save_figure(fig, path, plot_title(report, threads=False))
 
 
 def results_section(report: Dict) -> List[str]:
@@ -586,9 +581,7 @@ def measure(args: argparse.Namespace) -> Output:
         "device": "cpu",
         "method": {
             "interleaved": "all impls of all ops within each repeat, order rotated per repeat",
-            "barrier_before_each_call": True,
-            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the call",
-            "stat": "median over repeats; p10/p90 reported",
+            **method_notes("call"),
             "overhead_us": "median over repeats of the paired difference torch_tp - raw",
             "ratios": "ratio of medians",
             "busbw": "nccl-tests: all_reduce algbw*2(p-1)/p; all_gather, reduce_scatter algbw*(p-1)/p; "

@@ -109,9 +109,11 @@ from _common import (
     figure,
     json_link,
     materialize,
+    method_notes,
     noop_phase,
     noop_section,
     permutations,
+    plot_title,
     run,
     save_figure,
     scaled_repeats,
@@ -487,9 +489,8 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
     return records
 
 
-def bench_overhead(
-    args: argparse.Namespace, fake_group: dist.ProcessGroup, world_group: dist.ProcessGroup, rank: int, world: int
-) -> Dict:
+def bench_overhead(args: argparse.Namespace, fake_group: dist.ProcessGroup, world_group: dist.ProcessGroup,
+                   rank: int) -> Dict:
     """Per-step time of each implementation on the no-op group (no communication); us per step."""
     batch = args.overhead_batch
     n_batches = max(3, -(-args.overhead_steps // batch))
@@ -501,7 +502,6 @@ def bench_overhead(
     # (the check catches this). Different dim names keep the two meshes apart.
     fake_mesh = DeviceMesh.from_group(fake_group, "cpu", mesh_dim_names=("noop_tp",))
     records = []
-    t_phase = time.perf_counter()
     for size in OVERHEAD_SIZES:
         t_size = time.perf_counter()
         case = Case(size, fake_group, fake_mesh)
@@ -535,15 +535,12 @@ def bench_overhead(
             )
         del case
     return {
-        "backend": dist.get_backend(fake_group),
         "group": "dist.new_group(backend='fake') beside the gloo world group (torch's FakeProcessGroup); "
         "DTensor on DeviceMesh.from_group(fake_group, 'cpu')",
-        "world_size": world,
         "steps_per_impl": n_batches * batch,
         "batch": batch,
         "batches": n_batches,
         "warmup_batches": OVERHEAD_WARMUP_BATCHES,
-        "elapsed_s": time.perf_counter() - t_phase,
         "method": {
             "timing": "perf_counter around a batch of back-to-back steps (grad reset + forward + backward); "
             "per-step = batch time / batch",
@@ -658,7 +655,7 @@ def evaluate_targets(records: List[Dict], overhead: Optional[Dict]) -> List[Dict
 
 
 def plot(path: str, report: Dict) -> None:
-    records, overhead, m = report["results"], report.get("overhead_noop_pg"), report["machine"]
+    records, overhead = report["results"], report.get("overhead_noop_pg")
     panels = [(rec["size"] + " (gloo)", rec["impls"], "ms") for rec in records]
     if overhead and "skipped" not in overhead:
         panels += [(rec["size"] + " (no-op group)", rec["impls"], "us") for rec in overhead["results"]]
@@ -672,9 +669,7 @@ def plot(path: str, report: Dict) -> None:
                   f"fwd+bwd step, {unit} (median; p10-p90)")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    save_figure(fig, path, f"MLP block fwd+bwd, {m['backend']}, world size {m['world_size']}, {m['cpu_model']} "
-                f"({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch {m['torch_version']}"
-                + (" [quick]" if report["quick"] else ""))
+    save_figure(fig, path, "MLP block fwd+bwd, " + plot_title(report))
 
 
 def overhead_lines(overhead: Optional[Dict]) -> List[str]:
@@ -753,11 +748,9 @@ def measure(args: argparse.Namespace) -> Output:
             "this rank's parameter shards; torch_tp vs DTensor, floor and the unsharded block (plain autograd); "
             "fused vs unfused with tanh GELU",
             "interleaved": "one step of each impl per repeat, order cycling through all permutations of the impls",
-            "barrier_before_each_step": True,
+            **method_notes("step"),
             "grad_reset": "grads set to None before each step, untimed",
             "step_end": "y and x.grad materialised (DTensor's AsyncCollectiveTensor waited)",
-            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
-            "stat": "median over repeats; p10/p90 reported",
             "ratios": "ratio of medians",
             "differences": "median over repeats of the paired per-repeat difference",
             "gc": "cyclic GC disabled during the timed steps",
@@ -767,7 +760,7 @@ def measure(args: argparse.Namespace) -> Output:
     }
     overhead: Optional[Dict] = None
     if not args.no_overhead:
-        overhead = noop_phase("bench_linear", group, lambda fake: bench_overhead(args, fake, group, rank, world))
+        overhead = noop_phase("bench_linear", group, lambda fake: bench_overhead(args, fake, group, rank))
     records = bench(args, group, mesh, rank, world)
     targets = evaluate_targets(records, overhead)
     data.update(results=records, targets=targets)

@@ -121,6 +121,8 @@ from _common import (
     close,
     figure,
     materialize,
+    method_notes,
+    plot_title,
     rotations,
     run,
     save_figure,
@@ -731,7 +733,7 @@ def evaluate_targets(records: List[Dict]) -> List[Dict]:
 
 
 def plot(path: str, report: Dict) -> None:
-    records, m = report["results"], report["machine"]
+    records = report["results"]
     fig, axes = figure(1, len(records), (3.3, 3.9))
     colors = {"torch_tp": "C0", "dtensor": "C1", COMPILED: "C2"}
     short = {"torch_tp": "torch_tp", "dtensor": "DTensor", COMPILED: "torch_tp\ncompiled"}
@@ -741,9 +743,7 @@ def plot(path: str, report: Dict) -> None:
                   f"{rec['config']}: DTensor / torch_tp = {rec['dtensor_over_torch_tp']:.2f}\n"
                   f"dim {rec['model_config']['dim']}, b{rec['batch']} x s{rec['seq']}",
                   "fwd+bwd step, ms (median; p10-p90)", title_size=8)
-    save_figure(fig, path, f"Llama TP step (fwd+bwd), {m['backend']}, world size {m['world_size']}, "
-                f"{m['cpu_model']} ({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch "
-                f"{m['torch_version']}" + (" [quick]" if report["quick"] else ""), title_size=9)
+    save_figure(fig, path, "Llama TP step (fwd+bwd), " + plot_title(report), title_size=9)
 
 
 def results_section(report: Dict) -> List[str]:
@@ -833,10 +833,8 @@ def measure(args: argparse.Namespace, lm) -> Output:
             "until_backward_returned": "the same step's time until loss.backward() returned (max over ranks, "
             "median): for DTensor, before its Partial gradients are reduced",
             "interleaved": "one step of each impl per repeat, order alternating",
-            "barrier_before_each_step": True,
+            **method_notes("step"),
             "grad_reset": "zero_grad(set_to_none=True) before each step, untimed",
-            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
-            "stat": "median over repeats; p10/p90 reported",
             "ratio": "DTensor median / torch_tp median",
             "paired_difference": "median over repeats of DTensor - torch_tp",
             "gc": "cyclic GC disabled during the timed steps",
