@@ -150,7 +150,6 @@ FC_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_
 FC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-
 def default_repeats(nbytes: int, quick: bool) -> int:
     table = QUICK_REPEATS if quick else FULL_REPEATS
     if nbytes in table:
@@ -515,7 +514,6 @@ def markdown_table(records: List[Dict]) -> str:
             f"{im['raw']['busbw_GBps']:.3f} |"
         )
     return "\n".join(lines)
-
 
 
 def plot(path: str, report: Dict) -> None:

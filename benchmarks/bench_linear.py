@@ -557,9 +557,6 @@ def bench_overhead(args: argparse.Namespace, fake_group: dist.ProcessGroup, worl
 # ---------------------------------------------------------------------------
 # reporting
 
-# ---------------------------------------------------------------------------
-# reporting
-
 
 def fmt_ms(ms: float) -> str:
     return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
@@ -651,7 +648,6 @@ def evaluate_targets(records: List[Dict], overhead: Optional[Dict]) -> List[Dict
                 }
             )
     return targets
-
 
 
 def plot(path: str, report: Dict) -> None:

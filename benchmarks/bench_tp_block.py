@@ -203,7 +203,6 @@ def impls_of(args: argparse.Namespace) -> List[str]:
     return IMPLS + [COMPILED] if args.compile else list(IMPLS)
 
 
-
 RTOL = 1e-4  # fp32
 ATOL_SCALE = 1e-5  # atol = this * max |reference| (per tensor)
 EXAMPLE_TARGET = 1.5  # DTensor / torch_tp on the example model
@@ -731,7 +730,6 @@ def evaluate_targets(records: List[Dict]) -> List[Dict]:
     return targets
 
 
-
 def plot(path: str, report: Dict) -> None:
     records = report["results"]
     fig, axes = figure(1, len(records), (3.3, 3.9))
@@ -800,7 +798,6 @@ def results_section(report: Dict) -> List[str]:
         "",
         f"Raw figures, per-repeat times, per-rank medians and check differences: [{stem}.json]({stem}.json).",
     ]
-
 
 
 # ---------------------------------------------------------------------------
