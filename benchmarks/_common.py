@@ -76,6 +76,14 @@ def fmt_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def bandwidths_GBps(op: str, nbytes: int, seconds: float, p: int) -> Tuple[float, float]:
+    """``(algbw, busbw)`` of a collective over ``nbytes`` (S: the all_reduce tensor, the all_gather output, the
+    reduce_scatter input) in ``seconds`` on ``p`` ranks, GB/s (1e9 B/s), as nccl-tests define them: ``algbw =
+    S / t``; ``busbw = algbw * 2(p-1)/p`` for all_reduce, ``algbw * (p-1)/p`` for all_gather and reduce_scatter."""
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * (2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p)
+
+
 # ---------------------------------------------------------------------------
 # the run's setting
 
@@ -172,6 +180,22 @@ def check_everywhere(
     return dict(zip(sorted(worst), vals.tolist()))
 
 
+def rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference, relative to the largest magnitude of ``ref``."""
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, what: str, rtol: float, atol_scale: float,
+          min_scale: float = 1e-30) -> float:
+    """``torch.testing.assert_close`` in float32, ``atol = atol_scale * max(max|ref|, min_scale)`` (a tolerance
+    on the tensor's own scale), naming ``what`` in the error. Returns :func:`rel_diff`."""
+    got, ref = got.detach().float(), ref.detach().float()
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=atol_scale * max(scale, min_scale),
+                               msg=lambda m: f"{what}: {m}")
+    return rel_diff(got, ref)
+
+
 def materialize(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Wait for an eager functional collective's result (an AsyncCollectiveTensor, also inside a DTensor):
     DTensor hands back its outputs and gradients before their collectives have finished."""
@@ -210,15 +234,18 @@ def make_noop_group(world_group: dist.ProcessGroup) -> Tuple[Optional[dist.Proce
 
 
 def noop_phase(name: str, world_group: dist.ProcessGroup, measure: Callable[[dist.ProcessGroup], Dict]) -> Dict:
-    """``measure(fake_group)`` on a no-op group (:func:`make_noop_group`), or ``{"skipped": why}`` where torch
-    cannot make one. Its collectives complete at once without communicating, so what a step costs there is
+    """``measure(fake_group)`` on a no-op group (:func:`make_noop_group`), with the group's backend, the world
+    size and the phase's seconds, or ``{"skipped": why}`` where torch cannot make one. Its collectives complete at once without communicating, so what a step costs there is
     each layer's own work: dispatch, argument checks, allocation, autograd."""
     fake_group, why = make_noop_group(world_group)
     if fake_group is None:
         if dist.get_rank() == 0:
             print(f"[{name}] no-op group phase skipped: {why}", flush=True)
         return {"skipped": why, "world_size": world_group.size()}
-    return measure(fake_group)
+    start = time.perf_counter()
+    phase = measure(fake_group)
+    return {"backend": dist.get_backend(fake_group), "world_size": world_group.size(), **phase,
+            "elapsed_s": time.perf_counter() - start}
 
 
 # ---------------------------------------------------------------------------
@@ -280,6 +307,17 @@ def wall_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float
     return (t1 - t0) / calls, laps
 
 
+def cuda_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
+    """:func:`wall_time` on a GPU: seconds per call between CUDA events recorded on the current stream (no laps)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls, {}
+
+
 class Samples:
     """The times :func:`time_interleaved` took: ``per_rank[key]`` is ``[ranks, repeats]``, seconds."""
 
@@ -301,9 +339,13 @@ class Samples:
     def median(self, key: str, unit: str = "ms") -> float:
         return median(self.max(key)) * UNITS[unit]
 
+    def paired_stats(self, a: str, b: str, unit: str = "ms") -> Dict[str, float]:
+        """:func:`stats` over repeats of ``a - b``: the repeats interleave both, so the difference cancels drift."""
+        return stats(self.max(a) - self.max(b), unit)
+
     def paired(self, a: str, b: str, unit: str = "ms") -> float:
-        """The median over repeats of ``a - b``: the repeats interleave both, so the difference cancels drift."""
-        return median(self.max(a) - self.max(b)) * UNITS[unit]
+        """The median over repeats of ``a - b`` (:meth:`paired_stats`)."""
+        return self.paired_stats(a, b, unit)[f"median_{unit}"]
 
 
 def time_interleaved(
@@ -332,7 +374,7 @@ def time_interleaved(
         warmup: untimed rounds first, the same as the timed ones.
         barrier: ``"step"``: ``dist.barrier(group)`` before every timed step; ``"round"``: once before each
             round (batched steps); or a callable, ``barrier(key)`` before that step.
-        timer: ``timer(fn, calls) -> (seconds per call, laps)`` (:func:`wall_time`; CUDA events on a GPU).
+        timer: ``timer(fn, calls) -> (seconds per call, laps)`` (:func:`wall_time`; :func:`cuda_time` on a GPU).
         gc_off: cyclic GC off while timing.
 
     Returns:
@@ -396,6 +438,24 @@ def update_results_md(path: str, section: str, begin_marker: str, end_marker: st
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def method_notes(unit: str) -> Dict[str, Any]:
+    """The json's "method" entries for NOTE [method] as every torchrun benchmark applies it; ``unit``: what one
+    timed sample is ("step", "call")."""
+    return {
+        f"barrier_before_each_{unit}": True,
+        "per_repeat_time": f"max over ranks of each rank's wall time (perf_counter) of the {unit}",
+        "stat": "median over repeats; p10/p90 reported",
+    }
+
+
+def plot_title(report: Dict, threads: bool = True) -> str:
+    """A plot's title past its subject: backend, world size, CPU, cores (and ``threads`` per rank), torch."""
+    m = report["machine"]
+    cores = f"{m['cpus_usable']} cores" + (f", {m['torch_num_threads']} thread/rank" if threads else "")
+    return (f"{m['backend']}, world size {m['world_size']}, {m['cpu_model']} ({cores}), torch {m['torch_version']}"
+            + (" [quick]" if report["quick"] else ""))
 
 
 def quick_note(meta: Dict) -> str:
@@ -492,13 +552,32 @@ def bar_panel(ax, labels: List[str], colors: List[str], stats_list: List[Dict], 
 # the runner
 
 
-def add_output_args(parser, files: str, quick: str) -> None:
-    """``--out-dir``, ``--quick`` and ``--no-results-md``, which every benchmark takes."""
-    parser.add_argument("--out-dir", default="benchmarks",
-                        help=f"directory for {files} and RESULTS.md (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help=quick)
+def add_output_args(parser, files: str = "", quick: Optional[str] = None, out_dir: str = "benchmarks") -> None:
+    """``--out-dir`` (for ``files`` and RESULTS.md), ``--no-results-md`` and, for a script with a smoke mode
+    (``quick``: its help), ``--quick``."""
+    parser.add_argument("--out-dir", default=out_dir,
+                        help=f"directory for {files + ' and ' if files else ''}RESULTS.md (default: %(default)s)")
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--no-results-md", action="store_true",
-                        help="do not update RESULTS.md (still writes the json and png)")
+                        help="do not update RESULTS.md" + (" (still writes the json and png)" if files else ""))
+
+
+def add_repeat_scale_arg(parser, per: str) -> None:
+    """``--repeat-scale``: a factor on the number of timed repeats of each ``per`` (size, configuration)."""
+    parser.add_argument("--repeat-scale", type=float, default=1.0,
+                        help=f"multiply the per-{per} number of timed repeats by this factor (default: %(default)s)")
+
+
+def scaled_repeats(repeats: int, scale: float) -> int:
+    """``repeats`` times ``--repeat-scale``, at least 3 (a median and p10/p90 need a few)."""
+    return max(3, round(repeats * scale))
+
+
+def add_no_overhead_arg(parser, what: str) -> None:
+    """``--no-overhead``: skip the :func:`noop_phase` (``what``: "per-call", "per-step")."""
+    parser.add_argument("--no-overhead", action="store_true",
+                        help=f"skip the {what} overhead phase on the no-op (fake backend) process group")
 
 
 @dataclass

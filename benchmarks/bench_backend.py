@@ -63,10 +63,13 @@ from _common import (
     KiB,
     MiB,
     Output,
+    add_output_args,
+    bandwidths_GBps,
     check_everywhere,
     figure,
     fmt_size,
     median,
+    rel_diff,
     run,
     save_figure,
     target_lines,
@@ -90,10 +93,6 @@ def repeats(size: int, quick: bool) -> int:
     if quick:
         return 3
     return 30 if size <= MiB else 15 if size <= 16 * MiB else 7
-
-
-def bus_factor(op: str, p: int) -> float:
-    return 2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p
 
 
 class Collective:
@@ -140,7 +139,7 @@ def check(groups: Dict[str, object], op: str, dtype: torch.dtype, p: int, rank: 
         tol = 0.0
     else:
         tol = (1e-6 if dtype == torch.float32 else 2.0**-8) * p
-    worst = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    worst = rel_diff(ours, theirs)
     if worst > tol:
         raise AssertionError(f"torch_tp differs from gloo by {worst:.3g} relative (tolerance {tol:g})")
     return {f"{op} {str(dtype).removeprefix('torch.')}": worst}
@@ -174,10 +173,10 @@ def measure_pair(op: str, dtype_name: str, size: int, groups: Dict, p: int, rank
     record = {"op": op, "dtype": dtype_name, "bytes": size, "backends": {}}
     for name in BACKENDS:
         st = samples.stats(name, "us")
-        algbw = size / (st["median_us"] * 1e-6)
+        algbw, busbw = bandwidths_GBps(op, size, st["median_us"] * 1e-6, p)
         record["backends"][name] = {
             **{k: st[k] for k in ("median_us", "p10_us", "p90_us")},
-            "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(op, p) / 1e9,
+            "algbw_GBps": algbw, "busbw_GBps": busbw,
             "samples_s": samples.max(name).tolist(),
         }
     gloo, ours = record["backends"]["gloo"], record["backends"]["torch_tp"]
@@ -274,9 +273,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="torch_tp backend vs gloo: all_reduce, all_gather, reduce_scatter latency and bus bandwidth "
                     "(launch with torchrun --nproc-per-node 2 or 4)")
-    parser.add_argument("--out-dir", default="benchmarks", help="where the json, png and RESULTS.md go")
-    parser.add_argument("--quick", action="store_true", help="smoke run: four sizes, three repeats")
-    parser.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still json, png)")
+    add_output_args(parser, "backend_ws<p>.json, backend_ws<p>.png", quick="smoke run: four sizes, three repeats")
     return parser.parse_args(argv)
 
 
@@ -303,9 +300,8 @@ def measure(args: argparse.Namespace) -> Output:
     target_list = targets(records, p)
     data = {"memcpy_GBps": memcpy / 1e9, "buffer_bytes_env": os.environ.get("TORCH_TP_SHM_BUFFER_BYTES"),
             "checks_worst_rel": checks, "records": records, "targets": target_list}
-    console = [f"{'PASS' if t['pass'] else 'MISS'} {t['target']}: {t['value']}" for t in target_list]
     return Output(tag=f"bench_backend ws={p}", stem=f"backend_ws{p}", data=data, section=results_section,
-                  plot=plot, console=console)
+                  plot=plot, console=target_lines(target_list))
 
 
 def main(argv: Sequence[str]) -> int:

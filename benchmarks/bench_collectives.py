@@ -79,15 +79,22 @@ from _common import (
     KiB,
     MiB,
     Output,
+    add_no_overhead_arg,
+    add_output_args,
+    add_repeat_scale_arg,
+    bandwidths_GBps,
     figure,
     fmt_size,
     json_link,
+    method_notes,
     noop_phase,
     noop_section,
     parse_size,
+    plot_title,
     rotations,
     run,
     save_figure,
+    scaled_repeats,
     section_head,
     time_interleaved,
 )
@@ -143,7 +150,6 @@ FC_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_
 FC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-
 def default_repeats(nbytes: int, quick: bool) -> int:
     table = QUICK_REPEATS if quick else FULL_REPEATS
     if nbytes in table:
@@ -172,16 +178,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "section of RESULTS.md into --out-dir."
         ),
     )
-    p.add_argument(
-        "--out-dir",
-        default="benchmarks",
-        help="directory for collectives.json, collectives.png and RESULTS.md (default: %(default)s)",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run (~40 s): same sizes, about a tenth of the repeats and of the no-op-group calls",
-    )
+    add_output_args(p, "collectives.json, collectives.png",
+                    quick="smoke run (~40 s): same sizes, about a tenth of the repeats and of the no-op-group calls")
     p.add_argument(
         "--sizes",
         default=None,
@@ -192,12 +190,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=",".join(OPS),
         help="comma-separated subset of the ops to run (default: %(default)s)",
     )
-    p.add_argument(
-        "--repeat-scale",
-        type=float,
-        default=1.0,
-        help="multiply the per-size number of timed repeats by this factor (default: %(default)s)",
-    )
+    add_repeat_scale_arg(p, "size")
     p.add_argument(
         "--warmup",
         type=int,
@@ -205,11 +198,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="untimed calls per (size, op, implementation) before timing (default: 5, 2 with --quick; "
         "halved for sizes >= 16 MiB)",
     )
-    p.add_argument(
-        "--no-overhead",
-        action="store_true",
-        help="skip the per-call overhead phase on the no-op (fake backend) process group",
-    )
+    add_no_overhead_arg(p, "per-call")
     p.add_argument(
         "--overhead-sizes",
         default=None,
@@ -229,11 +218,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help=f"calls per timed batch in the overhead phase (default: {OVERHEAD_BATCH}, "
         f"{OVERHEAD_BATCH_QUICK} with --quick)",
-    )
-    p.add_argument(
-        "--no-results-md",
-        action="store_true",
-        help="do not update RESULTS.md (still writes the json and png)",
     )
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES)
@@ -364,7 +348,7 @@ def check_agreement(
 def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: int) -> List[Dict]:
     records = []
     for nbytes in args.sizes:
-        repeats = max(3, round(default_repeats(nbytes, args.quick) * args.repeat_scale))
+        repeats = scaled_repeats(default_repeats(nbytes, args.quick), args.repeat_scale)
         warmup = max(1, args.warmup // 2) if nbytes >= 16 * MiB else args.warmup
         steps, resets, full_bytes = {}, {}, {}
         for op in args.ops:
@@ -380,7 +364,6 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: 
         elapsed = time.perf_counter() - t_size
 
         for op in args.ops:
-            bus_factor = 2.0 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
             rec = {
                 "op": op,
                 "size_bytes": nbytes,
@@ -392,9 +375,7 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, rank: int, world: 
             }
             for impl in IMPLS:
                 s = samples.stats(f"{op} {impl}", "us")
-                algbw = full_bytes[op] / (s["median_us"] * 1e-6) / 1e9
-                s["algbw_GBps"] = algbw
-                s["busbw_GBps"] = algbw * bus_factor
+                s["algbw_GBps"], s["busbw_GBps"] = bandwidths_GBps(op, full_bytes[op], s["median_us"] * 1e-6, world)
                 rec["impls"][impl] = s
             med = {k: rec["impls"][k]["median_us"] for k in IMPLS}
             rec["torch_tp_overhead_us"] = samples.paired(f"{op} torch_tp", f"{op} raw", "us")
@@ -423,7 +404,6 @@ def bench_overhead(
     batch = args.overhead_batch
     n_batches = max(3, -(-args.overhead_calls // batch))
     records = []
-    t_phase = time.perf_counter()
     for nbytes in args.overhead_sizes:
         t_size = time.perf_counter()
         for op in args.ops:
@@ -457,16 +437,13 @@ def bench_overhead(
                 flush=True,
             )
     return {
-        "backend": dist.get_backend(fake_group),
         "group": "dist.new_group(backend='fake') beside the gloo world group, after importing "
         "torch.testing._internal.distributed.fake_pg (registers torch's FakeProcessGroup)",
-        "world_size": world,
         "sizes": list(args.overhead_sizes),
         "calls_per_impl": n_batches * batch,
         "batch": batch,
         "batches": n_batches,
         "warmup_batches": OVERHEAD_WARMUP_BATCHES,
-        "elapsed_s": time.perf_counter() - t_phase,
         "method": {
             "backend_semantics": "collectives return a completed Work without communicating: all_reduce does "
             "nothing, all_gather / reduce_scatter copy local data into the output; values are not checked, "
@@ -539,9 +516,8 @@ def markdown_table(records: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-
 def plot(path: str, report: Dict) -> None:
-    records, m = report["results"], report["machine"]
+    records = report["results"]
     ops = [op for op in OPS if any(r["op"] == op for r in records)]
     fig, axes = figure(1, len(ops), (5.2, 4.4))
     styles = {"torch_tp": ("o-", "C0"), "functional": ("s--", "C1"), "raw": ("^:", "C2")}
@@ -563,8 +539,7 @@ def plot(path: str, report: Dict) -> None:
         ax.set_ylabel("latency, us (median; bars p10-p90)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    save_figure(fig, path, f"{m['backend']}, world size {m['world_size']}, {m['cpu_model']} "
-                f"({m['cpus_usable']} cores), torch {m['torch_version']}" + (" [quick]" if report["quick"] else ""))
+    save_figure(fig, path, plot_title(report, threads=False))
 
 
 def results_section(report: Dict) -> List[str]:
@@ -604,9 +579,7 @@ def measure(args: argparse.Namespace) -> Output:
         "device": "cpu",
         "method": {
             "interleaved": "all impls of all ops within each repeat, order rotated per repeat",
-            "barrier_before_each_call": True,
-            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the call",
-            "stat": "median over repeats; p10/p90 reported",
+            **method_notes("call"),
             "overhead_us": "median over repeats of the paired difference torch_tp - raw",
             "ratios": "ratio of medians",
             "busbw": "nccl-tests: all_reduce algbw*2(p-1)/p; all_gather, reduce_scatter algbw*(p-1)/p; "

@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _common import Output, figure, rotations, run, save_figure, time_interleaved
+from _common import Output, add_output_args, check_everywhere, figure, rotations, run, save_figure, time_interleaved
 
 import torch_tp
 
@@ -76,15 +76,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--backend", default="gloo", choices=["gloo", "torch_tp"],
                    help="process-group backend for both wrappers (default: %(default)s)")
-    p.add_argument("--out-dir", default="benchmarks",
-                   help="directory for ddp.json, ddp.png and RESULTS.md (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="smoke run: small model, few repeats")
+    add_output_args(p, "ddp.json, ddp.png", quick="smoke run: small model, few repeats")
     p.add_argument("--bucket-mb", default="1,5,25,100", help="comma-separated bucket caps in MiB (default: %(default)s)")
     p.add_argument("--layers", type=int, default=8, help="Linear layers (default: %(default)s)")
     p.add_argument("--dim", type=int, default=1536, help="layer width (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="rows per rank (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=9, help="timed repeats per bucket cap (default: %(default)s)")
-    p.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still writes json, png)")
     args = p.parse_args(argv)
     args.bucket_mb = [float(v) for v in args.bucket_mb.split(",") if v.strip()]
     if args.quick:
@@ -130,10 +127,14 @@ def bench(args: argparse.Namespace, rank: int) -> List[Dict]:
         # NOTE [same computation]
         same = all(torch.equal(p.grad, q.grad)
                    for p, q in zip(wrapped["torch_tp"].parameters(), wrapped["torch"].parameters()))
-        flag = torch.tensor([0 if same else 1])
-        dist.all_reduce(flag)
-        if flag.item():
-            raise RuntimeError(f"bucket {cap} MiB: torch_tp and torch DDP gradients differ; refusing to time")
+
+        def same_grads() -> Dict[str, float]:
+            if not same:
+                raise AssertionError("gradients not bitwise equal")
+            return {}
+
+        check_everywhere(same_grads, f"bench_ddp: bucket {cap:g} MiB: torch_tp and torch DDP gradients differ",
+                         dist.group.WORLD)
 
         flat = torch.zeros(numel)
         chunk = max(1, int(cap * 1024 * 1024) // 4)

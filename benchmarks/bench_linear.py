@@ -100,16 +100,23 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
 from _common import (
     Output,
+    add_no_overhead_arg,
+    add_output_args,
+    add_repeat_scale_arg,
     bar_panel,
     check_everywhere,
+    close,
     figure,
     json_link,
     materialize,
+    method_notes,
     noop_phase,
     noop_section,
     permutations,
+    plot_title,
     run,
     save_figure,
+    scaled_repeats,
     section_head,
     target_lines,
     time_interleaved,
@@ -203,16 +210,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "linear.png and the bench_linear section of RESULTS.md into --out-dir."
         ),
     )
-    p.add_argument(
-        "--out-dir",
-        default="benchmarks",
-        help="directory for linear.json, linear.png and RESULTS.md (default: %(default)s)",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: the sizes but the largest, a few repeats each, a short no-op-group phase",
-    )
+    add_output_args(p, "linear.json, linear.png",
+                    quick="smoke run: the sizes but the largest, a few repeats each, a short no-op-group phase")
     p.add_argument(
         "--sizes",
         default=None,
@@ -222,22 +221,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         + ",".join(fmt_size(s) for s in QUICK_SIZES)
         + ")",
     )
-    p.add_argument(
-        "--repeat-scale",
-        type=float,
-        default=1.0,
-        help="multiply the per-size number of timed repeats by this factor (default: %(default)s)",
-    )
-    p.add_argument(
-        "--no-overhead",
-        action="store_true",
-        help="skip the per-step overhead phase on the no-op (fake backend) process group",
-    )
-    p.add_argument(
-        "--no-results-md",
-        action="store_true",
-        help="do not update RESULTS.md (still writes the json and png)",
-    )
+    add_repeat_scale_arg(p, "size")
+    add_no_overhead_arg(p, "per-step")
     args = p.parse_args(argv)
     args.sizes = parse_sizes(args.sizes) if args.sizes else list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     if not args.sizes:
@@ -442,15 +427,9 @@ class Case:
                 raise AssertionError(
                     f"{fmt_size(self.size)} {name}: result names differ: {sorted(got)} vs {sorted(ref)}"
                 )
-            rel = 0.0
-            for k in ref:
-                # atol: fp32's default 1e-5, scaled with the tensor's magnitude.
-                torch.testing.assert_close(
-                    got[k], ref[k], rtol=RTOL, atol=1e-5 * max(1.0, ref[k].abs().max().item()),
-                    msg=lambda m, k=k, name=name: f"{fmt_size(self.size)}: {name}: {k}: {m}",
-                )
-                rel = max(rel, ((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item())
-            worst[name] = rel
+            # atol: fp32's default 1e-5, scaled with the tensor's magnitude where that is above 1.
+            worst[name] = max(close(got[k], ref[k], f"{fmt_size(self.size)}: {name}: {k}", RTOL, 1e-5, min_scale=1.0)
+                              for k in ref)
         return worst
 
 
@@ -466,7 +445,7 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
         # also the first (untimed) step of each
         agreement = check_everywhere(
             case.check, f"bench_linear: the implementations disagree at {fmt_size(case.size)}", group)
-        repeats = max(3, round(nearest(QUICK_REPEATS if args.quick else FULL_REPEATS, size) * args.repeat_scale))
+        repeats = scaled_repeats(nearest(QUICK_REPEATS if args.quick else FULL_REPEATS, size), args.repeat_scale)
         warmup = nearest(QUICK_WARMUP if args.quick else FULL_WARMUP, size)
         # Every order of the implementations, cycled through repeat by repeat.
         samples = time_interleaved(case.steps, repeats, group, order=permutations(IMPLS), reset=case.resets,
@@ -510,9 +489,8 @@ def bench(args: argparse.Namespace, group: dist.ProcessGroup, mesh: DeviceMesh, 
     return records
 
 
-def bench_overhead(
-    args: argparse.Namespace, fake_group: dist.ProcessGroup, world_group: dist.ProcessGroup, rank: int, world: int
-) -> Dict:
+def bench_overhead(args: argparse.Namespace, fake_group: dist.ProcessGroup, world_group: dist.ProcessGroup,
+                   rank: int) -> Dict:
     """Per-step time of each implementation on the no-op group (no communication); us per step."""
     batch = args.overhead_batch
     n_batches = max(3, -(-args.overhead_steps // batch))
@@ -524,7 +502,6 @@ def bench_overhead(
     # (the check catches this). Different dim names keep the two meshes apart.
     fake_mesh = DeviceMesh.from_group(fake_group, "cpu", mesh_dim_names=("noop_tp",))
     records = []
-    t_phase = time.perf_counter()
     for size in OVERHEAD_SIZES:
         t_size = time.perf_counter()
         case = Case(size, fake_group, fake_mesh)
@@ -558,15 +535,12 @@ def bench_overhead(
             )
         del case
     return {
-        "backend": dist.get_backend(fake_group),
         "group": "dist.new_group(backend='fake') beside the gloo world group (torch's FakeProcessGroup); "
         "DTensor on DeviceMesh.from_group(fake_group, 'cpu')",
-        "world_size": world,
         "steps_per_impl": n_batches * batch,
         "batch": batch,
         "batches": n_batches,
         "warmup_batches": OVERHEAD_WARMUP_BATCHES,
-        "elapsed_s": time.perf_counter() - t_phase,
         "method": {
             "timing": "perf_counter around a batch of back-to-back steps (grad reset + forward + backward); "
             "per-step = batch time / batch",
@@ -579,9 +553,6 @@ def bench_overhead(
         "results": records,
     }
 
-
-# ---------------------------------------------------------------------------
-# reporting
 
 # ---------------------------------------------------------------------------
 # reporting
@@ -679,9 +650,8 @@ def evaluate_targets(records: List[Dict], overhead: Optional[Dict]) -> List[Dict
     return targets
 
 
-
 def plot(path: str, report: Dict) -> None:
-    records, overhead, m = report["results"], report.get("overhead_noop_pg"), report["machine"]
+    records, overhead = report["results"], report.get("overhead_noop_pg")
     panels = [(rec["size"] + " (gloo)", rec["impls"], "ms") for rec in records]
     if overhead and "skipped" not in overhead:
         panels += [(rec["size"] + " (no-op group)", rec["impls"], "us") for rec in overhead["results"]]
@@ -695,9 +665,7 @@ def plot(path: str, report: Dict) -> None:
                   f"fwd+bwd step, {unit} (median; p10-p90)")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    save_figure(fig, path, f"MLP block fwd+bwd, {m['backend']}, world size {m['world_size']}, {m['cpu_model']} "
-                f"({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch {m['torch_version']}"
-                + (" [quick]" if report["quick"] else ""))
+    save_figure(fig, path, "MLP block fwd+bwd, " + plot_title(report))
 
 
 def overhead_lines(overhead: Optional[Dict]) -> List[str]:
@@ -776,11 +744,9 @@ def measure(args: argparse.Namespace) -> Output:
             "this rank's parameter shards; torch_tp vs DTensor, floor and the unsharded block (plain autograd); "
             "fused vs unfused with tanh GELU",
             "interleaved": "one step of each impl per repeat, order cycling through all permutations of the impls",
-            "barrier_before_each_step": True,
+            **method_notes("step"),
             "grad_reset": "grads set to None before each step, untimed",
             "step_end": "y and x.grad materialised (DTensor's AsyncCollectiveTensor waited)",
-            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
-            "stat": "median over repeats; p10/p90 reported",
             "ratios": "ratio of medians",
             "differences": "median over repeats of the paired per-repeat difference",
             "gc": "cyclic GC disabled during the timed steps",
@@ -790,7 +756,7 @@ def measure(args: argparse.Namespace) -> Output:
     }
     overhead: Optional[Dict] = None
     if not args.no_overhead:
-        overhead = noop_phase("bench_linear", group, lambda fake: bench_overhead(args, fake, group, rank, world))
+        overhead = noop_phase("bench_linear", group, lambda fake: bench_overhead(args, fake, group, rank))
     records = bench(args, group, mesh, rank, world)
     targets = evaluate_targets(records, overhead)
     data.update(results=records, targets=targets)

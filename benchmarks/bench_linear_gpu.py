@@ -27,16 +27,14 @@ rewritten with the table, the device and the command.
 import argparse
 import os
 import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Output, run, time_interleaved, wall_time  # noqa: E402
-
-import torch_tp  # noqa: E402,F401  (registers torch.ops.torch_tp.*)
+import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
+from _common import Output, add_output_args, cuda_time, rel_diff, run, time_interleaved, wall_time
 
 TAG = "bench_linear_gpu"
 TOLERANCE = 2e-2  # bf16: the variants differ by a few roundings of the output's scale
@@ -50,20 +48,8 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)))
-    parser.add_argument("--no-results-md", action="store_true", help="print only; leave RESULTS.md alone")
+    add_output_args(parser, out_dir=os.path.dirname(os.path.abspath(__file__)))
     return parser.parse_args(argv)
-
-
-def cuda_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
-    """Seconds per call, between CUDA events recorded on the current stream (no laps)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / calls, {}
 
 
 def measure(args: argparse.Namespace) -> Output:
@@ -109,7 +95,7 @@ def measure(args: argparse.Namespace) -> Output:
         for ours, theirs in [("column_parallel_linear", "nn.Linear"), ("row_parallel_linear", "nn.Linear"),
                              ("fused epilogue", "unfused linear+gelu")]:
             a, e = variants[ours]().float(), variants[theirs]().float()
-            error = ((a - e).abs().max() / e.abs().max()).item()
+            error = rel_diff(a, e)
             if error > TOLERANCE:
                 raise RuntimeError(f"bench_linear_gpu: {ours} differs from {theirs} by {error:.2e} of the scale")
 

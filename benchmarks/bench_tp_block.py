@@ -114,15 +114,20 @@ from torch.distributed.tensor import DTensor
 import torch_tp
 from _common import (
     Output,
+    add_output_args,
+    add_repeat_scale_arg,
     bar_panel,
     check_everywhere,
+    close,
     figure,
     materialize,
+    method_notes,
+    plot_title,
     rotations,
     run,
     save_figure,
+    scaled_repeats,
     section_head,
-    stats,
     target_lines,
     time_interleaved,
 )
@@ -198,7 +203,6 @@ def impls_of(args: argparse.Namespace) -> List[str]:
     return IMPLS + [COMPILED] if args.compile else list(IMPLS)
 
 
-
 RTOL = 1e-4  # fp32
 ATOL_SCALE = 1e-5  # atol = this * max |reference| (per tensor)
 EXAMPLE_TARGET = 1.5  # DTensor / torch_tp on the example model
@@ -225,14 +229,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "tensor parallelism, side by side in one torchrun job (gloo by default, CPU, float32)."
         ),
     )
-    p.add_argument("--out-dir", default="benchmarks",
-                   help="directory for tp_block.json, tp_block.png and RESULTS.md (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="smoke run: every configuration, a few repeats")
+    add_output_args(p, "tp_block.json, tp_block.png", quick="smoke run: every configuration, a few repeats")
     p.add_argument("--configs", default=None,
                    help="comma-separated subset of " + ",".join(CONFIG_NAMES) + " (default: all)")
-    p.add_argument("--repeat-scale", type=float, default=1.0,
-                   help="multiply each configuration's number of timed repeats by this factor (default: %(default)s)")
-    p.add_argument("--no-results-md", action="store_true", help="do not update RESULTS.md (still writes json, png)")
+    add_repeat_scale_arg(p, "configuration")
     p.add_argument("--optimizer", choices=["fused", "for-loop"], default="fused",
                    help="the AdamW timed after each step: the example's fused one (default), or torch's for-loop "
                    "implementation (foreach=False: one DTensor dispatch per parameter and op)")
@@ -273,19 +273,6 @@ def gather_pieces(local: torch.Tensor, dim: int, full_len: int, group: dist.Proc
     outs = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(outs, buf, group=group)
     return torch.cat([o.narrow(dim, 0, n) for o, n in zip(outs, lengths)], dim=dim)
-
-
-def close(got: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    """assert_close with the benchmark's tolerances; returns the max relative difference (to max |ref|)."""
-    got, ref = got.detach().float(), ref.detach().float()
-    # atol relative to the tensor's own scale, never an absolute floor: some gradients here are ~1e-6
-    # (the norm weights' under a mean loss), which a fixed atol of 1e-5 would let through however wrong.
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    torch.testing.assert_close(
-        got, ref, rtol=RTOL, atol=ATOL_SCALE * max(scale, 1e-30),
-        msg=lambda m: f"{what}: {m}",
-    )
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------------------
@@ -490,13 +477,16 @@ class Case:
             pairs += [(COMPILED, "torch_tp"), (COMPILED, "reference")]
         for a, b in pairs:
             what = f"{self.cfg.name}: {a} vs {b}"
-            rel = close(losses[a], losses[b], f"{what}: loss")
+            # atol on each tensor's own scale, never an absolute floor (close's default): some gradients here
+            # are tiny (the norm weights' under a mean loss), which a fixed atol of 1e-5 would let through
+            # however wrong.
+            rel = close(losses[a], losses[b], f"{what}: loss", RTOL, ATOL_SCALE)
             if set(grads[a]) != set(grads[b]):
                 raise AssertionError(f"{what}: gradient names differ: {sorted(grads[a])} vs {sorted(grads[b])}")
             for name in grads[b]:
-                rel = max(rel, close(grads[a][name], grads[b][name], f"{what}: grad of {name}"))
+                rel = max(rel, close(grads[a][name], grads[b][name], f"{what}: grad of {name}", RTOL, ATOL_SCALE))
             for name in extras.get(b, {}):
-                rel = max(rel, close(extras[a][name], extras[b][name], f"{what}: {name}"))
+                rel = max(rel, close(extras[a][name], extras[b][name], f"{what}: {name}", RTOL, ATOL_SCALE))
             worst[f"{a} vs {b}"] = rel
         self.loss_value = float(losses["reference"])
         self.outputs.clear()
@@ -586,7 +576,7 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         )
         collectives = {impl: count_collectives(case, impl) for impl in impls}  # rank 0's go in the json
         t_checked = time.perf_counter()
-        repeats = max(3, round((cfg.quick_repeats if args.quick else cfg.repeats) * args.repeat_scale))
+        repeats = scaled_repeats(cfg.quick_repeats if args.quick else cfg.repeats, args.repeat_scale)
         warmup = cfg.quick_warmup if args.quick else cfg.warmup
 
         samples = time_interleaved({impl: training_step(case, impl) for impl in impls}, repeats, group,
@@ -633,7 +623,7 @@ def bench(args: argparse.Namespace, lm, mesh: DeviceMesh, rank: int, world: int)
         if COMPILED in impls:  # how many times faster compiled blocks make torch_tp's step
             rec["eager_over_compiled"] = med["torch_tp"] / med[COMPILED]
             rec["dtensor_over_compiled"] = med["dtensor"] / med[COMPILED]
-        diffs = stats(samples.max("dtensor/step") - samples.max("torch_tp/step"), "ms")
+        diffs = samples.paired_stats("dtensor/step", "torch_tp/step", "ms")
         rec["dtensor_minus_torch_tp_ms"] = diffs["median_ms"]
         rec["dtensor_minus_torch_tp_p10_p90_ms"] = [diffs["p10_ms"], diffs["p90_ms"]]
         records.append(rec)
@@ -740,9 +730,8 @@ def evaluate_targets(records: List[Dict]) -> List[Dict]:
     return targets
 
 
-
 def plot(path: str, report: Dict) -> None:
-    records, m = report["results"], report["machine"]
+    records = report["results"]
     fig, axes = figure(1, len(records), (3.3, 3.9))
     colors = {"torch_tp": "C0", "dtensor": "C1", COMPILED: "C2"}
     short = {"torch_tp": "torch_tp", "dtensor": "DTensor", COMPILED: "torch_tp\ncompiled"}
@@ -752,9 +741,7 @@ def plot(path: str, report: Dict) -> None:
                   f"{rec['config']}: DTensor / torch_tp = {rec['dtensor_over_torch_tp']:.2f}\n"
                   f"dim {rec['model_config']['dim']}, b{rec['batch']} x s{rec['seq']}",
                   "fwd+bwd step, ms (median; p10-p90)", title_size=8)
-    save_figure(fig, path, f"Llama TP step (fwd+bwd), {m['backend']}, world size {m['world_size']}, "
-                f"{m['cpu_model']} ({m['cpus_usable']} cores, {m['torch_num_threads']} thread/rank), torch "
-                f"{m['torch_version']}" + (" [quick]" if report["quick"] else ""), title_size=9)
+    save_figure(fig, path, "Llama TP step (fwd+bwd), " + plot_title(report), title_size=9)
 
 
 def results_section(report: Dict) -> List[str]:
@@ -813,7 +800,6 @@ def results_section(report: Dict) -> List[str]:
     ]
 
 
-
 # ---------------------------------------------------------------------------
 
 
@@ -844,10 +830,8 @@ def measure(args: argparse.Namespace, lm) -> Output:
             "until_backward_returned": "the same step's time until loss.backward() returned (max over ranks, "
             "median): for DTensor, before its Partial gradients are reduced",
             "interleaved": "one step of each impl per repeat, order alternating",
-            "barrier_before_each_step": True,
+            **method_notes("step"),
             "grad_reset": "zero_grad(set_to_none=True) before each step, untimed",
-            "per_repeat_time": "max over ranks of each rank's wall time (perf_counter) of the step",
-            "stat": "median over repeats; p10/p90 reported",
             "ratio": "DTensor median / torch_tp median",
             "paired_difference": "median over repeats of DTensor - torch_tp",
             "gc": "cyclic GC disabled during the timed steps",
