@@ -89,21 +89,21 @@ void check_like(const char* op, const char* arg, const at::Tensor& t, const at::
               t.numel(), " (sizes ", t.sizes(), ")");
 }
 
-ReduceKind to_kind(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarType dtype) {
-  ReduceKind kind{};
+Reduction from_c10d(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarType dtype) {
+  Reduction kind{};
   switch (reduce_op.op_) {
-    case c10d::ReduceOp::SUM: kind = ReduceKind::Sum; break;
-    case c10d::ReduceOp::AVG: kind = ReduceKind::Avg; break;
-    case c10d::ReduceOp::PRODUCT: kind = ReduceKind::Product; break;
-    case c10d::ReduceOp::MIN: kind = ReduceKind::Min; break;
-    case c10d::ReduceOp::MAX: kind = ReduceKind::Max; break;
+    case c10d::ReduceOp::SUM: kind = Reduction::Sum; break;
+    case c10d::ReduceOp::AVG: kind = Reduction::Avg; break;
+    case c10d::ReduceOp::PRODUCT: kind = Reduction::Product; break;
+    case c10d::ReduceOp::MIN: kind = Reduction::Min; break;
+    case c10d::ReduceOp::MAX: kind = Reduction::Max; break;
     default:
       TORCH_CHECK(false, "torch_tp backend: ", op, ": reduce_op ", static_cast<int>(reduce_op.op_),
                   " is not supported (SUM, AVG, PRODUCT, MIN and MAX are)");
   }
   const char* why = nullptr;
   TORCH_CHECK(reduction_supported(kind, dtype, &why), "torch_tp backend: ", op, ": reduce_op ",
-              reduce_kind_name(kind), " on dtype ", dtype, " is not supported: ", why);
+              reduction_name(kind), " on dtype ", dtype, " is not supported: ", why);
   return kind;
 }
 
@@ -145,25 +145,25 @@ CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t num
 // the nodes once, as in gloo, whose reduce_scatter runs a whole all-reduce too.
 // `header` describes the caller's op for the first shared-memory step.
 void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, CallHeader header,
-                             const at::Tensor& t, ReduceKind kind) {
+                             const at::Tensor& t, Reduction kind) {
   const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
   const at::Tensor acc = widen ? t.to(at::kFloat) : t;
-  const ReduceKind folded = kind == ReduceKind::Avg ? ReduceKind::Sum : kind;
+  const Reduction folded = kind == Reduction::Avg ? Reduction::Sum : kind;
   shm_all_reduce(transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), folded, size);
   if (leaders != nullptr) {
     std::vector<at::Tensor> one{acc};
     c10d::AllreduceOptions across;
     switch (folded) {
-      case ReduceKind::Product: across.reduceOp = c10d::ReduceOp::PRODUCT; break;
-      case ReduceKind::Min: across.reduceOp = c10d::ReduceOp::MIN; break;
-      case ReduceKind::Max: across.reduceOp = c10d::ReduceOp::MAX; break;
+      case Reduction::Product: across.reduceOp = c10d::ReduceOp::PRODUCT; break;
+      case Reduction::Min: across.reduceOp = c10d::ReduceOp::MIN; break;
+      case Reduction::Max: across.reduceOp = c10d::ReduceOp::MAX; break;
       default: across.reduceOp = c10d::ReduceOp::SUM; break;
     }
     leaders->allreduce(one, across)->wait();
   }
   header.op = static_cast<int32_t>(OpCode::Broadcast);
   shm_broadcast(transport, header, acc.data_ptr(), acc.nbytes(), 0);
-  if (kind == ReduceKind::Avg) {
+  if (kind == Reduction::Avg) {
     acc.div_(size);
   }
   if (widen) {
@@ -176,7 +176,7 @@ void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, in
 // piece of its reduction.
 void reduce_scatter_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, int rank,
                                  const CallHeader& header, const at::Tensor& full, const at::Tensor& out,
-                                 ReduceKind kind) {
+                                 Reduction kind) {
   all_reduce_across_nodes(transport, leaders, size, header, full, kind);
   out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
 }
@@ -596,10 +596,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
                                                                     const c10d::AllreduceCoalescedOptions& opts) {
   const char* op = "all_reduce";
   std::vector<Dense> dense;
-  std::vector<ReduceKind> kinds;
+  std::vector<Reduction> kinds;
   for (const auto& t : tensors) {
     check_tensor(op, "tensor", t);
-    kinds.push_back(to_kind(op, opts.reduceOp, t.scalar_type()));
+    kinds.push_back(from_c10d(op, opts.reduceOp, t.scalar_type()));
     dense.emplace_back(t);
   }
   const int size = size_;
@@ -631,7 +631,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   check_tensor(op, "tensor", tensors[0]);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: reduce: root rank ", opts.rootRank,
               " is outside the group of ", size_);
-  const ReduceKind kind = to_kind(op, opts.reduceOp, tensors[0].scalar_type());
+  const Reduction kind = from_c10d(op, opts.reduceOp, tensors[0].scalar_type());
   // Only the root's tensor changes: the others reduce into a scratch copy.
   const bool root = rank_ == opts.rootRank;
   Dense dense(tensors[0]);
@@ -929,7 +929,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
   check_count(op, "input_lists", inputs.size(), 1);
   check_count(op, "input_lists[0]", inputs[0].size(), static_cast<size_t>(size_));
   check_tensor(op, "output", outputs[0]);
-  const ReduceKind kind = to_kind(op, opts.reduceOp, outputs[0].scalar_type());
+  const Reduction kind = from_c10d(op, opts.reduceOp, outputs[0].scalar_type());
   std::vector<at::Tensor> sources;
   for (const auto& in : inputs[0]) {
     check_like(op, "input_lists[0][i]", in, outputs[0], outputs[0].numel());
@@ -981,11 +981,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
   check_count(op, "output_tensors", outputs.size(), inputs.size());
   std::vector<at::Tensor> sources;
   std::vector<Dense> targets;
-  std::vector<ReduceKind> kinds;
+  std::vector<Reduction> kinds;
   for (const auto i : c10::irange(inputs.size())) {
     check_tensor(op, "output", outputs[i]);
     check_like(op, "input", inputs[i], outputs[i], outputs[i].numel() * size_);
-    kinds.push_back(to_kind(op, opts.reduceOp, outputs[i].scalar_type()));
+    kinds.push_back(from_c10d(op, opts.reduceOp, outputs[i].scalar_type()));
     sources.push_back(inputs[i].contiguous());
     targets.emplace_back(outputs[i]);
   }

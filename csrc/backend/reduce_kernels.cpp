@@ -147,23 +147,23 @@ void fold(void* out_ptr, const void* const* inputs, int n, int64_t numel, Op op,
 }
 
 template <typename Codec>
-void reduce_typed(ReduceKind kind, void* out, const void* const* inputs, int n, int64_t numel, int64_t avg_divisor) {
+void reduce_typed(Reduction kind, void* out, const void* const* inputs, int n, int64_t numel, int64_t avg_divisor) {
   using A = typename Codec::Acc;
   switch (kind) {
-    case ReduceKind::Sum:
+    case Reduction::Sum:
       return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return add(a, b); }, A(1));
-    case ReduceKind::Avg:
+    case Reduction::Avg:
       return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return add(a, b); }, static_cast<A>(avg_divisor));
-    case ReduceKind::Product:
+    case Reduction::Product:
       return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return mul(a, b); }, A(1));
     // NOTE [NaN under min and max]: as torch.minimum/maximum (and torch.amax),
     // a NaN on any rank makes the result NaN, whichever rank holds it and in
     // whatever order the fold meets it: the accumulator `a` keeps a NaN by
     // itself (every comparison with it is false) and a NaN `b` is taken. The
     // test is one more compare and an or per element; the loop still vectorises.
-    case ReduceKind::Min:
+    case Reduction::Min:
       return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return (b < a || is_nan(b)) ? b : a; }, A(1));
-    case ReduceKind::Max:
+    case Reduction::Max:
       return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return (a < b || is_nan(b)) ? b : a; }, A(1));
   }
 }
@@ -182,18 +182,7 @@ void reduce_typed(ReduceKind kind, void* out, const void* const* inputs, int n, 
 #define TORCH_TP_REDUCE_CLONES
 #endif
 
-const char* reduce_kind_name(ReduceKind kind) {
-  switch (kind) {
-    case ReduceKind::Sum: return "sum";
-    case ReduceKind::Avg: return "avg";
-    case ReduceKind::Product: return "product";
-    case ReduceKind::Min: return "min";
-    case ReduceKind::Max: return "max";
-  }
-  return "unknown";
-}
-
-bool reduction_supported(ReduceKind kind, c10::ScalarType dtype, const char** why) {
+bool reduction_supported(Reduction kind, c10::ScalarType dtype, const char** why) {
   switch (dtype) {
     case c10::kFloat:
     case c10::kDouble:
@@ -206,7 +195,7 @@ bool reduction_supported(ReduceKind kind, c10::ScalarType dtype, const char** wh
     case c10::kInt:
     case c10::kLong:
     case c10::kBool:
-      if (kind == ReduceKind::Avg) {
+      if (kind == Reduction::Avg) {
         *why = "avg needs a floating-point dtype";
         return false;
       }
@@ -218,7 +207,7 @@ bool reduction_supported(ReduceKind kind, c10::ScalarType dtype, const char** wh
 }
 
 TORCH_TP_REDUCE_CLONES
-void reduce_inputs(ReduceKind kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n_inputs,
+void reduce_inputs(Reduction kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n_inputs,
                    int64_t numel, int64_t avg_divisor) {
   TORCH_INTERNAL_ASSERT(n_inputs >= 1 && avg_divisor >= 1);
   switch (dtype) {
@@ -233,8 +222,8 @@ void reduce_inputs(ReduceKind kind, c10::ScalarType dtype, void* out, const void
     case c10::kLong: return reduce_typed<SameCodec<int64_t>>(kind, out, inputs, n_inputs, numel, 1);
     case c10::kBool: {
       // bool is one byte holding 0 or 1: or is max, and is min.
-      const ReduceKind as_bytes =
-          (kind == ReduceKind::Sum || kind == ReduceKind::Max) ? ReduceKind::Max : ReduceKind::Min;
+      const Reduction as_bytes =
+          (kind == Reduction::Sum || kind == Reduction::Max) ? Reduction::Max : Reduction::Min;
       return reduce_typed<SameCodec<uint8_t>>(as_bytes, out, inputs, n_inputs, numel, 1);
     }
     default: TORCH_INTERNAL_ASSERT(false, "reduce_inputs: unsupported dtype ", dtype);
@@ -242,3 +231,18 @@ void reduce_inputs(ReduceKind kind, c10::ScalarType dtype, void* out, const void
 }
 
 } // namespace torch_tp::backend
+
+namespace torch_tp {
+
+const char* reduction_name(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::Sum: return "sum";
+    case Reduction::Avg: return "avg";
+    case Reduction::Product: return "product";
+    case Reduction::Min: return "min";
+    case Reduction::Max: return "max";
+  }
+  return "unknown";
+}
+
+} // namespace torch_tp

@@ -12,22 +12,20 @@
 // does), and bool as logical or (sum, max) / logical and (product, min).
 // avg is the folded sum divided once by `avg_divisor`, for floating types only.
 
+#include "backend/reduction.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 
 namespace torch_tp::backend {
 
-enum class ReduceKind : uint8_t { Sum, Avg, Product, Min, Max };
-
-const char* reduce_kind_name(ReduceKind kind);
-
 // Whether reduce_inputs supports `kind` on `dtype`; if not, `why` says why.
-bool reduction_supported(ReduceKind kind, c10::ScalarType dtype, const char** why);
+bool reduction_supported(Reduction kind, c10::ScalarType dtype, const char** why);
 
 // out[i] = fold over r of inputs[r][i], for i < numel. `out` may be one of the
 // inputs (same offset): a block is read completely before it is written.
-void reduce_inputs(ReduceKind kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n_inputs,
+void reduce_inputs(Reduction kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n_inputs,
                    int64_t numel, int64_t avg_divisor);
 
 } // namespace torch_tp::backend

@@ -42,7 +42,7 @@ Span portion(size_t count, size_t item_bytes, int n, int rank) {
 } // namespace
 
 void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,
-                    ReduceKind kind, int64_t avg_divisor) {
+                    Reduction kind, int64_t avg_divisor) {
   const char* op = name_of(header);
   const int n = t.local_size();
   const int me = t.local_rank();
@@ -141,7 +141,7 @@ void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_
 }
 
 void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* inputs, void* output, int64_t numel,
-                        c10::ScalarType dtype, ReduceKind kind, int64_t avg_divisor) {
+                        c10::ScalarType dtype, Reduction kind, int64_t avg_divisor) {
   const char* op = name_of(header);
   const int n = t.local_size();
   const int me = t.local_rank();

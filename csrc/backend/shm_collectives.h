@@ -48,7 +48,7 @@ constexpr size_t kReduceSubBlockBytes = 32 * 1024;
 
 // data[numel] (in place) = reduction over the local ranks of their data.
 void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,
-                    ReduceKind kind, int64_t avg_divisor);
+                    Reduction kind, int64_t avg_divisor);
 
 // Every local rank's data[bytes] becomes root_local's.
 void shm_broadcast(ShmTransport& t, CallHeader header, void* data, size_t bytes, int root_local);
@@ -58,7 +58,7 @@ void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_
 
 // output[numel] = reduction over the local ranks of their inputs[this rank][numel].
 void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* inputs, void* output, int64_t numel,
-                        c10::ScalarType dtype, ReduceKind kind, int64_t avg_divisor);
+                        c10::ScalarType dtype, Reduction kind, int64_t avg_divisor);
 
 // outputs[r][recv_bytes[r]] = local rank r's inputs[this rank]. Sizes may be 0
 // (gather and scatter are this with one non-empty side) and must agree pairwise.

@@ -85,7 +85,7 @@ std::string describe(const CallHeader& h) {
     out += c10::str(", root=", h.root);
   }
   if (h.reduce >= 0) {
-    out += c10::str(", reduce_op=", reduce_kind_name(static_cast<ReduceKind>(h.reduce)));
+    out += c10::str(", reduce_op=", reduction_name(static_cast<Reduction>(h.reduce)));
   }
   if (h.ndim >= 0) {
     const auto kept = std::min<int64_t>(h.ndim, CallHeader::kHeaderDims);

@@ -59,7 +59,7 @@ struct CallHeader {
   int32_t dtype = -1;  // c10::ScalarType, or -1
   int64_t numel = 0;   // elements per rank, or -1 when ranks may differ
   int64_t root = -1;   // group rank of the root, or -1
-  int64_t reduce = -1; // ReduceKind, or -1
+  int64_t reduce = -1; // Reduction, or -1
   int64_t extra = 0;
   // The tensor's shape, so that [2, 3] on one rank and [3, 2] on another (the
   // same numel) is a mismatch too, as gloo's shape checks make it. ndim is -1

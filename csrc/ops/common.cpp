@@ -30,17 +30,6 @@ Reduction parse_reduction(const char* op, c10::string_view reduce_op, c10::Scala
   return reduction;
 }
 
-const char* reduction_name(Reduction reduction) {
-  switch (reduction) {
-    case Reduction::Sum: return "sum";
-    case Reduction::Avg: return "avg";
-    case Reduction::Min: return "min";
-    case Reduction::Max: return "max";
-    case Reduction::Product: return "product";
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown Reduction");
-}
-
 c10d::ReduceOp to_c10d(Reduction reduction) {
   switch (reduction) {
     case Reduction::Sum:

@@ -3,6 +3,8 @@
 // Every helper takes the op's qualified name so that errors read
 // "torch_tp::all_gather: dim=3 is out of range for x of 2 dimensions".
 
+#include "backend/reduction.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/string_view.h>
@@ -18,14 +20,9 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// The reductions the ops accept, spelled as torch's functional collectives spell them.
-enum class Reduction { Sum, Avg, Min, Max, Product };
-
 // Parses `reduce_op` and checks that `dtype` allows it (avg needs a floating
 // dtype; bool allows none). Throws naming the op, the argument and the value.
 Reduction parse_reduction(const char* op, c10::string_view reduce_op, c10::ScalarType dtype);
-
-const char* reduction_name(Reduction reduction);
 
 // The c10d reduction that computes `reduction` (avg is a sum, divided afterwards,
 // so that it works on every backend and integer-free dtypes alike).

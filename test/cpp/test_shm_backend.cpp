@@ -39,7 +39,7 @@ namespace {
 
 using torch_tp::backend::ProcessGroupShm;
 using torch_tp::backend::reduce_inputs;
-using torch_tp::backend::ReduceKind;
+using torch_tp::Reduction;
 using torch_tp::testing::contains;
 using torch_tp::testing::equal_exactly;
 
@@ -58,25 +58,25 @@ at::Tensor input(int rank, int64_t n, at::ScalarType dtype, int salt = 0) {
   return at::randint(-100, 100, {n}, gen).to(dtype);
 }
 
-at::Tensor fold_reference(const std::vector<at::Tensor>& xs, ReduceKind kind, at::ScalarType acc) {
+at::Tensor fold_reference(const std::vector<at::Tensor>& xs, Reduction kind, at::ScalarType acc) {
   at::Tensor out = xs[0].to(acc);
   for (size_t r = 1; r < xs.size(); ++r) {
     const at::Tensor x = xs[r].to(acc);
     switch (kind) {
-      case ReduceKind::Sum:
-      case ReduceKind::Avg: out = xs[0].scalar_type() == at::kBool ? at::logical_or(out, x) : out + x; break;
-      case ReduceKind::Product: out = xs[0].scalar_type() == at::kBool ? at::logical_and(out, x) : out * x; break;
-      case ReduceKind::Min: out = at::minimum(out, x); break;
-      case ReduceKind::Max: out = at::maximum(out, x); break;
+      case Reduction::Sum:
+      case Reduction::Avg: out = xs[0].scalar_type() == at::kBool ? at::logical_or(out, x) : out + x; break;
+      case Reduction::Product: out = xs[0].scalar_type() == at::kBool ? at::logical_and(out, x) : out * x; break;
+      case Reduction::Min: out = at::minimum(out, x); break;
+      case Reduction::Max: out = at::maximum(out, x); break;
     }
   }
-  if (kind == ReduceKind::Avg) {
+  if (kind == Reduction::Avg) {
     out = out / static_cast<double>(xs.size());
   }
   return out;
 }
 
-at::Tensor run_kernel(const std::vector<at::Tensor>& xs, ReduceKind kind) {
+at::Tensor run_kernel(const std::vector<at::Tensor>& xs, Reduction kind) {
   at::Tensor out = at::empty_like(xs[0]);
   std::vector<const void*> pointers;
   for (const auto& x : xs) {
@@ -87,8 +87,8 @@ at::Tensor run_kernel(const std::vector<at::Tensor>& xs, ReduceKind kind) {
   return out;
 }
 
-const std::vector<ReduceKind> kAllKinds{ReduceKind::Sum, ReduceKind::Avg, ReduceKind::Product, ReduceKind::Min,
-                                        ReduceKind::Max};
+const std::vector<Reduction> kAllKinds{Reduction::Sum, Reduction::Avg, Reduction::Product, Reduction::Min,
+                                        Reduction::Max};
 
 TEST(ReduceKernels, IntegersAndBoolAreExact) {
   for (auto dtype : {at::kChar, at::kByte, at::kShort, at::kInt, at::kLong, at::kBool}) {
@@ -98,13 +98,13 @@ TEST(ReduceKernels, IntegersAndBoolAreExact) {
         xs.push_back(input(r, 2500, dtype));
       }
       for (auto kind : kAllKinds) {
-        if (kind == ReduceKind::Avg) {
+        if (kind == Reduction::Avg) {
           continue;  // refused for integers (reduction_supported)
         }
         // Wrap-around integer arithmetic: fold in int64, then truncate.
         const at::ScalarType acc = dtype == at::kBool ? at::kBool : at::kLong;
         EXPECT_TRUE(equal_exactly(run_kernel(xs, kind), fold_reference(xs, kind, acc).to(dtype)))
-            << dtype << " " << torch_tp::backend::reduce_kind_name(kind) << " W=" << world;
+            << dtype << " " << torch_tp::reduction_name(kind) << " W=" << world;
       }
     }
   }
@@ -120,8 +120,8 @@ TEST(ReduceKernels, FloatsMatchAFloat64Fold) {
       for (auto kind : kAllKinds) {
         const at::Tensor got = run_kernel(xs, kind).to(at::kDouble);
         const at::Tensor want = fold_reference(xs, kind, at::kDouble);
-        EXPECT_TRUE(at::allclose(got, want, kFloatRtol, kFloatAtol)) << dtype << " " << torch_tp::backend::reduce_kind_name(kind);
-        if (kind == ReduceKind::Min || kind == ReduceKind::Max) {
+        EXPECT_TRUE(at::allclose(got, want, kFloatRtol, kFloatAtol)) << dtype << " " << torch_tp::reduction_name(kind);
+        if (kind == Reduction::Min || kind == Reduction::Max) {
           EXPECT_TRUE(at::equal(got, want));
         }
       }
@@ -139,14 +139,14 @@ TEST(ReduceKernels, HalfTypesAccumulateInFloat32) {
       for (auto kind : kAllKinds) {
         const at::Tensor want = fold_reference(xs, kind, at::kFloat).to(dtype);
         EXPECT_TRUE(equal_exactly(run_kernel(xs, kind), want))
-            << dtype << " " << torch_tp::backend::reduce_kind_name(kind) << " W=" << world;
+            << dtype << " " << torch_tp::reduction_name(kind) << " W=" << world;
       }
     }
     // A fold in the narrow type would lose the small terms: 256 + 1 + 1 is 258 in
     // float32 but 256 in bfloat16 when added one at a time.
     std::vector<at::Tensor> xs{at::full({8}, 256.0, dtype), at::full({8}, 1.0, dtype), at::full({8}, 1.0, dtype)};
     if (dtype == at::kBFloat16) {
-      EXPECT_TRUE(equal_exactly(run_kernel(xs, ReduceKind::Sum), at::full({8}, 258.0, dtype)));
+      EXPECT_TRUE(equal_exactly(run_kernel(xs, Reduction::Sum), at::full({8}, 258.0, dtype)));
     }
   }
 }
@@ -157,12 +157,12 @@ TEST(ReduceKernels, HalfConversionsMatchC10OnEveryPattern) {
   at::Tensor bits = at::arange(0, 65536, at::kInt).to(at::kShort);
   at::Tensor a = bits.view(at::kHalf);
   at::Tensor b = a.index_select(0, at::randperm(65536, at::make_generator<at::CPUGeneratorImpl>(1), at::kLong));
-  const at::Tensor got = run_kernel({a, b}, ReduceKind::Sum);
+  const at::Tensor got = run_kernel({a, b}, Reduction::Sum);
   const at::Tensor want = (a.to(at::kFloat) + b.to(at::kFloat)).to(at::kHalf);
   const at::Tensor nan_both = at::isnan(got) & at::isnan(want);
   EXPECT_TRUE(at::equal(got.view(at::kShort).masked_fill(nan_both, 0), want.view(at::kShort).masked_fill(nan_both, 0)));
   // Identity round trip (one input) of every pattern: load then store.
-  const at::Tensor copied = run_kernel({a}, ReduceKind::Max);
+  const at::Tensor copied = run_kernel({a}, Reduction::Max);
   const at::Tensor nan = at::isnan(a);
   EXPECT_TRUE(at::equal(copied.view(at::kShort).masked_fill(nan, 0), bits.masked_fill(nan, 0)));
   EXPECT_TRUE(at::equal(at::isnan(copied), nan));
@@ -254,7 +254,7 @@ TEST(ShmBackend, MultiChunkCollectivesMatchReferencesOnEveryRank) {
           rs_in.push_back(input(r, n * world, dtype, 2));
         }
         const at::ScalarType acc = dtype == at::kInt ? at::kLong : at::kFloat;
-        const at::Tensor ar_want = fold_reference(ar_in, ReduceKind::Sum, acc).to(dtype);
+        const at::Tensor ar_want = fold_reference(ar_in, Reduction::Sum, acc).to(dtype);
         const at::Tensor ag_want = at::cat(ag_in);
         for (int r = 0; r < world; ++r) {
           SCOPED_TRACE(c10::str("W=", world, " ", dtype, " n=", n, " rank ", r));
@@ -271,7 +271,7 @@ TEST(ShmBackend, MultiChunkCollectivesMatchReferencesOnEveryRank) {
           for (const auto& x : rs_in) {
             pieces.push_back(x.narrow(0, r * n, n));
           }
-          const at::Tensor rs_want = fold_reference(pieces, ReduceKind::Sum, acc).to(dtype);
+          const at::Tensor rs_want = fold_reference(pieces, Reduction::Sum, acc).to(dtype);
           if (dtype == at::kFloat) {
             EXPECT_TRUE(at::allclose(scattered[r], rs_want, kFloatRtol, kFloatAtol));
           } else {
