@@ -15,7 +15,7 @@ at::Tensor shard(const at::Tensor& full, int64_t dim, const std::string& group_n
   const auto group = resolve_group("torch_tp::nn::shard", group_name);
   TORCH_CHECK(full.dim() > 0, "torch_tp::nn::shard: full is a 0-dim tensor; there is no dim ", dim, " to shard");
   const int64_t d = at::maybe_wrap_dim(dim, full.dim());
-  const ChunkRange piece = chunk_range(full.size(d), group->getSize(), group->getRank());
+  const auto piece = chunk_range(full.size(d), group->getSize(), group->getRank());
   return full.narrow(d, piece.start, piece.length).clone(at::MemoryFormat::Contiguous);
 }
 

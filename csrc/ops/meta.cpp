@@ -28,15 +28,7 @@ at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view gr
   dim = wrap_dim(op, dim, x.dim());
   const auto group = resolve_group(op, group_name);
   auto sizes = x.sym_sizes().vec();
-  if (full_size) {
-    if (x.sym_size(dim).is_heap_allocated()) {
-      sizes[dim] = *full_size;
-    } else {
-      sizes[dim] = gathered_size(op, x, dim, full_size, group->getSize(), group->getRank());
-    }
-  } else {
-    sizes[dim] = sizes[dim] * group->getSize();
-  }
+  sizes[dim] = gathered_size(op, sizes[dim], dim, full_size, group->getSize(), group->getRank());
   return at::empty_symint(sizes, x.options());
 }
 
@@ -47,13 +39,8 @@ at::Tensor reduce_scatter_meta(const at::Tensor& x, int64_t dim, c10::string_vie
   parse_reduction(op, reduce_op, x.scalar_type());
   dim = wrap_dim(op, dim, x.dim());
   const auto group = resolve_group(op, group_name);
-  // This rank's torch.chunk piece, in SymInt arithmetic (see NOTE [torch.chunk shards]).
-  const int64_t world_size = group->getSize();
-  const c10::SymInt n = x.sym_size(dim);
-  const c10::SymInt chunk = (n + (world_size - 1)) / world_size;
-  const c10::SymInt start = (chunk * group->getRank()).min(n);
   auto sizes = x.sym_sizes().vec();
-  sizes[dim] = chunk.min(n - start);
+  sizes[dim] = chunk_range(sizes[dim], group->getSize(), group->getRank()).length;
   return at::empty_symint(sizes, x.options());
 }
 
@@ -88,13 +75,7 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_meta(
   const auto group = resolve_group(op, group_name);
   auto sizes = linear_out_sizes(x, weight);
   if (dim) {
-    if (!full_size) {
-      sizes[*dim] = sizes[*dim] * group->getSize();
-    } else if (x.sym_size(*dim).is_heap_allocated()) {
-      sizes[*dim] = *full_size;
-    } else {
-      sizes[*dim] = gathered_size(op, x, *dim, full_size, group->getSize(), group->getRank());
-    }
+    sizes[*dim] = gathered_size(op, sizes[*dim], *dim, full_size, group->getSize(), group->getRank());
   }
   at::Tensor out = at::empty_symint(sizes, x.options());
   at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : at::empty_symint(sizes, x.options());
@@ -118,12 +99,7 @@ at::Tensor row_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weigh
   const auto group = resolve_group(op, group_name);
   auto sizes = linear_out_sizes(x, weight);
   if (dim) {
-    // This rank's torch.chunk piece (see NOTE [torch.chunk shards]).
-    const int64_t world_size = group->getSize();
-    const c10::SymInt n = sizes[*dim];
-    const c10::SymInt chunk = (n + (world_size - 1)) / world_size;
-    const c10::SymInt start = (chunk * group->getRank()).min(n);
-    sizes[*dim] = chunk.min(n - start);
+    sizes[*dim] = chunk_range(sizes[*dim], group->getSize(), group->getRank()).length;
   }
   return at::empty_symint(sizes, x.options());
 }
