@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <array>
+
 namespace torch_tp {
 namespace {
 
@@ -104,26 +106,28 @@ at::Tensor row_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weigh
   return at::empty_symint(sizes, x.options());
 }
 
-// Gradients have the shapes of what they are gradients of.
+// Gradients have the shapes of what they are gradients of; the ones
+// output_mask leaves out are empty (NOTE [skipped gradients] in linear.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads_meta(const at::Tensor& grad_out, const at::Tensor& x,
-                                                                 const at::Tensor& weight, bool bias_defined) {
-  at::Tensor grad_bias = bias_defined ? at::empty_symint({weight.sym_size(0)}, grad_out.options())
-                                      : at::empty({0}, grad_out.options());
-  return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(weight.sym_sizes(), weight.options()),
-          grad_bias};
+                                                                 const at::Tensor& weight,
+                                                                 std::array<bool, 3> output_mask) {
+  const auto [want_x, want_weight, want_bias] = output_mask;
+  return {want_x ? at::empty_symint(x.sym_sizes(), x.options()) : skipped_gradient(grad_out),
+          want_weight ? at::empty_symint(weight.sym_sizes(), weight.options()) : skipped_gradient(grad_out),
+          want_bias ? at::empty_symint({weight.sym_size(0)}, grad_out.options()) : skipped_gradient(grad_out)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& /*pre_activation*/,
-    bool bias_defined, c10::string_view /*group_name*/, std::optional<int64_t> /*gather_dim*/,
-    std::optional<int64_t> /*full_size*/, c10::string_view /*activation*/, bool /*partial_grad_input*/) {
-  return linear_grads_meta(grad_out, x, weight, bias_defined);
+    c10::string_view /*group_name*/, std::optional<int64_t> /*gather_dim*/, std::optional<int64_t> /*full_size*/,
+    c10::string_view /*activation*/, bool /*partial_grad_input*/, std::array<bool, 3> output_mask) {
+  return linear_grads_meta(grad_out, x, weight, output_mask);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, bool bias_defined,
-    c10::string_view /*group_name*/, std::optional<int64_t> /*scatter_dim*/) {
-  return linear_grads_meta(grad_out, x, weight, bias_defined);
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, c10::string_view /*group_name*/,
+    std::optional<int64_t> /*scatter_dim*/, std::array<bool, 3> output_mask) {
+  return linear_grads_meta(grad_out, x, weight, output_mask);
 }
 
 } // namespace
