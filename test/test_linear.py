@@ -17,6 +17,8 @@ entries near zero are judged on the tensor's scale):
             p = 4, plus the reference's own rounding of its inputs.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -188,6 +190,146 @@ def test_compile_column_row_mlp(ranks, world_size):
     pool.run(_check_compiled_mlp, True, timeout=600)
 
 
+# ---------------------------------------------------------------- frozen parameters
+
+
+def _leaf(t, requires_grad):
+    return t.detach().clone().requires_grad_(requires_grad)
+
+
+def _backward_work(backward):
+    """Runs ``backward()`` under torch.profiler and returns what it ran on this
+    rank: (GEMMs, collectives). The backward kernels' GEMMs are aten::mm, and
+    every collective reaches its backend through a c10d:: op (ProcessGroup
+    dispatches them), whatever the backend, so neither escapes the count."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        backward()
+    names = [event.name for event in prof.events()]
+    return names.count("aten::mm"), sum(name.startswith("c10d::") for name in names)
+
+
+def _check_frozen(layer, sequence_parallel, x_grad, w_grad, b_grad):
+    """A frozen weight (and bias) or an input that needs no gradient costs
+    nothing in the backward (NOTE [skipped gradients] in linear.cpp): the
+    gradients asked for are nn.Linear's, nothing else gets one, and the
+    backward runs one GEMM per gradient of x and of the weight, and only the
+    collectives those need. Under create_graph (NOTE [double backward]) the
+    gradients asked for are nn.Linear's too."""
+    dtype, seq = torch.float64, 6
+    column = layer == "column"
+    in_features, out_features = (10, 14) if column else (14, 10)
+    weight, b = _full((out_features, in_features), 1, dtype), _full((out_features,), 2, dtype)
+    x, grad = _full((2, seq, in_features), 3, dtype), _full((2, seq, out_features), 4, dtype)
+
+    ref_x, ref_w, ref_b = _leaf(x, x_grad), _leaf(weight, w_grad), _leaf(b, b_grad)
+    ref_y = F.linear(ref_x, ref_w, ref_b)
+    dim = 1 if sequence_parallel else None
+    if column:
+        ref_y = F.gelu(ref_y, approximate="tanh")
+        x_r = _leaf(ops.shard(x, 1) if sequence_parallel else x, x_grad)
+        w_r, b_r = _leaf(ops.shard(weight, 0), w_grad), _leaf(ops.shard(b, 0), b_grad)
+        def forward():
+            return torch.ops.torch_tp.column_parallel_linear(
+                x_r, w_r, b_r, _group(), dim, seq if sequence_parallel else None, "gelu_tanh")
+        grad_r = ops.shard(grad, -1)
+        pieces = {"x": (lambda t: ops.shard(t, 1)) if sequence_parallel else (lambda t: t),
+                  "weight": lambda t: ops.shard(t, 0), "bias": lambda t: ops.shard(t, 0)}
+    else:
+        x_r = _leaf(ops.shard(x, -1), x_grad)
+        w_r, b_r = _leaf(ops.shard(weight, 1), w_grad), _leaf(b, b_grad)
+        def forward():
+            return torch.ops.torch_tp.row_parallel_linear(x_r, w_r, b_r, _group(), dim)
+        grad_r = ops.shard(grad, 1) if sequence_parallel else grad
+        pieces = {"x": lambda t: ops.shard(t, -1), "weight": lambda t: ops.shard(t, 1), "bias": lambda t: t}
+    ref_y.backward(grad)
+    y = forward()
+    gemms, collectives = _backward_work(lambda: y.backward(grad_r))
+
+    tensors = [("x", x_r, ref_x), ("weight", w_r, ref_w), ("bias", b_r, ref_b)]
+    for name, mine, ref in tensors:
+        if ref.requires_grad:
+            _close(mine.grad, pieces[name](ref.grad), dtype, f"grad of {name}")
+        else:
+            assert mine.grad is None, f"{name} got a gradient it does not require"
+    wanted = [(name, mine, ref) for name, mine, ref in tensors if ref.requires_grad]
+    firsts = torch.autograd.grad(forward(), [mine for _, mine, _ in wanted], grad_r, create_graph=True)
+    for (name, _, ref), first in zip(wanted, firsts):
+        _close(first, pieces[name](ref.grad), dtype, f"create_graph grad of {name}")
+    # Column: grad_x all-reduced (reduce-scattered under sequence parallelism),
+    # x re-gathered under sequence parallelism for grad_weight only. Row: grad
+    # all-gathered under sequence parallelism, for any gradient.
+    if column:
+        expected_collectives = int(x_grad) + int(sequence_parallel and w_grad)
+    else:
+        expected_collectives = int(sequence_parallel)
+    assert (gemms, collectives) == (int(x_grad) + int(w_grad), expected_collectives), (
+        f"{layer} backward (x_grad={x_grad}, w_grad={w_grad}, sequence_parallel={sequence_parallel}) ran "
+        f"{gemms} GEMMs and {collectives} collectives; expected {int(x_grad) + int(w_grad)} and "
+        f"{expected_collectives}")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_frozen_parameters_cost_nothing(ranks, world_size):
+    pool = ranks(world_size)
+    for layer in ["column", "row"]:
+        for sequence_parallel in [False, True]:
+            # (x, weight, bias) requires_grad: neither frozen, frozen weight,
+            # frozen input, both, and a frozen layer (weight and bias).
+            for flags in [(True, True, True), (True, False, True), (False, True, True), (False, False, True),
+                          (True, False, False)]:
+                pool.run(_check_frozen, layer, sequence_parallel, *flags)
+
+
+def _check_frozen_compiled(sequence_parallel, x_grad, w_grad):
+    """The column -> row MLP under torch.compile(fullgraph=True) with frozen
+    weights (biases trained) or an input that needs no gradient: gradients
+    against the unsharded MLP, and the compiled backward's GEMMs and
+    collectives counted on its second run (the first compiles it)."""
+    dtype, hidden, seq = torch.float64, 8, 6
+    group = _group()
+    W1, B1 = _full((32, hidden), 1, dtype), _full((32,), 2, dtype)
+    W2, B2 = _full((hidden, 32), 3, dtype), _full((hidden,), 4, dtype)
+    X = _full((2, seq, hidden), 5, dtype)
+    ref = [_leaf(X, x_grad), _leaf(W1, w_grad), _leaf(B1, True), _leaf(W2, w_grad), _leaf(B2, True)]
+    F.linear(F.gelu(F.linear(ref[0], ref[1], ref[2]), approximate="tanh"), ref[3], ref[4]).square().sum().backward()
+
+    x = _leaf(ops.shard(X, 1) if sequence_parallel else X, x_grad)
+    params = [x, _leaf(ops.shard(W1, 0), w_grad), _leaf(ops.shard(B1, 0), True), _leaf(ops.shard(W2, 1), w_grad),
+              _leaf(B2, True)]
+    torch._dynamo.reset()
+    compiled = torch.compile(_mlp, fullgraph=True)
+    compiled(*params, group, sequence_parallel, seq).square().sum().backward()
+    for p in params:
+        p.grad = None
+    loss = compiled(*params, group, sequence_parallel, seq).square().sum()
+    gemms, collectives = _backward_work(loss.backward)
+
+    cuts = [(lambda t: ops.shard(t, 1) if sequence_parallel else t), (lambda t: ops.shard(t, 0)),
+            (lambda t: ops.shard(t, 0)), (lambda t: ops.shard(t, 1)), (lambda t: t)]
+    for name, mine, cut, r in zip(["x", "w1", "b1", "w2", "b2"], params, cuts, ref):
+        if r.requires_grad:
+            _close(mine.grad, cut(r.grad), dtype, f"compiled grad of {name}")
+        else:
+            assert mine.grad is None, f"compiled: {name} got a gradient it does not require"
+    # Column: grad_x GEMM and collective if x needs a gradient, grad_w1 GEMM
+    # (and x's re-gather under sequence parallelism) if w1 does. Row: its
+    # input needs a gradient either way (x or w1 does); grad_w2 GEMM if w2
+    # needs one; grad's all-gather under sequence parallelism.
+    expected = (int(x_grad) + int(w_grad) + 1 + int(w_grad),
+                int(x_grad) + int(sequence_parallel and w_grad) + int(sequence_parallel))
+    assert (gemms, collectives) == expected, (
+        f"compiled backward (x_grad={x_grad}, w_grad={w_grad}, sequence_parallel={sequence_parallel}) ran "
+        f"{gemms} GEMMs and {collectives} collectives; expected {expected[0]} and {expected[1]}")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_frozen_parameters_cost_nothing_compiled(ranks, world_size):
+    pool = ranks(world_size)
+    for sequence_parallel in [False, True]:
+        for x_grad, w_grad in [(True, False), (False, True)]:
+            pool.run(_check_frozen_compiled, sequence_parallel, x_grad, w_grad, timeout=600)
+
+
 def _check_linear_opcheck():
     group = _group()
     world_size = dist.get_world_size()
@@ -207,6 +349,21 @@ def _check_linear_opcheck():
         (row, (x, w_row, b_row, group, 1)),
     ]:
         torch.library.opcheck(op, args)
+    # The backward ops with every output_mask: the Meta kernels' empty
+    # tensors for the gradients not asked for agree with the device kernels'.
+    col_backward = torch.ops.torch_tp._column_parallel_linear_backward.default
+    row_backward = torch.ops.torch_tp._row_parallel_linear_backward.default
+    grad_col, grad_row = _full((2, 3 * world_size, 6), 6, torch.float64), _full((2, 3 * world_size, 5), 7, torch.float64)
+    x, x_shard, w_col, w_row = x.detach(), x_shard.detach(), w_col.detach(), w_row.detach()
+    no_pre = torch.empty(0, dtype=torch.float64)
+    grad_row_shard = ops.shard(grad_row, 1)
+    for mask in itertools.product([False, True], repeat=3):
+        mask = list(mask)
+        torch.library.opcheck(col_backward, (grad_col, x, w_col, no_pre, group, None, None, "none", False, mask))
+        torch.library.opcheck(col_backward, (grad_col, x_shard, w_col, no_pre, group, 1, 3 * world_size, "none",
+                                             False, mask))
+        torch.library.opcheck(row_backward, (grad_row, x, w_row, group, None, mask))
+        torch.library.opcheck(row_backward, (grad_row_shard, x, w_row, group, 1, mask))
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

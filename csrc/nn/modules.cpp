@@ -6,6 +6,7 @@
 
 #include "ops/comm.h"
 #include "ops/common.h"
+#include "ops/linear.h"
 
 #include <utility>
 
@@ -15,7 +16,7 @@ at::Tensor shard(const at::Tensor& full, int64_t dim, const std::string& group_n
   const auto group = resolve_group("torch_tp::nn::shard", group_name);
   TORCH_CHECK(full.dim() > 0, "torch_tp::nn::shard: full is a 0-dim tensor; there is no dim ", dim, " to shard");
   const int64_t d = at::maybe_wrap_dim(dim, full.dim());
-  const ChunkRange piece = chunk_range(full.size(d), group->getSize(), group->getRank());
+  const auto piece = chunk_range(full.size(d), group->getSize(), group->getRank());
   return full.narrow(d, piece.start, piece.length).clone(at::MemoryFormat::Contiguous);
 }
 
@@ -46,8 +47,9 @@ void print_module(std::ostream& stream, const char* name, const std::string& siz
 } // namespace
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& full, std::string group_name,
-                                                   std::optional<int64_t> gather_dim)
-    : group_name_(std::move(group_name)), gather_dim_(gather_dim) {
+                                                   std::optional<int64_t> gather_dim, std::string activation)
+    : group_name_(std::move(group_name)), gather_dim_(gather_dim), activation_(std::move(activation)) {
+  parse_activation("torch_tp::nn::ColumnParallelLinear", activation_);  // refused here, not at the first forward
   weight = register_shard(*this, "weight", full->weight, 0, group_name_);
   if (full->bias.defined()) {
     bias = register_shard(*this, "bias", full->bias, 0, group_name_);
@@ -55,12 +57,14 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& full
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x, std::optional<int64_t> full_size) {
-  return column_parallel_linear(x, weight, optional_bias(bias), group_name_, gather_dim_, full_size);
+  return column_parallel_linear(x, weight, optional_bias(bias), group_name_, gather_dim_, full_size, activation_);
 }
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
-  print_module(stream, "ColumnParallelLinear", c10::str("weight=", weight.sizes(), ", bias=", bias.defined()),
-               group_name_, "gather_dim", gather_dim_);
+  const std::string activation = activation_ == "none" ? "" : ", activation=" + activation_;
+  print_module(stream, "ColumnParallelLinear",
+               c10::str("weight=", weight.sizes(), ", bias=", bias.defined(), activation), group_name_, "gather_dim",
+               gather_dim_);
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& full, std::string group_name,

@@ -102,6 +102,14 @@ c10::intrusive_ptr<c10d::Work> launch(const char* op, c10d::ProcessGroup& group,
   }
 }
 
+// The value of a size, if it is known now (not a symbol of torch.compile).
+std::optional<int64_t> concrete(int64_t size) {
+  return size;
+}
+std::optional<int64_t> concrete(const c10::SymInt& size) {
+  return size.maybe_as_int();
+}
+
 // FNV-1a of the op's name: the same in every process, unlike a pointer.
 int64_t name_hash(const char* name) {
   uint64_t h = 1469598103934665603ull;
@@ -175,25 +183,24 @@ void check_same_across_ranks(const char* op, const c10::intrusive_ptr<c10d::Proc
   }
 }
 
-ChunkRange chunk_range(int64_t n, int64_t world_size, int64_t rank) {
-  const int64_t chunk = (n + world_size - 1) / world_size;
-  const int64_t start = std::min(rank * chunk, n);
-  return {start, std::min(chunk, n - start)};
-}
-
-int64_t gathered_size(const char* op, const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
-                      int64_t world_size, int64_t rank) {
-  const int64_t local = x.size(dim);
+template <typename Int>
+Int gathered_size(const char* op, const Int& local, int64_t dim, std::optional<int64_t> full_size,
+                  int64_t world_size, int64_t rank) {
   if (!full_size) {
     return local * world_size;
   }
   TORCH_CHECK(*full_size >= 0, op, ": full_size=", *full_size, " must be >= 0");
   const int64_t expected = chunk_range(*full_size, world_size, rank).length;
-  TORCH_CHECK(local == expected, op, ": x.size(", dim, ")=", local, " but rank ", rank,
+  const std::optional<int64_t> known = concrete(local);
+  TORCH_CHECK(!known || *known == expected, op, ": x.size(", dim, ")=", local, " but rank ", rank,
               "'s torch.chunk piece of full_size=", *full_size, " over ", world_size, " ranks has ", expected,
               " rows");
-  return *full_size;
+  return Int(*full_size);
 }
+
+template int64_t gathered_size(const char*, const int64_t&, int64_t, std::optional<int64_t>, int64_t, int64_t);
+template c10::SymInt gathered_size(const char*, const c10::SymInt&, int64_t, std::optional<int64_t>, int64_t,
+                                   int64_t);
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::function<at::Tensor()> finish,
                                      const char* op, c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor input)
@@ -251,7 +258,7 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
                                    const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
                                    const char* dim_arg) {
   const int64_t world_size = group->getSize();
-  const int64_t n = gathered_size(op, x, dim, full_size, world_size, group->getRank());
+  const int64_t n = gathered_size(op, x.size(dim), dim, full_size, world_size, group->getRank());
   if (cross_rank_checks_enabled()) {
     check_same_across_ranks(op, group, x, std::nullopt, dim, full_size, dim_arg);
   }
@@ -260,7 +267,7 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
   }
   c10::OptionalDeviceGuard device_guard(x.device());
   // x [.., s, ..] -> front [c, rest] (padded) -> gathered [p*c, rest] -> first n rows, moved back: [.., n, ..].
-  const int64_t chunk = (n + world_size - 1) / world_size;
+  const int64_t chunk = chunk_rows(n, world_size);
   at::Tensor front = front_padded(x, dim, chunk);
   auto sizes = front.sizes().vec();
   sizes[0] = chunk * world_size;
@@ -284,7 +291,7 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   // x [.., n, ..] -> front [p*c, rest] (zero rows appended) -> piece [c, rest]
   // (rows r*c.. of the reduction) -> this rank's rows, moved back: [.., s_r, ..].
   const int64_t n = x.size(dim);
-  const int64_t chunk = (n + world_size - 1) / world_size;
+  const int64_t chunk = chunk_rows(n, world_size);
   const int64_t length = chunk_range(n, world_size, group->getRank()).length;
   at::Tensor front = front_padded(x, dim, chunk * world_size);
   auto sizes = front.sizes().vec();

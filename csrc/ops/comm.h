@@ -11,23 +11,58 @@
 // [r*c, min((r+1)*c, n)). Collectives move such pieces as p blocks of c rows,
 // zero-padding the short ones: the valid rows of the gathered [p*c] tensor are
 // then exactly its first n rows, since every padded block comes after all full ones.
+// chunk_rows, chunk_range and gathered_size below are this rule's only C++
+// statement: on int64_t in the kernels, on c10::SymInt in the Meta kernels
+// (symbolic sizes under torch.compile).
 
 #include "ops/common.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 
 namespace torch_tp {
 
+// std::min for the two integer types of the shard arithmetic.
+inline int64_t min_of(int64_t a, int64_t b) {
+  return std::min(a, b);
+}
+inline c10::SymInt min_of(const c10::SymInt& a, const c10::SymInt& b) {
+  return a.min(b);
+}
+
+// c = ceil(n / p): the rows of every piece but the last non-empty one, and
+// the rows of each block the collectives move.
+template <typename Int>
+Int chunk_rows(const Int& n, int64_t world_size) {
+  return (n + (world_size - 1)) / world_size;
+}
+
 // Rank `rank`'s rows [start, start + length) of n rows split as torch.chunk splits them.
+template <typename Int>
 struct ChunkRange {
-  int64_t start;
-  int64_t length;
+  Int start;
+  Int length;
 };
-ChunkRange chunk_range(int64_t n, int64_t world_size, int64_t rank);
+
+template <typename Int>
+ChunkRange<Int> chunk_range(const Int& n, int64_t world_size, int64_t rank) {
+  const Int chunk = chunk_rows(n, world_size);
+  const Int start = min_of(chunk * rank, n);
+  return {start, min_of(chunk, n - start)};
+}
+
+// The length along `dim` of the ranks' pieces gathered, this rank's piece
+// having `local` rows: full_size, after checking that `local` is this rank's
+// torch.chunk piece of it, or p * local without it (every piece the same
+// size). A symbolic `local` (a Meta kernel under torch.compile) is checked
+// when the kernel runs. Instantiated for int64_t and c10::SymInt.
+template <typename Int>
+Int gathered_size(const char* op, const Int& local, int64_t dim, std::optional<int64_t> full_size,
+                  int64_t world_size, int64_t rank);
 
 // A collective in flight. wait() blocks until it completed and returns the
 // result in its final layout; a backend failure is rethrown with the op, the
@@ -84,10 +119,5 @@ bool cross_rank_checks_enabled();
 void check_same_across_ranks(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                              const at::Tensor& x, std::optional<Reduction> reduction, std::optional<int64_t> dim,
                              std::optional<int64_t> full_size, const char* dim_arg);
-
-// Checks that x's size along `dim` is this rank's torch.chunk piece of
-// `full_size` rows and returns full_size (or p * x.size(dim) without it).
-int64_t gathered_size(const char* op, const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
-                      int64_t world_size, int64_t rank);
 
 } // namespace torch_tp

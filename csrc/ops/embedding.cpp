@@ -82,7 +82,7 @@ at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::T
   TORCH_CHECK(vocab_size >= 0, op, ": vocab_size=", vocab_size, " must be >= 0");
   const auto group = resolve_group(op, group_name);
   const int64_t rank = group->getRank();
-  const ChunkRange rows = chunk_range(vocab_size, group->getSize(), rank);
+  const auto rows = chunk_range(vocab_size, group->getSize(), rank);
   TORCH_CHECK(weight.size(0) == rows.length, op, ": weight.size(0)=", weight.size(0), " but rank ", rank,
               "'s torch.chunk piece of vocab_size=", vocab_size, " over ", group->getSize(), " ranks has ",
               rows.length, " rows");
@@ -127,7 +127,7 @@ at::Tensor column_parallel_embedding_composite(const at::Tensor& ids, const at::
   if (gather_dim) {
     // Checked here so that errors name this op rather than torch_tp::all_gather.
     const int64_t dim = wrap_dim(op, *gather_dim, ids.dim(), "gather_dim", "ids");
-    gathered_size(op, ids, dim, full_size, group->getSize(), group->getRank());
+    gathered_size(op, ids.size(dim), dim, full_size, group->getSize(), group->getRank());
     if (cross_rank_checks_enabled()) {
       check_same_across_ranks(op, group, ids, std::nullopt, dim, full_size, "gather_dim");
     }

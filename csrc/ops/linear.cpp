@@ -43,6 +43,26 @@
 // gather happens anyway). Replicated parameters used outside these ops on
 // sequence shards (norm weights) are partial and must be all-reduced by the
 // caller; the Python layer does that.
+//
+// NOTE [skipped gradients]
+// Fine-tuning freezes weights (LoRA, adapters, BitFit), and a layer's input
+// often needs no gradient (the first layer's, or one behind frozen layers).
+// The autograd kernels pass the backward ops an output_mask, as aten's
+// *_backward ops take one, from the node's needs_input_grad, and the backward
+// runs only what it asks for:
+//   no grad_x:      no grad @ W GEMM, and no all-reduce / reduce-scatter of it
+//   no grad_weight: no grad^T @ x GEMM, and under sequence parallelism no
+//                   re-gather of x (only grad_weight reads it)
+//   no grad_bias:   no sum
+// The row layer's gather of grad under sequence parallelism feeds all three,
+// so it runs whenever one of them is wanted. A skipped collective must be
+// skipped on every rank, or the others wait for it forever. It is: every
+// rank runs the same program on the same graph with the same requires_grad
+// flags (a frozen parameter is frozen on every rank, its shards being one
+// parameter; autograd.grad asks every rank for the same inputs), so
+// needs_input_grad, and with it the mask, is the same on every rank. Under
+// torch.compile the mask is a constant of the traced backward: AOTAutograd
+// traces these kernels with the inputs' requires_grad, on which Dynamo guards.
 
 #include "ops/linear.h"
 
@@ -55,6 +75,8 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
+
+#include <array>
 
 namespace torch_tp {
 
@@ -103,6 +125,10 @@ std::optional<int64_t> check_linear_args(const char* op, const at::Tensor& x, co
   TORCH_CHECK(wrapped != x.dim() - 1, op, ": ", dim_name, "=", *dim,
               " is the feature dimension; it must name a sequence or batch dimension");
   return wrapped;
+}
+
+at::Tensor skipped_gradient(const at::Tensor& like) {
+  return at::empty({0}, like.options());
 }
 
 void check_partial_grad_input(const char* op, bool partial_grad_input, std::optional<int64_t> gather_dim) {
@@ -156,48 +182,53 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
 
 namespace {
 
-// The backward kernels use ATen GEMMs on every device. See NOTE [backward overlap].
+// The backward kernels use ATen GEMMs on every device. See NOTE [backward
+// overlap] and NOTE [skipped gradients].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_kernel(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre_activation,
-    bool bias_defined, c10::string_view group_name, std::optional<int64_t> gather_dim,
-    std::optional<int64_t> full_size, c10::string_view activation, bool partial_grad_input) {
+    c10::string_view group_name, std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+    c10::string_view activation, bool partial_grad_input, std::array<bool, 3> output_mask) {
   constexpr const char* op = "torch_tp::column_parallel_linear backward";
   check_partial_grad_input(op, partial_grad_input, gather_dim);
+  const auto [want_x, want_weight, want_bias] = output_mask;
   const auto group = resolve_group(op, group_name);
   const bool sequence_parallel = gather_dim.has_value();
   const int64_t dim = sequence_parallel ? (*gather_dim < 0 ? *gather_dim + x.dim() : *gather_dim) : 0;
 
   std::optional<PendingCollective> x_gather;
-  if (sequence_parallel) {
+  if (sequence_parallel && want_weight) {
     x_gather.emplace(start_all_gather(op, group, x, dim, full_size, "gather_dim"));
   }
   const at::Tensor grad_pre = parse_activation(op, activation) == Activation::GeluTanh
       ? at::gelu_backward(grad_out, pre_activation, "tanh")
       : grad_out;
   const at::Tensor grad2d = rows2d(grad_pre);
-  const at::Tensor grad_x_full = grad2d.mm(weight);  // [M, K]: overlaps the gather of x
+  // grad [.., N/p] @ W_r [N/p, K] -> this rank's partial sum of grad_x [.., K]
+  // (gathered length under sequence parallelism); overlaps the gather of x.
+  at::Tensor grad_x =
+      want_x ? grad2d.mm(weight).view(with_features(grad_pre.sizes(), weight.size(1))) : skipped_gradient(grad_out);
   const at::Tensor x_full = x_gather ? x_gather->wait() : x;
 
-  at::Tensor grad_x_rows = grad_x_full.view(x_full.sizes());
-  if (partial_grad_input) {
-    // The caller reduces this rank's partial sum later (see NOTE [partial grad_x]).
-    return {grad_x_rows, grad2d.t().mm(rows2d(x_full)),
-            bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options())};
+  // partial_grad_input: the caller reduces grad_x later (see NOTE [partial grad_x]).
+  std::optional<PendingCollective> grad_x_comm;
+  if (want_x && !partial_grad_input) {
+    grad_x_comm.emplace(sequence_parallel ? start_reduce_scatter(op, group, grad_x, dim, Reduction::Sum, "gather_dim")
+                                          : start_all_reduce_(op, group, grad_x, Reduction::Sum));
   }
-  PendingCollective grad_x_comm = sequence_parallel
-      ? start_reduce_scatter(op, group, grad_x_rows, dim, Reduction::Sum, "gather_dim")
-      : start_all_reduce_(op, group, grad_x_rows, Reduction::Sum);
   // Overlaps the grad-input collective.
-  at::Tensor grad_weight = grad2d.t().mm(rows2d(x_full));
-  at::Tensor grad_bias = bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options());
-  at::Tensor grad_x = grad_x_comm.wait();
+  at::Tensor grad_weight = want_weight ? grad2d.t().mm(rows2d(x_full)) : skipped_gradient(grad_out);
+  at::Tensor grad_bias = want_bias ? grad2d.sum(0) : skipped_gradient(grad_out);
+  if (grad_x_comm) {
+    grad_x = grad_x_comm->wait();
+  }
   return {grad_x, grad_weight, grad_bias};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kernel(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, bool bias_defined,
-    c10::string_view group_name, std::optional<int64_t> scatter_dim) {
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
+    std::optional<int64_t> scatter_dim, std::array<bool, 3> output_mask) {
   constexpr const char* op = "torch_tp::row_parallel_linear backward";
+  const auto [want_x, want_weight, want_bias] = output_mask;
   const auto group = resolve_group(op, group_name);
   at::Tensor grad_full = grad_out;
   if (scatter_dim) {
@@ -205,9 +236,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kern
     grad_full = start_all_gather(op, group, grad_out, dim, x.size(dim), "scatter_dim").wait();
   }
   const at::Tensor grad2d = rows2d(grad_full);
-  at::Tensor grad_x = grad2d.mm(weight).view(x.sizes());
-  at::Tensor grad_weight = grad2d.t().mm(rows2d(x));
-  at::Tensor grad_bias = bias_defined ? grad2d.sum(0) : at::empty({0}, grad_out.options());
+  at::Tensor grad_x = want_x ? grad2d.mm(weight).view(x.sizes()) : skipped_gradient(grad_out);
+  at::Tensor grad_weight = want_weight ? grad2d.t().mm(rows2d(x)) : skipped_gradient(grad_out);
+  at::Tensor grad_bias = want_bias ? grad2d.sum(0) : skipped_gradient(grad_out);
   return {grad_x, grad_weight, grad_bias};
 }
 
@@ -237,45 +268,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kern
 //     grad_b = sum(grad) (replicated, counted once), or under sequence
 //              parallelism g(sum of this rank's rows)
 // Each costs what the fused backward costs plus, with an activation, the
-// forward GEMM again; only second-order training pays it.
+// forward GEMM again; only second-order training pays it. Like the fused
+// kernels, they compute only what output_mask asks for (NOTE [skipped
+// gradients]); a gradient not computed is undefined.
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_differentiable(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     const std::string& group_name, std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-    const std::string& activation, bool partial_grad_input) {
+    const std::string& activation, bool partial_grad_input, std::array<bool, 3> output_mask) {
   constexpr const char* op = "torch_tp::column_parallel_linear backward";
-  const std::optional<int64_t> dim =
-      gather_dim ? std::optional<int64_t>(wrap_dim(op, *gather_dim, x.dim(), "gather_dim")) : std::nullopt;
-  const at::Tensor x_in = dim ? all_gather(x, *dim, group_name, full_size)
-                              : (partial_grad_input ? x : copy_to_tp_region(x, group_name));
+  const auto [want_x, want_weight, want_bias] = output_mask;
+  const bool sequence_parallel = gather_dim.has_value();
+  const int64_t dim = sequence_parallel ? wrap_dim(op, *gather_dim, x.dim(), "gather_dim") : 0;
+  const bool gelu = parse_activation(op, activation) == Activation::GeluTanh;
+  // Only grad_W and the recomputed pre-activation read x_in.
+  at::Tensor x_in;
+  if (want_weight || gelu) {
+    x_in = sequence_parallel ? all_gather(x, dim, group_name, full_size)
+                             : (partial_grad_input ? x : copy_to_tp_region(x, group_name));
+  }
   at::Tensor grad_pre = grad_out;
-  if (parse_activation(op, activation) == Activation::GeluTanh) {
+  if (gelu) {
     const at::Tensor pre = at::linear(x_in, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
     grad_pre = at::gelu_backward(grad_out, pre, "tanh");
   }
-  const at::Tensor grad_x_partial = at::matmul(grad_pre, weight);
-  const at::Tensor grad_x = partial_grad_input ? grad_x_partial
-      : dim                                    ? reduce_scatter(grad_x_partial, *dim, "sum", group_name)
-                                               : reduce_from_tp_region(grad_x_partial, group_name);
   const at::Tensor grad2d = rows2d(grad_pre);
-  return {grad_x, grad2d.t().mm(rows2d(x_in)), bias.defined() ? grad2d.sum(0) : at::Tensor()};
+  at::Tensor grad_x, grad_weight, grad_bias;
+  if (want_x) {
+    const at::Tensor grad_x_partial = at::matmul(grad_pre, weight);
+    grad_x = partial_grad_input ? grad_x_partial
+        : sequence_parallel     ? reduce_scatter(grad_x_partial, dim, "sum", group_name)
+                                : reduce_from_tp_region(grad_x_partial, group_name);
+  }
+  if (want_weight) {
+    grad_weight = grad2d.t().mm(rows2d(x_in));
+  }
+  if (want_bias) {
+    grad_bias = grad2d.sum(0);
+  }
+  return {grad_x, grad_weight, grad_bias};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_differentiable(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, bool bias_defined,
-    const std::string& group_name, std::optional<int64_t> scatter_dim) {
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const std::string& group_name,
+    std::optional<int64_t> scatter_dim, std::array<bool, 3> output_mask) {
   constexpr const char* op = "torch_tp::row_parallel_linear backward";
+  const auto [want_x, want_weight, want_bias] = output_mask;
   const std::optional<int64_t> dim =
       scatter_dim ? std::optional<int64_t>(wrap_dim(op, *scatter_dim, x.dim(), "scatter_dim")) : std::nullopt;
-  const at::Tensor grad_in = dim ? all_gather(grad_out, *dim, group_name, x.size(*dim))
-                                 : copy_to_tp_region(grad_out, group_name);
-  const at::Tensor grad2d = rows2d(grad_in);
-  at::Tensor grad_bias;
-  if (bias_defined) {
+  at::Tensor grad_x, grad_weight, grad_bias;
+  if (want_x || want_weight) {
+    const at::Tensor grad_in = dim ? all_gather(grad_out, *dim, group_name, x.size(*dim))
+                                   : copy_to_tp_region(grad_out, group_name);
+    if (want_x) {
+      grad_x = at::matmul(grad_in, weight);
+    }
+    if (want_weight) {
+      grad_weight = rows2d(grad_in).t().mm(rows2d(x));
+    }
+  }
+  if (want_bias) {
     const at::Tensor local_sum = rows2d(grad_out).sum(0);
     grad_bias = dim ? reduce_from_tp_region(local_sum, group_name) : local_sum;
   }
-  return {at::matmul(grad_in, weight), grad2d.t().mm(rows2d(x)), grad_bias};
+  return {grad_x, grad_weight, grad_bias};
 }
 
 // ---------------------------------------------------------------- autograd
@@ -285,6 +341,14 @@ using torch::autograd::variable_list;
 
 std::optional<int64_t> optional_int(const c10::IValue& value) {
   return value.isNone() ? std::nullopt : std::optional<int64_t>(value.toInt());
+}
+
+// Which of (grad_x, grad_weight, grad_bias) this backward must compute (NOTE
+// [skipped gradients]). The node's edges are its tensor arguments that were
+// given, so bias, when there is one, is edge 2.
+std::array<bool, 3> linear_output_mask(AutogradContext* ctx) {
+  const bool bias_defined = ctx->saved_data["bias_defined"].toBool();
+  return {ctx->needs_input_grad(0), ctx->needs_input_grad(1), bias_defined && ctx->needs_input_grad(2)};
 }
 
 struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnParallelLinearFunction> {
@@ -307,7 +371,7 @@ struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnPar
     // Under sequence parallelism x is the local shard: the backward re-gathers
     // it. bias only for NOTE [double backward].
     ctx->save_for_backward({x, weight, pre, bias.value_or(at::Tensor())});
-    ctx->saved_data["bias_defined"] = bias.has_value();
+    ctx->saved_data["bias_defined"] = bias.has_value() && bias->defined();
     ctx->saved_data["group_name"] = group_name;
     ctx->saved_data["gather_dim"] = gather_dim;
     ctx->saved_data["full_size"] = full_size;
@@ -319,29 +383,30 @@ struct ColumnParallelLinearFunction : public torch::autograd::Function<ColumnPar
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto backward_op =
         find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, c10::string_view,
-            std::optional<int64_t>, std::optional<int64_t>, c10::string_view, bool)>(
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
+            std::optional<int64_t>, std::optional<int64_t>, c10::string_view, bool, std::array<bool, 3>)>(
             "torch_tp::_column_parallel_linear_backward");
-    const auto saved = ctx->get_saved_variables();
-    const bool bias_defined = ctx->saved_data["bias_defined"].toBool();
     if (!grads[0].defined()) {
       return variable_list(8);
     }
+    const auto saved = ctx->get_saved_variables();
+    const std::array<bool, 3> output_mask = linear_output_mask(ctx);
     variable_list grads_in(8);
     if (at::GradMode::is_enabled()) {  // create_graph: NOTE [double backward]
       std::tie(grads_in[0], grads_in[1], grads_in[2]) = column_parallel_linear_backward_differentiable(
           grads[0], saved[0], saved[1], saved[3], ctx->saved_data["group_name"].toStringRef(),
           optional_int(ctx->saved_data["gather_dim"]), optional_int(ctx->saved_data["full_size"]),
-          ctx->saved_data["activation"].toStringRef(), ctx->saved_data["partial_grad_input"].toBool());
+          ctx->saved_data["activation"].toStringRef(), ctx->saved_data["partial_grad_input"].toBool(),
+          output_mask);
       return grads_in;
     }
     auto [grad_x, grad_weight, grad_bias] = backward_op.call(
-        grads[0], saved[0], saved[1], saved[2], bias_defined, ctx->saved_data["group_name"].toStringRef(),
+        grads[0], saved[0], saved[1], saved[2], ctx->saved_data["group_name"].toStringRef(),
         optional_int(ctx->saved_data["gather_dim"]), optional_int(ctx->saved_data["full_size"]),
-        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["partial_grad_input"].toBool());
-    grads_in[0] = grad_x;
-    grads_in[1] = grad_weight;
-    grads_in[2] = bias_defined ? grad_bias : at::Tensor();
+        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["partial_grad_input"].toBool(), output_mask);
+    grads_in[0] = output_mask[0] ? grad_x : at::Tensor();
+    grads_in[1] = output_mask[1] ? grad_weight : at::Tensor();
+    grads_in[2] = output_mask[2] ? grad_bias : at::Tensor();
     return grads_in;
   }
 };
@@ -359,7 +424,7 @@ struct RowParallelLinearFunction : public torch::autograd::Function<RowParallelL
       out = forward_op.call(x, weight, bias, group_name, scatter_dim);
     }
     ctx->save_for_backward({x, weight});
-    ctx->saved_data["bias_defined"] = bias.has_value();
+    ctx->saved_data["bias_defined"] = bias.has_value() && bias->defined();
     ctx->saved_data["group_name"] = group_name;
     ctx->saved_data["scatter_dim"] = scatter_dim;
     return out;
@@ -368,24 +433,25 @@ struct RowParallelLinearFunction : public torch::autograd::Function<RowParallelL
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto backward_op =
         find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                               const at::Tensor&, bool, c10::string_view,
-                                                               std::optional<int64_t>)>(
+                                                               const at::Tensor&, c10::string_view,
+                                                               std::optional<int64_t>, std::array<bool, 3>)>(
             "torch_tp::_row_parallel_linear_backward");
-    const auto saved = ctx->get_saved_variables();
-    const bool bias_defined = ctx->saved_data["bias_defined"].toBool();
     if (!grads[0].defined()) {
       return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
+    const auto saved = ctx->get_saved_variables();
+    const std::array<bool, 3> output_mask = linear_output_mask(ctx);
     if (at::GradMode::is_enabled()) {  // create_graph: NOTE [double backward]
       auto [grad_x, grad_weight, grad_bias] = row_parallel_linear_backward_differentiable(
-          grads[0], saved[0], saved[1], bias_defined, ctx->saved_data["group_name"].toStringRef(),
-          optional_int(ctx->saved_data["scatter_dim"]));
+          grads[0], saved[0], saved[1], ctx->saved_data["group_name"].toStringRef(),
+          optional_int(ctx->saved_data["scatter_dim"]), output_mask);
       return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
     }
     auto [grad_x, grad_weight, grad_bias] =
-        backward_op.call(grads[0], saved[0], saved[1], bias_defined, ctx->saved_data["group_name"].toStringRef(),
-                         optional_int(ctx->saved_data["scatter_dim"]));
-    return {grad_x, grad_weight, bias_defined ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
+        backward_op.call(grads[0], saved[0], saved[1], ctx->saved_data["group_name"].toStringRef(),
+                         optional_int(ctx->saved_data["scatter_dim"]), output_mask);
+    return {output_mask[0] ? grad_x : at::Tensor(), output_mask[1] ? grad_weight : at::Tensor(),
+            output_mask[2] ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -47,6 +47,10 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
                                        const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                        std::optional<int64_t> scatter_dim, LinearGemm gemm);
 
+// A gradient the backward was not asked for (NOTE [skipped gradients] in
+// linear.cpp): an empty tensor, from the device kernels and the Meta kernels alike.
+at::Tensor skipped_gradient(const at::Tensor& like);
+
 // partial_grad_input leaves grad_x partial (NOTE [partial grad_x] in
 // linear.cpp); with a gather_dim the backward must reduce-scatter it, so the
 // pair is refused here, in the forward, not first in the backward.

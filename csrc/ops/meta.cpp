@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <array>
+
 namespace torch_tp {
 namespace {
 
@@ -28,15 +30,7 @@ at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view gr
   dim = wrap_dim(op, dim, x.dim());
   const auto group = resolve_group(op, group_name);
   auto sizes = x.sym_sizes().vec();
-  if (full_size) {
-    if (x.sym_size(dim).is_heap_allocated()) {
-      sizes[dim] = *full_size;
-    } else {
-      sizes[dim] = gathered_size(op, x, dim, full_size, group->getSize(), group->getRank());
-    }
-  } else {
-    sizes[dim] = sizes[dim] * group->getSize();
-  }
+  sizes[dim] = gathered_size(op, sizes[dim], dim, full_size, group->getSize(), group->getRank());
   return at::empty_symint(sizes, x.options());
 }
 
@@ -47,13 +41,8 @@ at::Tensor reduce_scatter_meta(const at::Tensor& x, int64_t dim, c10::string_vie
   parse_reduction(op, reduce_op, x.scalar_type());
   dim = wrap_dim(op, dim, x.dim());
   const auto group = resolve_group(op, group_name);
-  // This rank's torch.chunk piece, in SymInt arithmetic (see NOTE [torch.chunk shards]).
-  const int64_t world_size = group->getSize();
-  const c10::SymInt n = x.sym_size(dim);
-  const c10::SymInt chunk = (n + (world_size - 1)) / world_size;
-  const c10::SymInt start = (chunk * group->getRank()).min(n);
   auto sizes = x.sym_sizes().vec();
-  sizes[dim] = chunk.min(n - start);
+  sizes[dim] = chunk_range(sizes[dim], group->getSize(), group->getRank()).length;
   return at::empty_symint(sizes, x.options());
 }
 
@@ -88,13 +77,7 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_meta(
   const auto group = resolve_group(op, group_name);
   auto sizes = linear_out_sizes(x, weight);
   if (dim) {
-    if (!full_size) {
-      sizes[*dim] = sizes[*dim] * group->getSize();
-    } else if (x.sym_size(*dim).is_heap_allocated()) {
-      sizes[*dim] = *full_size;
-    } else {
-      sizes[*dim] = gathered_size(op, x, *dim, full_size, group->getSize(), group->getRank());
-    }
+    sizes[*dim] = gathered_size(op, sizes[*dim], *dim, full_size, group->getSize(), group->getRank());
   }
   at::Tensor out = at::empty_symint(sizes, x.options());
   at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : at::empty_symint(sizes, x.options());
@@ -118,36 +101,33 @@ at::Tensor row_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weigh
   const auto group = resolve_group(op, group_name);
   auto sizes = linear_out_sizes(x, weight);
   if (dim) {
-    // This rank's torch.chunk piece (see NOTE [torch.chunk shards]).
-    const int64_t world_size = group->getSize();
-    const c10::SymInt n = sizes[*dim];
-    const c10::SymInt chunk = (n + (world_size - 1)) / world_size;
-    const c10::SymInt start = (chunk * group->getRank()).min(n);
-    sizes[*dim] = chunk.min(n - start);
+    sizes[*dim] = chunk_range(sizes[*dim], group->getSize(), group->getRank()).length;
   }
   return at::empty_symint(sizes, x.options());
 }
 
-// Gradients have the shapes of what they are gradients of.
+// Gradients have the shapes of what they are gradients of; the ones
+// output_mask leaves out are empty (NOTE [skipped gradients] in linear.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_grads_meta(const at::Tensor& grad_out, const at::Tensor& x,
-                                                                 const at::Tensor& weight, bool bias_defined) {
-  at::Tensor grad_bias = bias_defined ? at::empty_symint({weight.sym_size(0)}, grad_out.options())
-                                      : at::empty({0}, grad_out.options());
-  return {at::empty_symint(x.sym_sizes(), x.options()), at::empty_symint(weight.sym_sizes(), weight.options()),
-          grad_bias};
+                                                                 const at::Tensor& weight,
+                                                                 std::array<bool, 3> output_mask) {
+  const auto [want_x, want_weight, want_bias] = output_mask;
+  return {want_x ? at::empty_symint(x.sym_sizes(), x.options()) : skipped_gradient(grad_out),
+          want_weight ? at::empty_symint(weight.sym_sizes(), weight.options()) : skipped_gradient(grad_out),
+          want_bias ? at::empty_symint({weight.sym_size(0)}, grad_out.options()) : skipped_gradient(grad_out)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& /*pre_activation*/,
-    bool bias_defined, c10::string_view /*group_name*/, std::optional<int64_t> /*gather_dim*/,
-    std::optional<int64_t> /*full_size*/, c10::string_view /*activation*/, bool /*partial_grad_input*/) {
-  return linear_grads_meta(grad_out, x, weight, bias_defined);
+    c10::string_view /*group_name*/, std::optional<int64_t> /*gather_dim*/, std::optional<int64_t> /*full_size*/,
+    c10::string_view /*activation*/, bool /*partial_grad_input*/, std::array<bool, 3> output_mask) {
+  return linear_grads_meta(grad_out, x, weight, output_mask);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, bool bias_defined,
-    c10::string_view /*group_name*/, std::optional<int64_t> /*scatter_dim*/) {
-  return linear_grads_meta(grad_out, x, weight, bias_defined);
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, c10::string_view /*group_name*/,
+    std::optional<int64_t> /*scatter_dim*/, std::array<bool, 3> output_mask) {
+  return linear_grads_meta(grad_out, x, weight, output_mask);
 }
 
 } // namespace

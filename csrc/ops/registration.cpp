@@ -42,16 +42,18 @@ TORCH_LIBRARY(torch_tp, m) {
 
   // The pieces the autograd kernels of the linear ops dispatch to, so that
   // torch.compile traces forward and backward as ops. The forward also returns
-  // the pre-activation (empty without an activation) for the backward.
+  // the pre-activation (empty without an activation) for the backward. The
+  // backward computes (grad_x, grad_weight, grad_bias) where output_mask says
+  // so, as aten's *_backward ops do, and returns an empty tensor for the rest
+  // (NOTE [skipped gradients] in linear.cpp).
   m.def(
       "_column_parallel_linear_forward(Tensor x, Tensor weight, Tensor? bias, str group_name, int? gather_dim, "
       "int? full_size, str activation) -> (Tensor, Tensor)");
   m.def(
       "_column_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor pre_activation, "
-      "bool bias_defined, str group_name, int? gather_dim, int? full_size, str activation, "
-      "bool partial_grad_input) "
-      "-> (Tensor, Tensor, Tensor)");
+      "str group_name, int? gather_dim, int? full_size, str activation, bool partial_grad_input, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "_row_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, bool bias_defined, str group_name, "
-      "int? scatter_dim) -> (Tensor, Tensor, Tensor)");
+      "_row_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, str group_name, int? scatter_dim, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }

@@ -6,8 +6,8 @@
 // torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the ranks meet
 // in the TCPStore there and make a torch_tp shared-memory group ("tp"). Every
 // rank builds the same full MLP (same seed), keeps its shards of it in
-// torch_tp::nn modules (Megatron's column- then row-parallel pair), and trains
-// both with AdamW on the same batches. After every step the loss and every
+// torch_tp::nn modules (Megatron's column- then row-parallel pair, the column
+// layer with GELU fused into it), and trains both with AdamW on the same batches. After every step the loss and every
 // shard must equal the unsharded model's (within kTolerance), or the program
 // exits with status 1 naming what differed.
 
@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 
 namespace {
@@ -100,8 +101,9 @@ int main(int argc, char** argv) {
     up->to(torch::kFloat64);
     down->to(torch::kFloat64);
 
-    // This rank's shards: up's rows (hidden units), down's columns.
-    torch_tp::nn::ColumnParallelLinear up_tp(up, "tp");
+    // This rank's shards: up's rows (hidden units), with the MLP's GELU
+    // (tanh approximation) fused into the layer; down's columns.
+    torch_tp::nn::ColumnParallelLinear up_tp(up, "tp", /*gather_dim=*/std::nullopt, /*activation=*/"gelu_tanh");
     torch_tp::nn::RowParallelLinear down_tp(down, "tp");
 
     std::vector<at::Tensor> full_params = up->parameters();
@@ -126,12 +128,12 @@ int main(int argc, char** argv) {
       const at::Tensor target = torch::randn({kBatch, kOutFeatures}, torch::kFloat64);
 
       full_optimizer.zero_grad();
-      const at::Tensor full_loss = torch::mse_loss(down(torch::gelu(up(x))), target);
+      const at::Tensor full_loss = torch::mse_loss(down(torch::gelu(up(x), "tanh")), target);
       full_loss.backward();
       full_optimizer.step();
 
       tp_optimizer.zero_grad();
-      const at::Tensor tp_loss = torch::mse_loss(down_tp(torch::gelu(up_tp(x))), target);
+      const at::Tensor tp_loss = torch::mse_loss(down_tp(up_tp(x)), target);
       tp_loss.backward();
       tp_optimizer.step();
 

@@ -9,7 +9,8 @@
 // 4, 4, 3) must give the unsharded torch::nn layers' output and, for each
 // shard, that shard of the unsharded gradients: replicated, and with sequence
 // parallelism (the embedding reduce-scatters the sequence, the column layer
-// gathers it, the row layer scatters it again).
+// gathers it, the row layer scatters it again); with the GELU applied between
+// the layers, and fused into the column layer (activation "gelu_tanh").
 //
 // Tolerance: float64, and the sharded layers add the same products in another
 // order (per-rank partial sums, then the reduction), so results agree to a few
@@ -70,8 +71,10 @@ struct FullModel {
     up->to(at::kDouble);
     down->to(at::kDouble);
   }
-  at::Tensor forward(const at::Tensor& ids) {
-    return down(torch::nn::functional::gelu(up(embedding(ids))));
+  // GELU (tanh approximation where the sharded model fuses it into the column layer).
+  at::Tensor forward(const at::Tensor& ids, bool fused_gelu) {
+    auto gelu = torch::nn::functional::GELUFuncOptions().approximate(fused_gelu ? "tanh" : "none");
+    return down(torch::nn::functional::gelu(up(embedding(ids)), gelu));
   }
 };
 
@@ -119,30 +122,33 @@ int shm_segments() {
   return count;
 }
 
-void check_model(bool sequence_parallel) {
+void check_model(bool sequence_parallel, bool fused_gelu) {
   at::manual_seed(0);
   FullModel full;
   const at::Tensor ids = at::randint(0, kVocab, {kBatch, kSeq});
-  const at::Tensor y = full.forward(ids);
+  const at::Tensor y = full.forward(ids, fused_gelu);
   y.pow(2).sum().backward();
 
   run_ranks([&](int rank) {
     using torch_tp::nn::shard;
     std::optional<int64_t> seq_dim = sequence_parallel ? std::optional<int64_t>(1) : std::nullopt;
     torch_tp::nn::VocabParallelEmbedding embedding(full.embedding, "api", /*scatter_dim=*/seq_dim);
-    torch_tp::nn::ColumnParallelLinear up(full.up, "api", /*gather_dim=*/seq_dim);
+    torch_tp::nn::ColumnParallelLinear up(full.up, "api", /*gather_dim=*/seq_dim,
+                                          /*activation=*/fused_gelu ? "gelu_tanh" : "none");
     torch_tp::nn::RowParallelLinear down(full.down, "api", /*scatter_dim=*/seq_dim);
     EXPECT_EQ(up->weight.size(0), rank < 2 ? 4 : 3);
     EXPECT_EQ(embedding->weight.size(0), rank < 2 ? 4 : 2);
     std::ostringstream printed;
     printed << *up << " " << *down;
     EXPECT_TRUE(contains(printed.str(), c10::str("torch_tp::nn::ColumnParallelLinear(weight=[", up->weight.size(0),
-                                                 ", 6], bias=1, group=api")))
+                                                 ", 6], bias=1", fused_gelu ? ", activation=gelu_tanh" : "",
+                                                 ", group=api")))
         << printed.str();
     EXPECT_TRUE(contains(printed.str(), sequence_parallel ? "scatter_dim=1)" : "group=api)")) << printed.str();
 
     const std::optional<int64_t> full_size = sequence_parallel ? std::optional<int64_t>(kSeq) : std::nullopt;
-    const at::Tensor out = down(torch::nn::functional::gelu(up(embedding(ids), full_size)));
+    const at::Tensor hidden = up(embedding(ids), full_size);
+    const at::Tensor out = down(fused_gelu ? hidden : torch::nn::functional::gelu(hidden));
     out.pow(2).sum().backward();
 
     // With sequence parallelism each rank holds its piece of the sequence
@@ -162,11 +168,16 @@ void check_model(bool sequence_parallel) {
 }
 
 TEST(CppApi, ModulesOnANewGroupMatchTheUnshardedLayers) {
-  check_model(/*sequence_parallel=*/false);
+  check_model(/*sequence_parallel=*/false, /*fused_gelu=*/false);
 }
 
 TEST(CppApi, SequenceParallelModulesGiveThisRanksPieceOfTheOutput) {
-  check_model(/*sequence_parallel=*/true);
+  check_model(/*sequence_parallel=*/true, /*fused_gelu=*/false);
+}
+
+TEST(CppApi, ColumnParallelLinearWithFusedGeluMatchesTheUnshardedLayers) {
+  check_model(/*sequence_parallel=*/false, /*fused_gelu=*/true);
+  check_model(/*sequence_parallel=*/true, /*fused_gelu=*/true);
 }
 
 TEST(CppApi, BadArgumentsAreClearErrors) {
@@ -183,6 +194,8 @@ TEST(CppApi, BadArgumentsAreClearErrors) {
   const auto group = torch_tp::new_group(store, 0, 1, "single");
   EXPECT_TRUE(throws_with([&] { torch_tp::nn::VocabParallelEmbedding(with_max_norm, "single"); },
                           {"VocabParallelEmbedding", "max_norm"}));
+  EXPECT_TRUE(throws_with([&] { torch_tp::nn::ColumnParallelLinear(linear, "single", std::nullopt, "relu"); },
+                          {"torch_tp::nn::ColumnParallelLinear", "activation='relu'", "gelu_tanh"}));
   torch_tp::destroy_group("single");
   EXPECT_TRUE(throws_with([&] { torch_tp::nn::shard(at::ones({4}), 0, "single"); }, {"single"}));
 }

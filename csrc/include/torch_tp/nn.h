@@ -11,9 +11,9 @@
 // every gradient they produce is the complete one for this rank's shard.
 //
 //   torch::nn::Linear up(1024, 4096), down(4096, 1024);             // same values on every rank
-//   torch_tp::nn::ColumnParallelLinear up_tp(up, "tp");             // weight [4096/p, 1024]
+//   torch_tp::nn::ColumnParallelLinear up_tp(up, "tp", std::nullopt, "gelu_tanh");  // weight [4096/p, 1024]
 //   torch_tp::nn::RowParallelLinear down_tp(down, "tp");            // weight [1024, 4096/p]
-//   at::Tensor y = down_tp(torch::gelu(up_tp(x)));                  // == down(gelu(up(x)))
+//   at::Tensor y = down_tp(up_tp(x));                               // == down(gelu(up(x), "tanh"))
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -36,10 +36,14 @@ at::Tensor shard(const at::Tensor& full, int64_t dim, const std::string& group_n
 // of its bias. forward(x [.., K] replicated) -> [.., N_rank]. With gather_dim,
 // x is this rank's piece of the sequence along that dim, all-gathered first
 // (sequence parallelism; pass full_size when the pieces are uneven).
+// activation "gelu_tanh" applies GELU's tanh approximation (torch::gelu(y,
+// "tanh")) inside the op: on CUDA in the GEMM's epilogue, and the backward
+// takes its gradient from the saved pre-activation. "none" (the default) is
+// the plain layer.
 class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
   ColumnParallelLinearImpl(const torch::nn::Linear& full, std::string group_name,
-                           std::optional<int64_t> gather_dim = std::nullopt);
+                           std::optional<int64_t> gather_dim = std::nullopt, std::string activation = "none");
   at::Tensor forward(const at::Tensor& x, std::optional<int64_t> full_size = std::nullopt);
   void pretty_print(std::ostream& stream) const override;
 
@@ -49,6 +53,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
  private:
   std::string group_name_;
   std::optional<int64_t> gather_dim_;
+  std::string activation_;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
