@@ -248,13 +248,13 @@ def _check_frozen(layer, sequence_parallel, x_grad, w_grad, b_grad):
     tensors = [("x", x_r, ref_x), ("weight", w_r, ref_w), ("bias", b_r, ref_b)]
     for name, mine, ref in tensors:
         if ref.requires_grad:
-            _close(mine.grad, pieces[name](ref.grad), dtype, f"grad of {name}")
+            assert_close(mine.grad, pieces[name](ref.grad), f"grad of {name}", TOL[dtype])
         else:
             assert mine.grad is None, f"{name} got a gradient it does not require"
     wanted = [(name, mine, ref) for name, mine, ref in tensors if ref.requires_grad]
     firsts = torch.autograd.grad(forward(), [mine for _, mine, _ in wanted], grad_r, create_graph=True)
     for (name, _, ref), first in zip(wanted, firsts):
-        _close(first, pieces[name](ref.grad), dtype, f"create_graph grad of {name}")
+        assert_close(first, pieces[name](ref.grad), f"create_graph grad of {name}", TOL[dtype])
     # Column: grad_x all-reduced (reduce-scattered under sequence parallelism),
     # x re-gathered under sequence parallelism for grad_weight only. Row: grad
     # all-gathered under sequence parallelism, for any gradient.
@@ -308,7 +308,7 @@ def _check_frozen_compiled(sequence_parallel, x_grad, w_grad):
             (lambda t: ops.shard(t, 0)), (lambda t: ops.shard(t, 1)), (lambda t: t)]
     for name, mine, cut, r in zip(["x", "w1", "b1", "w2", "b2"], params, cuts, ref):
         if r.requires_grad:
-            _close(mine.grad, cut(r.grad), dtype, f"compiled grad of {name}")
+            assert_close(mine.grad, cut(r.grad), f"compiled grad of {name}", TOL[dtype])
         else:
             assert mine.grad is None, f"compiled: {name} got a gradient it does not require"
     # Column: grad_x GEMM and collective if x needs a gradient, grad_w1 GEMM
