@@ -29,10 +29,10 @@
 // (W-1)/W out: at W = 2 about 2 bytes read and 2 written per byte, where a
 // memcpy moves 1 and 1, so half of memcpy's bandwidth is the ceiling.
 // Reading the peers' tensors in place with process_vm_readv (Linux
-// cross-memory attach) would cut that to 1.5 and 1, but on the 2-core VM of
-// benchmarks/RESULTS.md it was slower: a 16 MiB all-reduce ran at 3.2-4.2 GB/s
-// against the chunked path's 6.1-7.9 (its kernel copy reached 8-10 GB/s
-// where memcpy reached 12-17), so the backend copies through the segments only.
+// cross-memory attach) would cut that to 1.5 and 1, but the kernel's copy is
+// slower than memcpy, and on the machine of benchmarks/RESULTS.md (which has
+// the figures) the in-place path lost to the chunked one at 16 MiB; so the
+// backend copies through the segments only.
 
 #include "backend/reduce_kernels.h"
 #include "backend/shm_transport.h"

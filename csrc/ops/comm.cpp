@@ -47,9 +47,9 @@ c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Te
 // order does not matter (2 ranks, integers, min, max); for more ranks it is a
 // different order of the same additions, within float roundoff of gloo's
 // (bfloat16 and float16 are folded in float32 by at::sum and rounded once,
-// more precisely than gloo does). In benchmarks/bench_collectives.py (2
-// ranks) torch_tp's reduce_scatter takes 0.54-0.71x the time of c10d's from
-// 4 KiB to 16 MiB.
+// more precisely than gloo does). It is faster than c10d's reduce_scatter
+// on gloo at every size benchmarks/bench_collectives.py measures (figures in
+// benchmarks/RESULTS.md).
 bool runs_on_gloo(c10d::ProcessGroup& group, const at::Tensor& x) {
   try {
     return group.getBackend(x.device().type())->getBackendName() == "gloo";

@@ -127,8 +127,8 @@ class _LocalTensor(torch.autograd.Function):
 # DTensor.to_local() is the public way, and what runs under torch.compile. In
 # eager mode its backward rebuilds the gradient DTensor through
 # DTensor.from_local (another autograd Function and a spec recomputation),
-# which measured ~0.1-0.2 ms per parameter and step on the 2-core CI machine:
-# a few percent of the example model's step. _LocalTensor does the same with
+# a per-parameter, per-step cost that shows in the eager step of a model with
+# many small parameters. _LocalTensor does the same with
 # the parameter's own spec (or its Partial twin) and DTensor's constructor.
 # The gradient is contiguous, as the local tensor is, so AccumulateGrad can
 # take it as .grad without a copy.
