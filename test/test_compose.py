@@ -466,6 +466,46 @@ def test_uneven_sequence_shards_match_unsharded(ranks, seq):
     ranks(3).run(_check_uneven_sequence, seq, timeout=600)
 
 
+def _check_records_across_calls_and_recompute(blocks_first):
+    """torchtitan parallelizes the model (embedding, final norm, output) and then each block
+    in calls of their own, and wraps the blocks for activation checkpointing. Each forward of
+    the model starts without global-size records (NOTE [global sizes of plain shards] in
+    _layout.py), the blocks' do not (they sit inside the model, in either call order), so the
+    recompute in backward finds the forward's records: no plain shard's sizes are exchanged,
+    and training at 16 tokens over 3 ranks (6, 6, 4) equals the unsharded model's within
+    F64_RTOL."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    mesh, seq, steps = init_device_mesh("cpu", (dist.get_world_size(),)), 16, 2
+    reference = _llama(0, max_seq_len=seq)
+    _train(reference, _adamw(reference), None, range(steps), seq=seq)
+    model = _llama(0, max_seq_len=seq)
+    plan = llama_model.tp_plan(torch_tp)
+    block_plan = {key.split(".", 2)[2]: style for key, style in plan.items() if key.startswith("layers.")}
+    calls = [(model, {key: style for key, style in plan.items() if not key.startswith("layers.")})]
+    calls += [(block, block_plan) for block in model.layers.values()]
+    for module, module_plan in (calls[::-1] if blocks_first else calls):
+        torch_tp.parallelize_module(module, mesh, module_plan)
+    for name in list(model.layers):
+        model.layers[name] = checkpoint_wrapper(model.layers[name])
+
+    exchanges, exchange = [], torch_tp.parallel._layout._exchanged_global_size
+    torch_tp.parallel._layout._exchanged_global_size = lambda *args: exchanges.append(args) or exchange(*args)
+    try:
+        _train(model, _adamw(model), "torch_tp", range(steps), seq=seq)
+    finally:
+        torch_tp.parallel._layout._exchanged_global_size = exchange
+    assert not exchanges, f"{len(exchanges)} size exchange(s) in a torch_tp model"
+    for name in list(model.layers):
+        model.layers[name] = model.layers[name]._checkpoint_wrapped_module
+    _assert_model_equals_reference(model, reference, f"{'blocks' if blocks_first else 'model'} parallelized first")
+
+
+@pytest.mark.parametrize("blocks_first", [False, True])
+def test_records_span_calls_and_recompute(ranks, blocks_first):
+    ranks(3).run(_check_records_across_calls_and_recompute, blocks_first, timeout=600)
+
+
 class _NormMLP(nn.Module):
     """A pre-norm residual MLP: a sequence-parallel norm, then column- and row-parallel linears."""
 
@@ -495,8 +535,9 @@ def _norm_mlp_on_fresh_group():
 def _check_plain_uneven_input():
     """A user's own plain Shard(1) pieces of a sequence of 16 at 3 ranks (6, 6, 4), which no
     torch_tp output made: output and input gradient are the unsharded module's pieces, within
-    F64_RTOL, where torch's TP assumes even pieces. Pieces that are not torch.chunk's split are
-    an error on every rank, before any data moves."""
+    F64_RTOL, where torch's TP assumes even pieces; so is the next step's output at another
+    length. Pieces that are not torch.chunk's split are an error on every rank, before any
+    data moves."""
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, model = _norm_mlp_on_fresh_group()
     x = torch.randn(2, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
@@ -507,6 +548,12 @@ def _check_plain_uneven_input():
     assert_close(out, reference(x).chunk(world, dim=1)[rank], "output piece", F64_RTOL)
     assert_close(piece.grad, x.grad.chunk(world, dim=1)[rank], "input gradient piece", F64_RTOL)
     assert_close(model.up.weight.grad.full_tensor(), reference.up.weight.grad, "up.weight gradient", F64_RTOL)
+
+    # The next step's sequence is 18 (6, 6, 6): ranks 0 and 1's pieces would fit the 16
+    # recorded in the step before, rank 2's would not; the new forward starts without it.
+    x = torch.randn(2, 18, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    piece = x.chunk(world, dim=1)[rank]
+    assert_close(model(piece), reference(x).chunk(world, dim=1)[rank], "output piece, next step", F64_RTOL)
 
     _, fresh = _norm_mlp_on_fresh_group()
     not_chunk = [5, 5, 6]  # 16 rows, but torch.chunk gives 6, 6, 4

@@ -10,11 +10,14 @@ is differentiated by taking this rank's piece of the gradient, and a split
 from ``Replicate`` by gathering the pieces; neither sums.
 """
 
+import weakref
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.utils.hooks import RemovableHandle
 
 from ..ops import chunk_range
 
@@ -159,17 +162,44 @@ def split_replicated(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
 # * a record: a rank whose piece is its torch.chunk piece of the recorded size
 #   takes that size; where that holds on every rank, the pieces are exactly
 #   the torch.chunk split of it. A rank whose piece does not fit (a record of
-#   an earlier step, or of another tensor with the same key) takes its pieces
-#   to be even, as DTensor.from_local does. A stale record that fits on some
-#   ranks only therefore still leaves them disagreeing
-#   (TORCH_DISTRIBUTED_DEBUG=DETAIL catches it: NOTE [cross-rank argument
-#   check] in comm.h);
+#   another tensor with the same key) takes its pieces to be even, as
+#   DTensor.from_local does;
 # * no record (a shard that torch_tp did not make): the ranks all-gather their
 #   piece sizes (one int64 each) and check them against the torch.chunk split
 #   of their sum, all alike, before any data moves. The layers of a torch_tp
 #   model find a record, so only such inputs pay this collective.
 # A DTensor input carries its global shape and needs neither.
-_shard_sizes: Dict[Tuple[str, int, int], int] = {}
+#
+# A record must not outlive the forward that made it: a user's own plain
+# input of another length in the next step (18 rows at 3 ranks: 6, 6, 6,
+# after 16: 6, 6, 4) fits the old record on ranks 0 and 1 but not on rank 2,
+# and the ranks would compute with different global sizes and no error (a
+# rank cannot see another rank's misfit). So the forward of every module
+# handed to parallelize_module that no other such module contains (the
+# model, under torchtitan's calls on the model and then on each block) starts
+# with no records, on every rank alike. Only the outermost modules get the
+# hook: an activation-checkpointed block recomputed in backward keeps the
+# records of the forward it repeats, and a per-block torch.compile traces
+# no hook.
+_shard_sizes: Dict[Tuple[str, int, int], Optional[int]] = {}
+_record_scopes: "weakref.WeakKeyDictionary[nn.Module, RemovableHandle]" = weakref.WeakKeyDictionary()
+
+
+def _forget_records(module: nn.Module, args) -> None:
+    # Emptied in place and never shrunk: torch.compile guards on the records'
+    # keys, so a compiled block traced once stays valid from step to step.
+    for key in _shard_sizes:
+        _shard_sizes[key] = None
+
+
+def scope_records_to_forward(module: nn.Module) -> None:
+    """NOTE [global sizes of plain shards]: ``module``'s forward starts with no records,
+    unless it sits inside a module whose forward already does."""
+    if any(module is inner for outer in _record_scopes for inner in outer.modules()):
+        return
+    for inner in [m for m in module.modules() if m in _record_scopes]:
+        _record_scopes.pop(inner).remove()
+    _record_scopes[module] = module.register_forward_pre_hook(_forget_records)
 
 
 def record_shard(local: torch.Tensor, placement: Placement, group: TPGroup, global_shape) -> None:

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import style as _torch_style
 
 from . import style as _style
+from ._layout import scope_records_to_forward
 from ._params import naming_module
 
 __all__ = ["parallelize_module"]
@@ -123,6 +124,7 @@ def parallelize_module(
         return module
 
     _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
+    scope_records_to_forward(module)
     if not getattr(module, "_tp_checks_loads", False):
         module.register_load_state_dict_pre_hook(_check_load)
         module._tp_checks_loads = True
