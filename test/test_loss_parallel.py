@@ -24,13 +24,15 @@ Tolerances (fp32), relative to the largest magnitude of the reference:
                 ours is exp(x - m) / S: one or two roundings apart.
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -438,6 +440,48 @@ def _run_errors():
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_errors(ranks, world_size):
     ranks(world_size).run(_run_errors)
+
+
+def _raised(ctx, fn):
+    """The exception ``fn`` raises inside ``ctx()``, caught inside it: torch's loss_parallel
+    leaves its handlers registered when an exception leaves the context."""
+    with ctx():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001  (compared with the other library's)
+            return e
+    raise AssertionError("no exception")
+
+
+def _run_errors_like_torch():
+    """Where torch's loss_parallel refuses an input, torch_tp's raises the same exception type, and
+    its message holds the words torch's own tests match (test_tp_examples.py's assertRaisesRegex),
+    so code written against torch's errors keeps working."""
+    vocab = 16
+    mesh, mesh2d = _mesh(), init_device_mesh("cpu", (2, 2))
+    x = torch.randn(8, vocab, generator=torch.Generator().manual_seed(4))
+    labels = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(5))
+    x2d = distribute_tensor(x, mesh2d, [Shard(0), Shard(1)])
+    t2d = distribute_tensor(labels, mesh2d, [Shard(0), Replicate()])
+    partial_on_dp = DTensor.from_local(x2d.to_local(), mesh2d, [Partial(), Shard(1)], run_check=False)
+    cases = [
+        ("batch-sharded input on a 1-D mesh", "loss_parallel",
+         lambda: F.cross_entropy(distribute_tensor(x, mesh, [Shard(0)]), labels)),
+        ("Partial on the other mesh dim", "Shard or Replicate",
+         lambda: F.cross_entropy(partial_on_dp, t2d, reduction="sum")),
+        ("plain target with a batch-sharded mesh dim", "requires a DTensor",
+         lambda: F.cross_entropy(x2d, labels, reduction="sum")),
+        ("reduction='mean' on a 2-D mesh", "one-dimensional", lambda: F.cross_entropy(x2d, t2d)),
+    ]
+    for what, words, fn in cases:
+        theirs, ours = _raised(torch_loss_parallel, fn), _raised(loss_parallel, fn)
+        assert type(ours) is type(theirs), f"{what}: torch_tp raised {ours!r}, torch {theirs!r}"
+        assert re.search(words, str(theirs)), f"{what}: torch's message no longer says {words!r}: {theirs}"
+        assert re.search(words, str(ours)), f"{what}: torch_tp's message lacks {words!r}: {ours}"
+
+
+def test_errors_like_torch(ranks):
+    ranks(4).run(_run_errors_like_torch)
 
 
 # ---------------------------------------------------------------- a 2-D mesh

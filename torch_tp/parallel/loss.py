@@ -156,9 +156,11 @@ def _check_target(target: Any, x: DTensor, class_dim: int, placements: Tuple[Pla
         if not isinstance(target, DTensor) or target.device_mesh != mesh or tuple(target.placements) != placements:
             got = (f"placements {tuple(target.placements)} on {target.device_mesh}" if isinstance(target, DTensor)
                    else "a plain tensor")
+            # "requires a DTensor": torch's words, which code written for torch matches.
             raise ValueError(_err(
                 fn, f"target must be a DTensor on the input's mesh with placements {placements} (the input's "
-                f"{tuple(x.placements)} without the class dim), got {got}"))
+                f"{tuple(x.placements)} without the class dim), got {got}: a mesh dim that shards a batch dim "
+                "requires a DTensor target, as in torch's loss_parallel"))
         if target.shape != expected:
             raise ValueError(_err(
                 fn, f"target.shape={tuple(target.shape)} does not match input.shape={tuple(x.shape)} "
@@ -395,10 +397,11 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
     target = _check_target(target, input, class_dim, target_placements, fn)
     weight = _check_weight(weight, mesh, shard.num_classes, fn)
     if mesh.ndim > 1 and reduction == "mean":
+        # "one-dimensional": torch's words, which code written for torch matches.
         raise NotImplementedError(_err(
             fn, f"reduction='mean' on a {mesh.ndim}-D DeviceMesh: each rank holds only its rows, so their mean "
-            "is not the global mean (torch's loss_parallel refuses it too); use reduction='sum' or 'none' and "
-            "divide by the global count"))
+            "is not the global mean; as in torch's loss_parallel, 'mean' is only supported on a one-dimensional "
+            "DeviceMesh; use reduction='sum' or 'none' and divide by the global count"))
     if not isinstance(ignore_index, int):
         raise TypeError(_err(fn, f"ignore_index must be an int, got {ignore_index!r}"))
     dtype = _compute_dtype(input.dtype)
