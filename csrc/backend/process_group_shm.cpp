@@ -3,9 +3,9 @@
 #include "backend/reduce_kernels.h"
 #include "backend/shm_collectives.h"
 #include "backend/shm_transport.h"
+#include "backend/work_queue.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -14,8 +14,9 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
 #include <random>
-#include <sys/prctl.h>
+#include <unistd.h>
 
 namespace torch_tp::backend {
 namespace {
@@ -27,45 +28,6 @@ constexpr size_t kMinBufferBytes = 4096;
 // after this long without progress only every kSenderDoze.
 constexpr auto kSenderDozeAfter = std::chrono::milliseconds(20);
 constexpr auto kSenderDoze = std::chrono::milliseconds(1);
-
-class ShmWork : public c10d::Work {
- public:
-  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
-
-  std::vector<at::Tensor> result() override {
-    return outputs_;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    return future_;
-  }
-
-  // A caller that waited on either side reads the other at once: torch's
-  // join() calls work.wait() and then work.get_future().value(), and a
-  // future's waiter may ask work.isCompleted(). So the Work finishes first
-  // (a woken future implies a completed Work), and wait() returns only once
-  // the future is completed too.
-  bool wait(std::chrono::milliseconds timeout) override {
-    const bool done = c10d::Work::wait(timeout);
-    future_->wait();
-    return done;
-  }
-
-  void complete(std::exception_ptr error) {
-    finish(error);
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
 
 void check_tensor(const char* op, const char* arg, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "torch_tp backend: ", op, ": ", arg, " is an undefined tensor");
@@ -189,18 +151,6 @@ std::string random_token() {
   return text;
 }
 
-// Sets `stopping` under `mutex`, wakes `thread` through `cv` and joins it.
-void stop_thread(std::mutex& mutex, bool& stopping, std::condition_variable& cv, std::thread& thread) {
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    stopping = true;
-  }
-  cv.notify_one();
-  if (thread.joinable()) {
-    thread.join();
-  }
-}
-
 } // namespace
 
 size_t buffer_bytes_from_env() {
@@ -244,101 +194,6 @@ std::vector<std::string> exchange_host_keys(const c10::intrusive_ptr<c10d::Store
   return hosts;
 }
 
-// A FIFO of calls run by one thread. stop() lets the queued calls run out
-// (they fail fast once the transport is aborted) and joins the thread.
-class ProcessGroupShm::Queue {
- public:
-  Queue()
-      : thread_([this] {
-          // A waiting rank naps for tens of microseconds (NOTE [waiting]);
-          // the default 50 us timer slack would more than double each nap.
-          ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
-          loop();
-        }) {}
-  ~Queue() {
-    stop();
-  }
-
-  void push(c10::intrusive_ptr<ShmWork> work, std::function<void()> run) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
-      items_.push_back({std::move(work), std::move(run)});
-    }
-    cv_.notify_one();
-  }
-
-  // Runs `run` on the calling thread if nothing is queued or running (NOTE
-  // [synchronous calls run inline]); otherwise queues it behind the others.
-  void run_inline_or_push(c10::intrusive_ptr<ShmWork> work, std::function<void()> run) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
-      if (busy_ || !items_.empty()) {
-        items_.push_back({std::move(work), std::move(run)});
-        cv_.notify_one();
-        return;
-      }
-      busy_ = true;
-    }
-    execute({std::move(work), std::move(run)});
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      busy_ = false;
-    }
-    cv_.notify_one();  // a call another thread queued meanwhile
-  }
-
-  void stop() {
-    stop_thread(mutex_, stopping_, cv_, thread_);
-  }
-
- private:
-  struct Item {
-    c10::intrusive_ptr<ShmWork> work;
-    std::function<void()> run;
-  };
-
-  static void execute(Item item) {
-    std::exception_ptr error;
-    try {
-      item.run();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    item.run = nullptr;  // drop the captured tensors before completing
-    item.work->complete(error);
-  }
-
-  void loop() {
-    for (;;) {
-      Item item;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return (stopping_ && !busy_) || (!items_.empty() && !busy_); });
-        if (items_.empty()) {
-          return;
-        }
-        item = std::move(items_.front());
-        items_.pop_front();
-        busy_ = true;
-      }
-      execute(std::move(item));
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        busy_ = false;
-      }
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Item> items_;
-  bool busy_ = false;  // a call is running, on the worker or inline; the next one waits
-  bool stopping_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
-};
-
 // The sending side of NOTE [send and recv]: messages to local peers, each
 // written into its ring at once as far as it fits; the rest is copied and
 // streamed in by the sender thread as the receiver frees space.
@@ -349,7 +204,7 @@ class ProcessGroupShm::Sender {
         timeout_(timeout),
         outboxes_(static_cast<size_t>(transport.local_size())),
         thread_([this] {
-          ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);  // as the Queue's
+          lower_timer_slack();
           loop();
         }) {}
   ~Sender() {
@@ -518,8 +373,8 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
                                     std::string(token.begin(), token.end())});
   sent_.assign(size, 0);
   received_.assign(size, 0);
-  collectives_ = std::make_unique<Queue>();
-  p2p_ = std::make_unique<Queue>();
+  collectives_ = std::make_unique<WorkQueue>(rank);
+  p2p_ = std::make_unique<WorkQueue>(rank);
   sender_ = std::make_unique<Sender>(*transport_, options_.timeout);
 }
 
@@ -563,22 +418,13 @@ uint64_t ProcessGroupShm::getSequenceNumberForGroup() {
   return seq_;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(Queue& queue, c10d::OpType type,
-                                                        std::vector<at::Tensor> outputs, std::function<void()> run) {
-  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
-  queue.push(work, std::move(run));
-  return work;
-}
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::collective(c10d::OpType type, std::vector<at::Tensor> outputs,
                                                            bool async_op, std::function<void(uint64_t seq)> run) {
   const uint64_t seq = ++seq_;
   if (async_op) {
-    return enqueue(*collectives_, type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
+    return collectives_->push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
   }
-  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
-  collectives_->run_inline_or_push(work, [run = std::move(run), seq] { run(seq); });
-  return work;
+  return collectives_->run_inline_or_push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
 }
 
 // ---- all-reduce, reduce, broadcast, barrier -------------------------------
@@ -1236,7 +1082,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& te
   if (src_local >= 0) {
     auto* transport = transport_.get();
     const int me = rank_;
-    return enqueue(*p2p_, c10d::OpType::RECV, tensors, [=] {
+    return p2p_->push(c10d::OpType::RECV, tensors, [=] {
       const at::Tensor& t = dense.work;
       P2PHeader header{};
       transport->ring_read(src_local, &header, sizeof(header), op);
@@ -1252,7 +1098,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& te
   }
   auto gloo = options_.gloo_all;
   const int me = rank_;
-  return enqueue(*p2p_, c10d::OpType::RECV, tensors, [gloo, seq, dense, src_rank, tag, op, me] {
+  return p2p_->push(c10d::OpType::RECV, tensors, [gloo, seq, dense, src_rank, tag, op, me] {
     const at::Tensor& t = dense.work;
     std::vector<at::Tensor> message{at::empty({static_cast<int64_t>(sizeof(P2PHeader) + t.nbytes())}, at::kByte)};
     try {

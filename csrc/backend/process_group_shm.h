@@ -12,24 +12,8 @@
 // all the ranks. The gloo groups are built in Python (the torch wheel ships
 // no gloo headers) and passed in.
 //
-// NOTE [one worker thread]
-// Every call is checked on the caller's thread (bad input raises at once) and
-// then queued to one worker thread that runs the calls in issue order and
-// completes their Work and future. The caller can thus overlap compute with a
-// collective (async_op=True, torch_tp's PendingCollective), and the calls of
-// all ranks reach the transport in the same order, as its lockstep needs.
-// Receives go to a second queue of their own, so a recv waiting for a late
-// send never holds up the collectives; sends never wait for the receiver
-// (see NOTE [send and recv]).
-//
-// NOTE [synchronous calls run inline]
-// A call made with async_op=False (torch passes it as opts.asyncOp) is waited
-// for at once, so handing it to the worker only adds two thread wake-ups
-// (tens of microseconds on a busy machine, more than a small all-reduce
-// takes) and a second runnable thread per rank for the scheduler to place.
-// When nothing is queued or running, such a call runs on the caller's thread;
-// otherwise it queues behind the earlier calls, so the order stays the
-// issue order either way.
+// Calls are checked on the caller's thread and run by WorkQueues (NOTE [one
+// worker thread] in work_queue.h).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -47,6 +31,7 @@
 namespace torch_tp::backend {
 
 class ShmTransport;
+class WorkQueue;
 
 // The default per-rank shared data buffer: two slots of 1 MiB.
 constexpr size_t kDefaultBufferBytes = 2 * 1024 * 1024;
@@ -130,10 +115,7 @@ class ProcessGroupShm : public c10d::Backend {
   void abort() override;
 
  private:
-  class Queue;
   class Sender;
-  c10::intrusive_ptr<c10d::Work> enqueue(Queue& queue, c10d::OpType type, std::vector<at::Tensor> outputs,
-                                         std::function<void()> run);
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
                                             std::function<void(uint64_t seq)> run);
   void stop(const std::string& why);
@@ -147,8 +129,8 @@ class ProcessGroupShm : public c10d::Backend {
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
   std::vector<uint64_t> sent_;      // messages sent to each rank so far
   std::vector<uint64_t> received_;  // messages received from each rank so far
-  std::unique_ptr<Queue> collectives_;
-  std::unique_ptr<Queue> p2p_;
+  std::unique_ptr<WorkQueue> collectives_;
+  std::unique_ptr<WorkQueue> p2p_;
   std::unique_ptr<Sender> sender_;
 };
 
