@@ -13,23 +13,22 @@
 // no gloo headers) and passed in.
 //
 // Calls are checked on the caller's thread and run by WorkQueues (NOTE [one
-// worker thread] in work_queue.h).
+// worker thread] in work_queue.h); send and recv are PointToPoint's (NOTE
+// [send and recv] in p2p.cpp).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
+#include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace torch_tp::backend {
 
+class PointToPoint;
 class ShmTransport;
 class WorkQueue;
 
@@ -115,7 +114,6 @@ class ProcessGroupShm : public c10d::Backend {
   void abort() override;
 
  private:
-  class Sender;
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
                                             std::function<void(uint64_t seq)> run);
   void stop(const std::string& why);
@@ -123,15 +121,10 @@ class ProcessGroupShm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
   int num_nodes_ = 1;
-  std::vector<int> local_ranks_;
-  std::vector<int> local_index_;  // by group rank: index among local_ranks_, or -1 on another node
   std::unique_ptr<ShmTransport> transport_;
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
-  std::vector<uint64_t> sent_;      // messages sent to each rank so far
-  std::vector<uint64_t> received_;  // messages received from each rank so far
   std::unique_ptr<WorkQueue> collectives_;
-  std::unique_ptr<WorkQueue> p2p_;
-  std::unique_ptr<Sender> sender_;
+  std::unique_ptr<PointToPoint> p2p_;
 };
 
 } // namespace torch_tp::backend

@@ -9,7 +9,7 @@
 // all ranks reach the transport in the same order, as its lockstep needs.
 // Receives go to a second queue of their own, so a recv waiting for a late
 // send never holds up the collectives; sends never wait for the receiver
-// (see NOTE [send and recv] in process_group_shm.cpp).
+// (see NOTE [send and recv] in p2p.cpp).
 //
 // NOTE [synchronous calls run inline]
 // A call made with async_op=False (torch passes it as opts.asyncOp) is waited
