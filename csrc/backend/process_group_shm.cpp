@@ -1,9 +1,8 @@
 #include "backend/process_group_shm.h"
 
-#include "backend/dense.h"
+#include "backend/collectives.h"
 #include "backend/p2p.h"
 #include "backend/reduce_kernels.h"
-#include "backend/shm_collectives.h"
 #include "backend/shm_transport.h"
 #include "backend/work_queue.h"
 
@@ -65,67 +64,6 @@ Reduction from_c10d(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarT
   TORCH_CHECK(reduction_supported(kind, dtype, &why), "torch_tp backend: ", op, ": reduce_op ",
               reduction_name(kind), " on dtype ", dtype, " is not supported: ", why);
   return kind;
-}
-
-CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t numel, int64_t root = -1,
-                       int64_t reduce = -1) {
-  CallHeader header;
-  header.seq = seq;
-  header.op = static_cast<int32_t>(op);
-  header.dtype = static_cast<int32_t>(t.scalar_type());
-  header.numel = numel;
-  header.root = root;
-  header.reduce = reduce;
-  if (numel >= 0) {
-    header.set_shape(t.sizes());
-  }
-  return header;
-}
-
-// NOTE [reductions across nodes]
-// Shared memory inside each node, gloo among the node leaders, shared memory
-// again to hand the result to every rank of the node. bf16/fp16 go through
-// all three stages in float32 and are rounded once at the end (NOTE
-// [reduction precision]); avg is a sum everywhere and one division at the
-// end. reduce and reduce_scatter across nodes are this all-reduce followed by
-// keeping the root's tensor or this rank's piece: every rank's data crosses
-// the nodes once, as in gloo, whose reduce_scatter runs a whole all-reduce too.
-// `header` describes the caller's op for the first shared-memory step.
-void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, CallHeader header,
-                             const at::Tensor& t, Reduction kind) {
-  const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
-  const at::Tensor acc = widen ? t.to(at::kFloat) : t;
-  const Reduction folded = kind == Reduction::Avg ? Reduction::Sum : kind;
-  shm_all_reduce(transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), folded, size);
-  if (leaders != nullptr) {
-    std::vector<at::Tensor> one{acc};
-    c10d::AllreduceOptions across;
-    switch (folded) {
-      case Reduction::Product: across.reduceOp = c10d::ReduceOp::PRODUCT; break;
-      case Reduction::Min: across.reduceOp = c10d::ReduceOp::MIN; break;
-      case Reduction::Max: across.reduceOp = c10d::ReduceOp::MAX; break;
-      default: across.reduceOp = c10d::ReduceOp::SUM; break;
-    }
-    leaders->allreduce(one, across)->wait();
-  }
-  header.op = static_cast<int32_t>(OpCode::Broadcast);
-  shm_broadcast(transport, header, acc.data_ptr(), acc.nbytes(), 0);
-  if (kind == Reduction::Avg) {
-    acc.div_(size);
-  }
-  if (widen) {
-    t.copy_(acc);
-  }
-}
-
-// reduce_scatter across nodes (NOTE [reductions across nodes]): `full` is a
-// scratch copy of this rank's whole input, flat; out receives rank `rank`'s
-// piece of its reduction.
-void reduce_scatter_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, int rank,
-                                 const CallHeader& header, const at::Tensor& full, const at::Tensor& out,
-                                 Reduction kind) {
-  all_reduce_across_nodes(transport, leaders, size, header, full, kind);
-  out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
 }
 
 std::string random_token() {
@@ -191,7 +129,7 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
       nodes.push_back(key);
     }
   }
-  num_nodes_ = static_cast<int>(nodes.size());
+  const int num_nodes = static_cast<int>(nodes.size());
   int local_rank = 0;
   std::vector<int> local_ranks;
   std::vector<int> local_index(size, -1);  // by group rank: index among local_ranks, or -1 on another node
@@ -205,8 +143,8 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
     }
   }
   const bool leader = local_ranks.front() == rank;
-  if (num_nodes_ > 1) {
-    TORCH_CHECK(options_.gloo_all, "torch_tp backend: init: the group spans ", num_nodes_,
+  if (num_nodes > 1) {
+    TORCH_CHECK(options_.gloo_all, "torch_tp backend: init: the group spans ", num_nodes,
                 " nodes but no gloo group over all ranks was given");
     TORCH_CHECK(leader == static_cast<bool>(options_.gloo_leaders), "torch_tp backend: init: rank ", rank,
                 (leader ? " leads its node but was given no gloo group of node leaders"
@@ -225,7 +163,14 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
   transport_ = std::make_unique<ShmTransport>(
       store_, ShmTransport::Options{local_rank, std::move(local_ranks), options_.buffer_bytes, options_.timeout,
                                     std::string(token.begin(), token.end())});
-  collectives_ = std::make_unique<WorkQueue>(rank);
+  // The one place that tells one node from several: every collective below
+  // goes to the layer picked here.
+  if (num_nodes > 1) {
+    collectives_ = multi_node_collectives(*transport_, rank, size, options_.gloo_all, options_.gloo_leaders);
+  } else {
+    collectives_ = node_collectives(*transport_, rank, size);
+  }
+  queue_ = std::make_unique<WorkQueue>(rank);
   p2p_ = std::make_unique<PointToPoint>(*transport_, std::move(local_index), options_.gloo_all, rank,
                                         options_.timeout);
 }
@@ -239,8 +184,8 @@ void ProcessGroupShm::stop(const std::string& why) {
   // gloo's does); after an abort they fail at their first wait. Then nothing
   // uses the transport any more: unmap the segments now, since Python may keep
   // this object alive after destroy_process_group has shut it down.
-  if (collectives_) {
-    collectives_->stop();
+  if (queue_) {
+    queue_->stop();
   }
   if (p2p_) {
     p2p_->stop();
@@ -271,10 +216,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::collective(c10d::OpType type, st
                                                            bool async_op, std::function<void(uint64_t seq)> run) {
   const uint64_t seq = ++seq_;
   if (async_op) {
-    return collectives_->push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
+    return queue_->push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
   }
-  return collectives_->run_inline_or_push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
+  return queue_->run_inline_or_push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
 }
+
 
 // ---- all-reduce, reduce, broadcast, barrier -------------------------------
 
@@ -297,26 +243,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
     kinds.push_back(from_c10d(op, opts.reduceOp, t.scalar_type()));
     dense.emplace_back(t);
   }
-  const int size = size_;
-  auto* transport = transport_.get();
-  auto leaders = options_.gloo_leaders;  // null except on node leaders
-  const bool hierarchical = num_nodes_ > 1;
-  return collective(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, [=](uint64_t seq) {
-    for (const auto i : c10::irange(dense.size())) {
-      const at::Tensor& t = dense[i].work;
-      if (!hierarchical) {
-        const CallHeader header =
-            make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
-        shm_all_reduce(*transport, header, t.data_ptr(), t.numel(), t.scalar_type(), kinds[i], size);
-        dense[i].finish();
-        continue;
-      }
-      all_reduce_across_nodes(*transport, leaders.get(), size,
-                              make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i])),
-                              t, kinds[i]);
-      dense[i].finish();
-    }
-  });
+  return collective(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp,
+                    collectives_->all_reduce(std::move(dense), std::move(kinds)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& tensors,
@@ -331,23 +259,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   const bool root = rank_ == opts.rootRank;
   Dense dense(tensors[0]);
   at::Tensor scratch = root ? dense.work : dense.work.clone();
-  auto* transport = transport_.get();
-  auto leaders = options_.gloo_leaders;
-  const bool across_nodes = num_nodes_ > 1;
-  const int size = size_;
-  const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp, [=](uint64_t seq) {
-    const CallHeader header =
-        make_header(seq, OpCode::Reduce, scratch, scratch.numel(), root_rank, static_cast<int64_t>(kind));
-    if (across_nodes) {
-      all_reduce_across_nodes(*transport, leaders.get(), size, header, scratch, kind);
-    } else {
-      shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.numel(), scratch.scalar_type(), kind, size);
-    }
-    if (root) {
-      dense.finish();
-    }
-  });
+  return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp,
+                    collectives_->reduce(std::move(dense), std::move(scratch), kind, opts.rootRank));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
@@ -357,39 +270,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   check_tensor(op, "tensor", tensors[0]);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: broadcast: root rank ", opts.rootRank,
               " is outside the group of ", size_);
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp,
-                      [gloo, tensors, opts](uint64_t) mutable { gloo->broadcast(tensors, opts)->wait(); });
-  }
-  Dense dense(tensors[0]);
-  auto* transport = transport_.get();
-  const int64_t root = opts.rootRank;
-  return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp, [=](uint64_t seq) {
-    const at::Tensor& t = dense.work;
-    shm_broadcast(*transport, make_header(seq, OpCode::Broadcast, t, t.numel(), root), t.data_ptr(), t.nbytes(),
-                  static_cast<int>(root));
-    dense.finish();
-  });
+  return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp, collectives_->broadcast(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
-  auto* transport = transport_.get();
-  const bool hierarchical = num_nodes_ > 1;
-  auto leaders = options_.gloo_leaders;  // null except on node leaders
-  return collective(c10d::OpType::BARRIER, {}, opts.asyncOp, [=](uint64_t seq) {
-    CallHeader header;
-    header.seq = seq;
-    header.op = static_cast<int32_t>(OpCode::Barrier);
-    shm_barrier(*transport, header);
-    if (hierarchical) {
-      // Every node has arrived once its leader passed the leaders' barrier.
-      if (leaders) {
-        leaders->barrier()->wait();
-      }
-      shm_barrier(*transport, header);
-    }
-  });
+  return collective(c10d::OpType::BARRIER, {}, opts.asyncOp, collectives_->barrier());
 }
 
 // ---- all-gather, gather, scatter --------------------------------------------
@@ -405,27 +290,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vecto
   for (const auto& out : outputs[0]) {
     check_like(op, "output_tensor_lists[0][i]", out, inputs[0], inputs[0].numel());
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp,
-                      [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->allgather(outputs, inputs, opts)->wait();
-    });
-  }
-  const at::Tensor input = inputs[0].contiguous();
-  std::vector<Dense> dense(outputs[0].begin(), outputs[0].end());
-  auto* transport = transport_.get();
-  return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp, [=](uint64_t seq) {
-    std::vector<void*> targets;
-    for (const auto& d : dense) {
-      targets.push_back(d.work.data_ptr());
-    }
-    shm_all_gather(*transport, make_header(seq, OpCode::AllGather, input, input.numel()), input.data_ptr(),
-                   input.nbytes(), targets.data());
-    for (const auto& d : dense) {
-      d.finish();
-    }
-  });
+  return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp,
+                    collectives_->all_gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -440,8 +306,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
                                                                                 const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
   check_count(op, "output_tensors", outputs.size(), inputs.size());
-  std::vector<at::Tensor> dense_inputs;
-  std::vector<Dense> dense_outputs;
   for (const auto i : c10::irange(inputs.size())) {
     check_tensor(op, "input", inputs[i]);
     check_like(op, "output", outputs[i], inputs[i], inputs[i].numel() * size_);
@@ -458,35 +322,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
                 outputs[i].sizes(), " but an input of shape ", inputs[i].sizes(), " over ", size_,
                 " ranks needs an output of shape ", at::IntArrayRef(expected),
                 " (the inputs concatenated along dim 0)");
-    dense_inputs.push_back(inputs[i].contiguous());
-    dense_outputs.emplace_back(outputs[i]);
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
-                      [gloo, outputs, inputs, opts](uint64_t) mutable {
-      for (const auto i : c10::irange(inputs.size())) {
-        gloo->_allgather_base(outputs[i], inputs[i], opts)->wait();
-      }
-    });
-  }
-  auto* transport = transport_.get();
-  const int size = size_;
-  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
-    for (const auto i : c10::irange(dense_inputs.size())) {
-      const at::Tensor& in = dense_inputs[i];
-      auto* base = static_cast<char*>(dense_outputs[i].work.data_ptr());
-      std::vector<void*> targets;
-      for (const auto r : c10::irange(size)) {
-        targets.push_back(base == nullptr ? nullptr : base + r * in.nbytes());
-      }
-      shm_all_gather(*transport, make_header(seq, OpCode::AllGather, in, in.numel()), in.data_ptr(), in.nbytes(),
-                     targets.data());
-      dense_outputs[i].finish();
-    }
-  });
+  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
+                    collectives_->all_gather_into_tensor(outputs, inputs, opts));
 }
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                     std::vector<at::Tensor>& inputs,
                                                                     const c10d::AllgatherOptions& opts) {
@@ -535,34 +374,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<a
                 rank_, " is not the root and must pass no output tensors, got ", outputs.size(), " list(s)");
   }
   std::vector<at::Tensor> result = root ? outputs[0] : std::vector<at::Tensor>{};
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::GATHER, result, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->gather(outputs, inputs, opts)->wait();
-    });
-  }
-  const at::Tensor input = inputs[0].contiguous();
-  std::vector<Dense> dense(result.begin(), result.end());
-  auto* transport = transport_.get();
-  const int size = size_;
-  const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::GATHER, result, opts.asyncOp, [=](uint64_t seq) {
-    std::vector<const void*> send(size, nullptr);
-    std::vector<size_t> send_bytes(size, 0);
-    std::vector<void*> recv(size, nullptr);
-    std::vector<size_t> recv_bytes(size, 0);
-    send[root_rank] = input.data_ptr();
-    send_bytes[root_rank] = input.nbytes();
-    for (const auto r : c10::irange(dense.size())) {
-      recv[r] = dense[r].work.data_ptr();
-      recv_bytes[r] = input.nbytes();
-    }
-    shm_all_to_all(*transport, make_header(seq, OpCode::Gather, input, input.numel(), root_rank), send.data(),
-                   send_bytes.data(), recv.data(), recv_bytes.data());
-    for (const auto& d : dense) {
-      d.finish();
-    }
-  });
+  return collective(c10d::OpType::GATHER, result, opts.asyncOp, collectives_->gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>& outputs,
@@ -573,45 +385,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>&
   check_tensor(op, "output", outputs[0]);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: scatter: root rank ", opts.rootRank,
               " is outside the group of ", size_);
-  const bool root = rank_ == opts.rootRank;
-  std::vector<at::Tensor> sources;
-  if (root) {
+  if (rank_ == opts.rootRank) {
     check_count(op, "input_tensors", inputs.size(), 1);
     check_count(op, "input_tensors[0]", inputs[0].size(), static_cast<size_t>(size_));
     for (const auto& in : inputs[0]) {
       check_like(op, "input_tensors[0][i]", in, outputs[0], outputs[0].numel());
-      sources.push_back(in.contiguous());
     }
   } else {
     TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "torch_tp backend: scatter: rank ",
                 rank_, " is not the root and must pass no input tensors, got ", inputs.size(), " list(s)");
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->scatter(outputs, inputs, opts)->wait();
-    });
-  }
-  Dense dense(outputs[0]);
-  auto* transport = transport_.get();
-  const int size = size_;
-  const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
-    const at::Tensor& out = dense.work;
-    std::vector<const void*> send(size, nullptr);
-    std::vector<size_t> send_bytes(size, 0);
-    std::vector<void*> recv(size, nullptr);
-    std::vector<size_t> recv_bytes(size, 0);
-    for (const auto r : c10::irange(sources.size())) {
-      send[r] = sources[r].data_ptr();
-      send_bytes[r] = out.nbytes();
-    }
-    recv[root_rank] = out.data_ptr();
-    recv_bytes[root_rank] = out.nbytes();
-    shm_all_to_all(*transport, make_header(seq, OpCode::Scatter, out, out.numel(), root_rank), send.data(),
-                   send_bytes.data(), recv.data(), recv_bytes.data());
-    dense.finish();
-  });
+  return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, collectives_->scatter(outputs, inputs, opts));
 }
 
 // ---- reduce-scatter ---------------------------------------------------------
@@ -630,37 +414,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
     check_like(op, "input_lists[0][i]", in, outputs[0], outputs[0].numel());
     sources.push_back(in.contiguous());
   }
-  Dense dense(outputs[0]);
-  auto* transport = transport_.get();
-  const int size = size_;
-  if (num_nodes_ > 1) {
-    // NOTE [reductions across nodes]: all-reduce the concatenated inputs, keep this rank's piece.
-    auto leaders = options_.gloo_leaders;
-    const int rank = rank_;
-    return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
-      const at::Tensor& out = dense.work;
-      std::vector<at::Tensor> flat;
-      for (const auto& source : sources) {
-        flat.push_back(source.reshape(-1));
-      }
-      reduce_scatter_across_nodes(
-          *transport, leaders.get(), size, rank,
-          make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)), at::cat(flat),
-          out, kind);
-      dense.finish();
-    });
-  }
-  return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
-    const at::Tensor& out = dense.work;
-    std::vector<const void*> pointers;
-    for (const auto& s : sources) {
-      pointers.push_back(s.data_ptr());
-    }
-    shm_reduce_scatter(*transport,
-                       make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)),
-                       pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kind, size);
-    dense.finish();
-  });
+  return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
+                    collectives_->reduce_scatter(std::move(sources), Dense(outputs[0]), kind));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -684,37 +439,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     sources.push_back(inputs[i].contiguous());
     targets.emplace_back(outputs[i]);
   }
-  auto* transport = transport_.get();
-  const int size = size_;
-  if (num_nodes_ > 1) {
-    // NOTE [reductions across nodes]: all-reduce a copy of the input, keep this rank's piece.
-    auto leaders = options_.gloo_leaders;
-    const int rank = rank_;
-    return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
-      for (const auto i : c10::irange(sources.size())) {
-        const at::Tensor& out = targets[i].work;
-        reduce_scatter_across_nodes(
-            *transport, leaders.get(), size, rank,
-            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
-            sources[i].reshape(-1).clone(), out, kinds[i]);
-        targets[i].finish();
-      }
-    });
-  }
-  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
-    for (const auto i : c10::irange(sources.size())) {
-      const at::Tensor& out = targets[i].work;
-      const auto* base = static_cast<const char*>(sources[i].data_ptr());
-      std::vector<const void*> pointers;
-      for (const auto r : c10::irange(size)) {
-        pointers.push_back(base == nullptr ? nullptr : base + r * out.nbytes());
-      }
-      shm_reduce_scatter(*transport,
-                         make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
-                         pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kinds[i], size);
-      targets[i].finish();
-    }
-  });
+  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
+                    collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds)));
 }
 
 // ---- all-to-all ---------------------------------------------------------------
@@ -749,40 +475,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output
   };
   const std::vector<int64_t> in_splits = splits("input", input, input_split_sizes);
   const std::vector<int64_t> out_splits = splits("output", output, output_split_sizes);
-  const int64_t in_row = input.dim() == 0 || input.size(0) == 0 ? 0 : input.numel() / input.size(0);
-  const int64_t out_row = output.dim() == 0 || output.size(0) == 0 ? 0 : output.numel() / output.size(0);
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    std::vector<at::Tensor> result{output};
-    return collective(c10d::OpType::ALLTOALL_BASE, result, opts.asyncOp,
-                      [gloo, output, input, output_split_sizes, input_split_sizes, opts](uint64_t) mutable {
-                        gloo->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)->wait();
-                      });
-  }
-  const at::Tensor source = input.contiguous();
-  Dense dense(output);
-  auto* transport = transport_.get();
-  const int size = size_;
-  return collective(c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp, [=](uint64_t seq) {
-    const size_t item = source.element_size();
-    std::vector<const void*> send(size);
-    std::vector<size_t> send_bytes(size);
-    std::vector<void*> recv(size);
-    std::vector<size_t> recv_bytes(size);
-    size_t in_offset = 0;
-    size_t out_offset = 0;
-    for (const auto r : c10::irange(size)) {
-      send_bytes[r] = static_cast<size_t>(in_splits[r] * in_row) * item;
-      recv_bytes[r] = static_cast<size_t>(out_splits[r] * out_row) * item;
-      send[r] = static_cast<const char*>(source.data_ptr()) + in_offset;
-      recv[r] = static_cast<char*>(dense.work.data_ptr()) + out_offset;
-      in_offset += send_bytes[r];
-      out_offset += recv_bytes[r];
-    }
-    shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, source, -1), send.data(), send_bytes.data(),
-                   recv.data(), recv_bytes.data());
-    dense.finish();
-  });
+  return collective(c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp,
+                    collectives_->all_to_all_single(output, input, output_split_sizes, input_split_sizes, out_splits,
+                                                    in_splits, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>& outputs,
@@ -791,8 +486,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
   const char* op = "all_to_all";
   check_count(op, "output_tensors", outputs.size(), static_cast<size_t>(size_));
   check_count(op, "input_tensors", inputs.size(), static_cast<size_t>(size_));
-  std::vector<at::Tensor> sources;
-  std::vector<Dense> targets;
   for (const auto r : c10::irange(size_)) {
     check_tensor(op, "input_tensors[i]", inputs[r]);
     check_tensor(op, "output_tensors[i]", outputs[r]);
@@ -801,34 +494,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
                 "torch_tp backend: ", op, ": every input and output tensor must have dtype ",
                 inputs[0].scalar_type(), ", got input ", inputs[r].scalar_type(), " and output ",
                 outputs[r].scalar_type(), " at index ", r);
-    sources.push_back(inputs[r].contiguous());
-    targets.emplace_back(outputs[r]);
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->alltoall(outputs, inputs, opts)->wait();
-    });
-  }
-  auto* transport = transport_.get();
-  const int size = size_;
-  return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, [=](uint64_t seq) {
-    std::vector<const void*> send(size);
-    std::vector<size_t> send_bytes(size);
-    std::vector<void*> recv(size);
-    std::vector<size_t> recv_bytes(size);
-    for (const auto r : c10::irange(size)) {
-      send[r] = sources[r].data_ptr();
-      send_bytes[r] = sources[r].nbytes();
-      recv[r] = targets[r].work.data_ptr();
-      recv_bytes[r] = targets[r].work.nbytes();
-    }
-    shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, sources[0], -1), send.data(), send_bytes.data(),
-                   recv.data(), recv_bytes.data());
-    for (const auto& t : targets) {
-      t.finish();
-    }
-  });
+  return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, collectives_->all_to_all(outputs, inputs, opts));
 }
 
 // ---- send / recv (NOTE [send and recv] in p2p.cpp) -----------------------------

@@ -12,9 +12,12 @@
 // all the ranks. The gloo groups are built in Python (the torch wheel ships
 // no gloo headers) and passed in.
 //
-// Calls are checked on the caller's thread and run by WorkQueues (NOTE [one
-// worker thread] in work_queue.h); send and recv are PointToPoint's (NOTE
-// [send and recv] in p2p.cpp).
+// This class is the c10d front end: it checks every call's arguments on the
+// caller's thread, numbers the collectives and runs them through a WorkQueue
+// (NOTE [one worker thread] in work_queue.h). What a collective does is the
+// Collectives picked at construction (collectives.h): the single-node one
+// (node_collectives.cpp) or the multi-node one (multi_node_collectives.cpp).
+// send and recv are PointToPoint's (NOTE [send and recv] in p2p.cpp).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -28,6 +31,7 @@
 
 namespace torch_tp::backend {
 
+class Collectives;
 class PointToPoint;
 class ShmTransport;
 class WorkQueue;
@@ -120,10 +124,10 @@ class ProcessGroupShm : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
-  int num_nodes_ = 1;
   std::unique_ptr<ShmTransport> transport_;
+  std::unique_ptr<Collectives> collectives_;  // single- or multi-node, picked at construction
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
-  std::unique_ptr<WorkQueue> collectives_;
+  std::unique_ptr<WorkQueue> queue_;  // the collectives'
   std::unique_ptr<PointToPoint> p2p_;
 };
 
