@@ -1,11 +1,12 @@
 #include "backend/process_group_shm.h"
 
+#include "backend/collectives.h"
+#include "backend/p2p.h"
 #include "backend/reduce_kernels.h"
-#include "backend/shm_collectives.h"
 #include "backend/shm_transport.h"
+#include "backend/work_queue.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -14,8 +15,9 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
 #include <random>
-#include <sys/prctl.h>
+#include <unistd.h>
 
 namespace torch_tp::backend {
 namespace {
@@ -23,49 +25,6 @@ namespace {
 // Smallest buffer that still holds a cache line per rank per slot for a
 // large node; below it the chunking would degenerate.
 constexpr size_t kMinBufferBytes = 4096;
-// The sender thread polls a full ring with NOTE [waiting]'s schedule, and
-// after this long without progress only every kSenderDoze.
-constexpr auto kSenderDozeAfter = std::chrono::milliseconds(20);
-constexpr auto kSenderDoze = std::chrono::milliseconds(1);
-
-class ShmWork : public c10d::Work {
- public:
-  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
-
-  std::vector<at::Tensor> result() override {
-    return outputs_;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    return future_;
-  }
-
-  // A caller that waited on either side reads the other at once: torch's
-  // join() calls work.wait() and then work.get_future().value(), and a
-  // future's waiter may ask work.isCompleted(). So the Work finishes first
-  // (a woken future implies a completed Work), and wait() returns only once
-  // the future is completed too.
-  bool wait(std::chrono::milliseconds timeout) override {
-    const bool done = c10d::Work::wait(timeout);
-    future_->wait();
-    return done;
-  }
-
-  void complete(std::exception_ptr error) {
-    finish(error);
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
 
 void check_tensor(const char* op, const char* arg, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "torch_tp backend: ", op, ": ", arg, " is an undefined tensor");
@@ -107,98 +66,12 @@ Reduction from_c10d(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarT
   return kind;
 }
 
-// A contiguous tensor to operate on, standing in for `target`; finish()
-// copies the result back when they differ.
-struct Dense {
-  at::Tensor target;
-  at::Tensor work;
-  explicit Dense(const at::Tensor& t) : target(t), work(t.contiguous()) {}
-  void finish() const {
-    if (!work.is_same(target)) {
-      target.copy_(work);
-    }
-  }
-};
-
-CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t numel, int64_t root = -1,
-                       int64_t reduce = -1) {
-  CallHeader header;
-  header.seq = seq;
-  header.op = static_cast<int32_t>(op);
-  header.dtype = static_cast<int32_t>(t.scalar_type());
-  header.numel = numel;
-  header.root = root;
-  header.reduce = reduce;
-  if (numel >= 0) {
-    header.set_shape(t.sizes());
-  }
-  return header;
-}
-
-// NOTE [reductions across nodes]
-// Shared memory inside each node, gloo among the node leaders, shared memory
-// again to hand the result to every rank of the node. bf16/fp16 go through
-// all three stages in float32 and are rounded once at the end (NOTE
-// [reduction precision]); avg is a sum everywhere and one division at the
-// end. reduce and reduce_scatter across nodes are this all-reduce followed by
-// keeping the root's tensor or this rank's piece: every rank's data crosses
-// the nodes once, as in gloo, whose reduce_scatter runs a whole all-reduce too.
-// `header` describes the caller's op for the first shared-memory step.
-void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, CallHeader header,
-                             const at::Tensor& t, Reduction kind) {
-  const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
-  const at::Tensor acc = widen ? t.to(at::kFloat) : t;
-  const Reduction folded = kind == Reduction::Avg ? Reduction::Sum : kind;
-  shm_all_reduce(transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), folded, size);
-  if (leaders != nullptr) {
-    std::vector<at::Tensor> one{acc};
-    c10d::AllreduceOptions across;
-    switch (folded) {
-      case Reduction::Product: across.reduceOp = c10d::ReduceOp::PRODUCT; break;
-      case Reduction::Min: across.reduceOp = c10d::ReduceOp::MIN; break;
-      case Reduction::Max: across.reduceOp = c10d::ReduceOp::MAX; break;
-      default: across.reduceOp = c10d::ReduceOp::SUM; break;
-    }
-    leaders->allreduce(one, across)->wait();
-  }
-  header.op = static_cast<int32_t>(OpCode::Broadcast);
-  shm_broadcast(transport, header, acc.data_ptr(), acc.nbytes(), 0);
-  if (kind == Reduction::Avg) {
-    acc.div_(size);
-  }
-  if (widen) {
-    t.copy_(acc);
-  }
-}
-
-// reduce_scatter across nodes (NOTE [reductions across nodes]): `full` is a
-// scratch copy of this rank's whole input, flat; out receives rank `rank`'s
-// piece of its reduction.
-void reduce_scatter_across_nodes(ShmTransport& transport, c10d::Backend* leaders, int size, int rank,
-                                 const CallHeader& header, const at::Tensor& full, const at::Tensor& out,
-                                 Reduction kind) {
-  all_reduce_across_nodes(transport, leaders, size, header, full, kind);
-  out.view(-1).copy_(full.narrow(0, rank * out.numel(), out.numel()));
-}
-
 std::string random_token() {
   std::random_device device;
   const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
   char text[17];
   std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
   return text;
-}
-
-// Sets `stopping` under `mutex`, wakes `thread` through `cv` and joins it.
-void stop_thread(std::mutex& mutex, bool& stopping, std::condition_variable& cv, std::thread& thread) {
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    stopping = true;
-  }
-  cv.notify_one();
-  if (thread.joinable()) {
-    thread.join();
-  }
 }
 
 } // namespace
@@ -244,233 +117,6 @@ std::vector<std::string> exchange_host_keys(const c10::intrusive_ptr<c10d::Store
   return hosts;
 }
 
-// A FIFO of calls run by one thread. stop() lets the queued calls run out
-// (they fail fast once the transport is aborted) and joins the thread.
-class ProcessGroupShm::Queue {
- public:
-  Queue()
-      : thread_([this] {
-          // A waiting rank naps for tens of microseconds (NOTE [waiting]);
-          // the default 50 us timer slack would more than double each nap.
-          ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
-          loop();
-        }) {}
-  ~Queue() {
-    stop();
-  }
-
-  void push(c10::intrusive_ptr<ShmWork> work, std::function<void()> run) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
-      items_.push_back({std::move(work), std::move(run)});
-    }
-    cv_.notify_one();
-  }
-
-  // Runs `run` on the calling thread if nothing is queued or running (NOTE
-  // [synchronous calls run inline]); otherwise queues it behind the others.
-  void run_inline_or_push(c10::intrusive_ptr<ShmWork> work, std::function<void()> run) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
-      if (busy_ || !items_.empty()) {
-        items_.push_back({std::move(work), std::move(run)});
-        cv_.notify_one();
-        return;
-      }
-      busy_ = true;
-    }
-    execute({std::move(work), std::move(run)});
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      busy_ = false;
-    }
-    cv_.notify_one();  // a call another thread queued meanwhile
-  }
-
-  void stop() {
-    stop_thread(mutex_, stopping_, cv_, thread_);
-  }
-
- private:
-  struct Item {
-    c10::intrusive_ptr<ShmWork> work;
-    std::function<void()> run;
-  };
-
-  static void execute(Item item) {
-    std::exception_ptr error;
-    try {
-      item.run();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    item.run = nullptr;  // drop the captured tensors before completing
-    item.work->complete(error);
-  }
-
-  void loop() {
-    for (;;) {
-      Item item;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return (stopping_ && !busy_) || (!items_.empty() && !busy_); });
-        if (items_.empty()) {
-          return;
-        }
-        item = std::move(items_.front());
-        items_.pop_front();
-        busy_ = true;
-      }
-      execute(std::move(item));
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        busy_ = false;
-      }
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Item> items_;
-  bool busy_ = false;  // a call is running, on the worker or inline; the next one waits
-  bool stopping_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
-};
-
-// The sending side of NOTE [send and recv]: messages to local peers, each
-// written into its ring at once as far as it fits; the rest is copied and
-// streamed in by the sender thread as the receiver frees space.
-class ProcessGroupShm::Sender {
- public:
-  Sender(ShmTransport& transport, std::chrono::milliseconds timeout)
-      : transport_(transport),
-        timeout_(timeout),
-        outboxes_(static_cast<size_t>(transport.local_size())),
-        thread_([this] {
-          ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);  // as the Queue's
-          loop();
-        }) {}
-  ~Sender() {
-    stop();
-  }
-
-  // Never waits for the receiver: the message is in the ring or queued here.
-  void send(int dst, const void* header, size_t header_bytes, const void* data, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
-    std::deque<Pending>& outbox = outboxes_[dst];
-    size_t header_done = 0;
-    size_t data_done = 0;
-    if (outbox.empty()) {
-      header_done = transport_.ring_write(dst, header, header_bytes);
-      if (header_done == header_bytes) {
-        data_done = transport_.ring_write(dst, data, bytes);
-      }
-    }
-    if (header_done == header_bytes && data_done == bytes) {
-      return;
-    }
-    Pending pending;
-    pending.bytes.resize(header_bytes - header_done + bytes - data_done);
-    std::memcpy(pending.bytes.data(), static_cast<const char*>(header) + header_done, header_bytes - header_done);
-    if (bytes > data_done) {
-      std::memcpy(pending.bytes.data() + header_bytes - header_done, static_cast<const char*>(data) + data_done,
-                  bytes - data_done);
-    }
-    outbox.push_back(std::move(pending));
-    cv_.notify_one();
-  }
-
-  // Streams out what is queued (a normal shutdown waits for it, as a recv
-  // would), unless the transport was aborted, a receiver died, or one made no
-  // progress for the timeout; then joins the thread.
-  void stop() {
-    stop_thread(mutex_, stopping_, cv_, thread_);
-  }
-
- private:
-  struct Pending {
-    std::vector<uint8_t> bytes;
-    size_t done = 0;
-  };
-
-  void loop() {
-    using Clock = std::chrono::steady_clock;
-    std::vector<Clock::time_point> last_progress(outboxes_.size(), Clock::now());
-    auto next_liveness = Clock::now();
-    Backoff backoff;
-    auto stalled_since = Clock::now();
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      bool pending = false;
-      bool progress = false;
-      const auto now = Clock::now();
-      const bool check_liveness = now >= next_liveness;
-      if (check_liveness) {
-        next_liveness = now + std::chrono::milliseconds(5);
-      }
-      for (const auto dst : c10::irange(outboxes_.size())) {
-        std::deque<Pending>& outbox = outboxes_[dst];
-        while (!outbox.empty()) {
-          Pending& front = outbox.front();
-          const size_t n = transport_.ring_write(static_cast<int>(dst), front.bytes.data() + front.done,
-                                                 front.bytes.size() - front.done);
-          front.done += n;
-          if (n > 0) {
-            progress = true;
-            last_progress[dst] = now;
-          }
-          if (front.done < front.bytes.size()) {
-            break;
-          }
-          outbox.pop_front();
-        }
-        // Nobody will read these: drop them (the sends completed already; the
-        // receivers' side reports the failure).
-        if (!outbox.empty() && (!transport_.usable() ||
-                                (check_liveness && !transport_.peer_alive(static_cast<int>(dst))) ||
-                                (stopping_ && now - last_progress[dst] >= timeout_))) {
-          outbox.clear();
-        }
-        if (outbox.empty()) {
-          last_progress[dst] = now;
-        }
-        pending = pending || !outbox.empty();
-      }
-      if (!pending) {
-        if (stopping_) {
-          return;
-        }
-        cv_.wait(lock);
-        backoff = Backoff();
-        stalled_since = Clock::now();
-        continue;
-      }
-      if (progress) {
-        backoff = Backoff();
-        stalled_since = now;
-      } else if (now - stalled_since >= kSenderDozeAfter) {
-        // A receiver that is not receiving yet: poll less often.
-        cv_.wait_for(lock, kSenderDoze);
-        continue;
-      }
-      lock.unlock();
-      backoff.pause();
-      lock.lock();
-    }
-  }
-
-  ShmTransport& transport_;
-  std::chrono::milliseconds timeout_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::vector<std::deque<Pending>> outboxes_;  // by local rank
-  bool stopping_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
-};
-
 ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Options options)
     : c10d::Backend(rank, size), store_(store), options_(std::move(options)) {
   TORCH_CHECK(static_cast<int>(options_.host_keys.size()) == size, "torch_tp backend: init: ",
@@ -483,21 +129,22 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
       nodes.push_back(key);
     }
   }
-  num_nodes_ = static_cast<int>(nodes.size());
+  const int num_nodes = static_cast<int>(nodes.size());
   int local_rank = 0;
-  local_index_.assign(size, -1);
+  std::vector<int> local_ranks;
+  std::vector<int> local_index(size, -1);  // by group rank: index among local_ranks, or -1 on another node
   for (const auto r : c10::irange(size)) {
     if (options_.host_keys[r] == options_.host_keys[rank]) {
       if (r == rank) {
-        local_rank = static_cast<int>(local_ranks_.size());
+        local_rank = static_cast<int>(local_ranks.size());
       }
-      local_index_[r] = static_cast<int>(local_ranks_.size());
-      local_ranks_.push_back(r);
+      local_index[r] = static_cast<int>(local_ranks.size());
+      local_ranks.push_back(r);
     }
   }
-  const bool leader = local_ranks_.front() == rank;
-  if (num_nodes_ > 1) {
-    TORCH_CHECK(options_.gloo_all, "torch_tp backend: init: the group spans ", num_nodes_,
+  const bool leader = local_ranks.front() == rank;
+  if (num_nodes > 1) {
+    TORCH_CHECK(options_.gloo_all, "torch_tp backend: init: the group spans ", num_nodes,
                 " nodes but no gloo group over all ranks was given");
     TORCH_CHECK(leader == static_cast<bool>(options_.gloo_leaders), "torch_tp backend: init: rank ", rank,
                 (leader ? " leads its node but was given no gloo group of node leaders"
@@ -514,13 +161,18 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
   const std::vector<uint8_t> token = store_->get(token_key);
 
   transport_ = std::make_unique<ShmTransport>(
-      store_, ShmTransport::Options{local_rank, local_ranks_, options_.buffer_bytes, options_.timeout,
+      store_, ShmTransport::Options{local_rank, std::move(local_ranks), options_.buffer_bytes, options_.timeout,
                                     std::string(token.begin(), token.end())});
-  sent_.assign(size, 0);
-  received_.assign(size, 0);
-  collectives_ = std::make_unique<Queue>();
-  p2p_ = std::make_unique<Queue>();
-  sender_ = std::make_unique<Sender>(*transport_, options_.timeout);
+  // The one place that tells one node from several: every collective below
+  // goes to the layer picked here.
+  if (num_nodes > 1) {
+    collectives_ = multi_node_collectives(*transport_, rank, size, options_.gloo_all, options_.gloo_leaders);
+  } else {
+    collectives_ = node_collectives(*transport_, rank, size);
+  }
+  queue_ = std::make_unique<WorkQueue>(rank);
+  p2p_ = std::make_unique<PointToPoint>(*transport_, std::move(local_index), options_.gloo_all, rank,
+                                        options_.timeout);
 }
 
 ProcessGroupShm::~ProcessGroupShm() {
@@ -532,14 +184,11 @@ void ProcessGroupShm::stop(const std::string& why) {
   // gloo's does); after an abort they fail at their first wait. Then nothing
   // uses the transport any more: unmap the segments now, since Python may keep
   // this object alive after destroy_process_group has shut it down.
-  if (collectives_) {
-    collectives_->stop();
+  if (queue_) {
+    queue_->stop();
   }
   if (p2p_) {
     p2p_->stop();
-  }
-  if (sender_) {
-    sender_->stop();
   }
   if (transport_) {
     transport_->abort(why);
@@ -563,23 +212,15 @@ uint64_t ProcessGroupShm::getSequenceNumberForGroup() {
   return seq_;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(Queue& queue, c10d::OpType type,
-                                                        std::vector<at::Tensor> outputs, std::function<void()> run) {
-  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
-  queue.push(work, std::move(run));
-  return work;
-}
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::collective(c10d::OpType type, std::vector<at::Tensor> outputs,
                                                            bool async_op, std::function<void(uint64_t seq)> run) {
   const uint64_t seq = ++seq_;
   if (async_op) {
-    return enqueue(*collectives_, type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
+    return queue_->push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
   }
-  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
-  collectives_->run_inline_or_push(work, [run = std::move(run), seq] { run(seq); });
-  return work;
+  return queue_->run_inline_or_push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
 }
+
 
 // ---- all-reduce, reduce, broadcast, barrier -------------------------------
 
@@ -602,26 +243,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
     kinds.push_back(from_c10d(op, opts.reduceOp, t.scalar_type()));
     dense.emplace_back(t);
   }
-  const int size = size_;
-  auto* transport = transport_.get();
-  auto leaders = options_.gloo_leaders;  // null except on node leaders
-  const bool hierarchical = num_nodes_ > 1;
-  return collective(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, [=](uint64_t seq) {
-    for (const auto i : c10::irange(dense.size())) {
-      const at::Tensor& t = dense[i].work;
-      if (!hierarchical) {
-        const CallHeader header =
-            make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
-        shm_all_reduce(*transport, header, t.data_ptr(), t.numel(), t.scalar_type(), kinds[i], size);
-        dense[i].finish();
-        continue;
-      }
-      all_reduce_across_nodes(*transport, leaders.get(), size,
-                              make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i])),
-                              t, kinds[i]);
-      dense[i].finish();
-    }
-  });
+  return collective(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp,
+                    collectives_->all_reduce(std::move(dense), std::move(kinds)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& tensors,
@@ -636,23 +259,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   const bool root = rank_ == opts.rootRank;
   Dense dense(tensors[0]);
   at::Tensor scratch = root ? dense.work : dense.work.clone();
-  auto* transport = transport_.get();
-  auto leaders = options_.gloo_leaders;
-  const bool across_nodes = num_nodes_ > 1;
-  const int size = size_;
-  const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp, [=](uint64_t seq) {
-    const CallHeader header =
-        make_header(seq, OpCode::Reduce, scratch, scratch.numel(), root_rank, static_cast<int64_t>(kind));
-    if (across_nodes) {
-      all_reduce_across_nodes(*transport, leaders.get(), size, header, scratch, kind);
-    } else {
-      shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.numel(), scratch.scalar_type(), kind, size);
-    }
-    if (root) {
-      dense.finish();
-    }
-  });
+  return collective(c10d::OpType::REDUCE, tensors, opts.asyncOp,
+                    collectives_->reduce(std::move(dense), std::move(scratch), kind, opts.rootRank));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor>& tensors,
@@ -662,39 +270,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   check_tensor(op, "tensor", tensors[0]);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: broadcast: root rank ", opts.rootRank,
               " is outside the group of ", size_);
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp,
-                      [gloo, tensors, opts](uint64_t) mutable { gloo->broadcast(tensors, opts)->wait(); });
-  }
-  Dense dense(tensors[0]);
-  auto* transport = transport_.get();
-  const int64_t root = opts.rootRank;
-  return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp, [=](uint64_t seq) {
-    const at::Tensor& t = dense.work;
-    shm_broadcast(*transport, make_header(seq, OpCode::Broadcast, t, t.numel(), root), t.data_ptr(), t.nbytes(),
-                  static_cast<int>(root));
-    dense.finish();
-  });
+  return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp, collectives_->broadcast(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
-  auto* transport = transport_.get();
-  const bool hierarchical = num_nodes_ > 1;
-  auto leaders = options_.gloo_leaders;  // null except on node leaders
-  return collective(c10d::OpType::BARRIER, {}, opts.asyncOp, [=](uint64_t seq) {
-    CallHeader header;
-    header.seq = seq;
-    header.op = static_cast<int32_t>(OpCode::Barrier);
-    shm_barrier(*transport, header);
-    if (hierarchical) {
-      // Every node has arrived once its leader passed the leaders' barrier.
-      if (leaders) {
-        leaders->barrier()->wait();
-      }
-      shm_barrier(*transport, header);
-    }
-  });
+  return collective(c10d::OpType::BARRIER, {}, opts.asyncOp, collectives_->barrier());
 }
 
 // ---- all-gather, gather, scatter --------------------------------------------
@@ -710,27 +290,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(std::vector<std::vecto
   for (const auto& out : outputs[0]) {
     check_like(op, "output_tensor_lists[0][i]", out, inputs[0], inputs[0].numel());
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp,
-                      [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->allgather(outputs, inputs, opts)->wait();
-    });
-  }
-  const at::Tensor input = inputs[0].contiguous();
-  std::vector<Dense> dense(outputs[0].begin(), outputs[0].end());
-  auto* transport = transport_.get();
-  return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp, [=](uint64_t seq) {
-    std::vector<void*> targets;
-    for (const auto& d : dense) {
-      targets.push_back(d.work.data_ptr());
-    }
-    shm_all_gather(*transport, make_header(seq, OpCode::AllGather, input, input.numel()), input.data_ptr(),
-                   input.nbytes(), targets.data());
-    for (const auto& d : dense) {
-      d.finish();
-    }
-  });
+  return collective(c10d::OpType::ALLGATHER, outputs[0], opts.asyncOp,
+                    collectives_->all_gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -745,8 +306,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
                                                                                 const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
   check_count(op, "output_tensors", outputs.size(), inputs.size());
-  std::vector<at::Tensor> dense_inputs;
-  std::vector<Dense> dense_outputs;
   for (const auto i : c10::irange(inputs.size())) {
     check_tensor(op, "input", inputs[i]);
     check_like(op, "output", outputs[i], inputs[i], inputs[i].numel() * size_);
@@ -763,35 +322,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
                 outputs[i].sizes(), " but an input of shape ", inputs[i].sizes(), " over ", size_,
                 " ranks needs an output of shape ", at::IntArrayRef(expected),
                 " (the inputs concatenated along dim 0)");
-    dense_inputs.push_back(inputs[i].contiguous());
-    dense_outputs.emplace_back(outputs[i]);
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
-                      [gloo, outputs, inputs, opts](uint64_t) mutable {
-      for (const auto i : c10::irange(inputs.size())) {
-        gloo->_allgather_base(outputs[i], inputs[i], opts)->wait();
-      }
-    });
-  }
-  auto* transport = transport_.get();
-  const int size = size_;
-  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
-    for (const auto i : c10::irange(dense_inputs.size())) {
-      const at::Tensor& in = dense_inputs[i];
-      auto* base = static_cast<char*>(dense_outputs[i].work.data_ptr());
-      std::vector<void*> targets;
-      for (const auto r : c10::irange(size)) {
-        targets.push_back(base == nullptr ? nullptr : base + r * in.nbytes());
-      }
-      shm_all_gather(*transport, make_header(seq, OpCode::AllGather, in, in.numel()), in.data_ptr(), in.nbytes(),
-                     targets.data());
-      dense_outputs[i].finish();
-    }
-  });
+  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
+                    collectives_->all_gather_into_tensor(outputs, inputs, opts));
 }
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                     std::vector<at::Tensor>& inputs,
                                                                     const c10d::AllgatherOptions& opts) {
@@ -840,34 +374,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<a
                 rank_, " is not the root and must pass no output tensors, got ", outputs.size(), " list(s)");
   }
   std::vector<at::Tensor> result = root ? outputs[0] : std::vector<at::Tensor>{};
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::GATHER, result, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->gather(outputs, inputs, opts)->wait();
-    });
-  }
-  const at::Tensor input = inputs[0].contiguous();
-  std::vector<Dense> dense(result.begin(), result.end());
-  auto* transport = transport_.get();
-  const int size = size_;
-  const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::GATHER, result, opts.asyncOp, [=](uint64_t seq) {
-    std::vector<const void*> send(size, nullptr);
-    std::vector<size_t> send_bytes(size, 0);
-    std::vector<void*> recv(size, nullptr);
-    std::vector<size_t> recv_bytes(size, 0);
-    send[root_rank] = input.data_ptr();
-    send_bytes[root_rank] = input.nbytes();
-    for (const auto r : c10::irange(dense.size())) {
-      recv[r] = dense[r].work.data_ptr();
-      recv_bytes[r] = input.nbytes();
-    }
-    shm_all_to_all(*transport, make_header(seq, OpCode::Gather, input, input.numel(), root_rank), send.data(),
-                   send_bytes.data(), recv.data(), recv_bytes.data());
-    for (const auto& d : dense) {
-      d.finish();
-    }
-  });
+  return collective(c10d::OpType::GATHER, result, opts.asyncOp, collectives_->gather(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>& outputs,
@@ -878,45 +385,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>&
   check_tensor(op, "output", outputs[0]);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: scatter: root rank ", opts.rootRank,
               " is outside the group of ", size_);
-  const bool root = rank_ == opts.rootRank;
-  std::vector<at::Tensor> sources;
-  if (root) {
+  if (rank_ == opts.rootRank) {
     check_count(op, "input_tensors", inputs.size(), 1);
     check_count(op, "input_tensors[0]", inputs[0].size(), static_cast<size_t>(size_));
     for (const auto& in : inputs[0]) {
       check_like(op, "input_tensors[0][i]", in, outputs[0], outputs[0].numel());
-      sources.push_back(in.contiguous());
     }
   } else {
     TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "torch_tp backend: scatter: rank ",
                 rank_, " is not the root and must pass no input tensors, got ", inputs.size(), " list(s)");
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->scatter(outputs, inputs, opts)->wait();
-    });
-  }
-  Dense dense(outputs[0]);
-  auto* transport = transport_.get();
-  const int size = size_;
-  const int64_t root_rank = opts.rootRank;
-  return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
-    const at::Tensor& out = dense.work;
-    std::vector<const void*> send(size, nullptr);
-    std::vector<size_t> send_bytes(size, 0);
-    std::vector<void*> recv(size, nullptr);
-    std::vector<size_t> recv_bytes(size, 0);
-    for (const auto r : c10::irange(sources.size())) {
-      send[r] = sources[r].data_ptr();
-      send_bytes[r] = out.nbytes();
-    }
-    recv[root_rank] = out.data_ptr();
-    recv_bytes[root_rank] = out.nbytes();
-    shm_all_to_all(*transport, make_header(seq, OpCode::Scatter, out, out.numel(), root_rank), send.data(),
-                   send_bytes.data(), recv.data(), recv_bytes.data());
-    dense.finish();
-  });
+  return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, collectives_->scatter(outputs, inputs, opts));
 }
 
 // ---- reduce-scatter ---------------------------------------------------------
@@ -935,37 +414,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(std::vector<at::T
     check_like(op, "input_lists[0][i]", in, outputs[0], outputs[0].numel());
     sources.push_back(in.contiguous());
   }
-  Dense dense(outputs[0]);
-  auto* transport = transport_.get();
-  const int size = size_;
-  if (num_nodes_ > 1) {
-    // NOTE [reductions across nodes]: all-reduce the concatenated inputs, keep this rank's piece.
-    auto leaders = options_.gloo_leaders;
-    const int rank = rank_;
-    return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
-      const at::Tensor& out = dense.work;
-      std::vector<at::Tensor> flat;
-      for (const auto& source : sources) {
-        flat.push_back(source.reshape(-1));
-      }
-      reduce_scatter_across_nodes(
-          *transport, leaders.get(), size, rank,
-          make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)), at::cat(flat),
-          out, kind);
-      dense.finish();
-    });
-  }
-  return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, [=](uint64_t seq) {
-    const at::Tensor& out = dense.work;
-    std::vector<const void*> pointers;
-    for (const auto& s : sources) {
-      pointers.push_back(s.data_ptr());
-    }
-    shm_reduce_scatter(*transport,
-                       make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kind)),
-                       pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kind, size);
-    dense.finish();
-  });
+  return collective(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp,
+                    collectives_->reduce_scatter(std::move(sources), Dense(outputs[0]), kind));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -989,37 +439,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     sources.push_back(inputs[i].contiguous());
     targets.emplace_back(outputs[i]);
   }
-  auto* transport = transport_.get();
-  const int size = size_;
-  if (num_nodes_ > 1) {
-    // NOTE [reductions across nodes]: all-reduce a copy of the input, keep this rank's piece.
-    auto leaders = options_.gloo_leaders;
-    const int rank = rank_;
-    return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
-      for (const auto i : c10::irange(sources.size())) {
-        const at::Tensor& out = targets[i].work;
-        reduce_scatter_across_nodes(
-            *transport, leaders.get(), size, rank,
-            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
-            sources[i].reshape(-1).clone(), out, kinds[i]);
-        targets[i].finish();
-      }
-    });
-  }
-  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp, [=](uint64_t seq) {
-    for (const auto i : c10::irange(sources.size())) {
-      const at::Tensor& out = targets[i].work;
-      const auto* base = static_cast<const char*>(sources[i].data_ptr());
-      std::vector<const void*> pointers;
-      for (const auto r : c10::irange(size)) {
-        pointers.push_back(base == nullptr ? nullptr : base + r * out.nbytes());
-      }
-      shm_reduce_scatter(*transport,
-                         make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
-                         pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kinds[i], size);
-      targets[i].finish();
-    }
-  });
+  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
+                    collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds)));
 }
 
 // ---- all-to-all ---------------------------------------------------------------
@@ -1054,40 +475,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(at::Tensor& output
   };
   const std::vector<int64_t> in_splits = splits("input", input, input_split_sizes);
   const std::vector<int64_t> out_splits = splits("output", output, output_split_sizes);
-  const int64_t in_row = input.dim() == 0 || input.size(0) == 0 ? 0 : input.numel() / input.size(0);
-  const int64_t out_row = output.dim() == 0 || output.size(0) == 0 ? 0 : output.numel() / output.size(0);
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    std::vector<at::Tensor> result{output};
-    return collective(c10d::OpType::ALLTOALL_BASE, result, opts.asyncOp,
-                      [gloo, output, input, output_split_sizes, input_split_sizes, opts](uint64_t) mutable {
-                        gloo->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)->wait();
-                      });
-  }
-  const at::Tensor source = input.contiguous();
-  Dense dense(output);
-  auto* transport = transport_.get();
-  const int size = size_;
-  return collective(c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp, [=](uint64_t seq) {
-    const size_t item = source.element_size();
-    std::vector<const void*> send(size);
-    std::vector<size_t> send_bytes(size);
-    std::vector<void*> recv(size);
-    std::vector<size_t> recv_bytes(size);
-    size_t in_offset = 0;
-    size_t out_offset = 0;
-    for (const auto r : c10::irange(size)) {
-      send_bytes[r] = static_cast<size_t>(in_splits[r] * in_row) * item;
-      recv_bytes[r] = static_cast<size_t>(out_splits[r] * out_row) * item;
-      send[r] = static_cast<const char*>(source.data_ptr()) + in_offset;
-      recv[r] = static_cast<char*>(dense.work.data_ptr()) + out_offset;
-      in_offset += send_bytes[r];
-      out_offset += recv_bytes[r];
-    }
-    shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, source, -1), send.data(), send_bytes.data(),
-                   recv.data(), recv_bytes.data());
-    dense.finish();
-  });
+  return collective(c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp,
+                    collectives_->all_to_all_single(output, input, output_split_sizes, input_split_sizes, out_splits,
+                                                    in_splits, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>& outputs,
@@ -1096,8 +486,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
   const char* op = "all_to_all";
   check_count(op, "output_tensors", outputs.size(), static_cast<size_t>(size_));
   check_count(op, "input_tensors", inputs.size(), static_cast<size_t>(size_));
-  std::vector<at::Tensor> sources;
-  std::vector<Dense> targets;
   for (const auto r : c10::irange(size_)) {
     check_tensor(op, "input_tensors[i]", inputs[r]);
     check_tensor(op, "output_tensors[i]", outputs[r]);
@@ -1106,99 +494,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
                 "torch_tp backend: ", op, ": every input and output tensor must have dtype ",
                 inputs[0].scalar_type(), ", got input ", inputs[r].scalar_type(), " and output ",
                 outputs[r].scalar_type(), " at index ", r);
-    sources.push_back(inputs[r].contiguous());
-    targets.emplace_back(outputs[r]);
   }
-  if (num_nodes_ > 1) {
-    auto gloo = options_.gloo_all;
-    return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, [gloo, outputs, inputs, opts](uint64_t) mutable {
-      gloo->alltoall(outputs, inputs, opts)->wait();
-    });
-  }
-  auto* transport = transport_.get();
-  const int size = size_;
-  return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, [=](uint64_t seq) {
-    std::vector<const void*> send(size);
-    std::vector<size_t> send_bytes(size);
-    std::vector<void*> recv(size);
-    std::vector<size_t> recv_bytes(size);
-    for (const auto r : c10::irange(size)) {
-      send[r] = sources[r].data_ptr();
-      send_bytes[r] = sources[r].nbytes();
-      recv[r] = targets[r].work.data_ptr();
-      recv_bytes[r] = targets[r].work.nbytes();
-    }
-    shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, sources[0], -1), send.data(), send_bytes.data(),
-                   recv.data(), recv_bytes.data());
-    for (const auto& t : targets) {
-      t.finish();
-    }
-  });
+  return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, collectives_->all_to_all(outputs, inputs, opts));
 }
 
-// ---- send / recv --------------------------------------------------------------
-//
-// NOTE [send and recv]
-// Between ranks of one node a message goes through shared memory: the ring
-// from the sender to the receiver in the sender's segment (NOTE
-// [point-to-point rings] in shm_transport.h). It is a P2PHeader (tag, dtype,
-// numel, the message's number on that ordered pair) followed by the bytes, so
-// messages match in issue order per pair; a tag, dtype or numel that differs
-// from the recv's is a "mismatch" error (the recv first skips the message's
-// bytes, so the pair stays in step).
-//
-// Sends are buffered, as gloo's are: send() runs on the caller's thread and
-// never waits for the receiver. It writes into the ring what fits now; the
-// rest is copied into the Sender's outbox for that peer, and the Sender
-// thread streams it in as the receiver frees space (a message of any size
-// goes through a ring of any size), serving all peers' outboxes round robin.
-// The Work completes at once. Recvs run on the p2p queue thread in issue
-// order, each reading its message out of the ring as it arrives.
-//
-// Why a Sender thread rather than sends on the p2p queue: with sends and
-// recvs on one thread, rank A queueing send(B, big), recv(B) while B queues
-// send(A, big), recv(A) would deadlock once the messages outgrow the rings,
-// each thread stuck in a send its peer never drains. Here a send never
-// blocks any thread on a receiver, so every program that works with fully
-// buffered sends (gloo's) works here, at the cost of one copy of what does
-// not fit in the ring at send time.
-//
-// A recv waits as collectives do (NOTE [waiting]): an error naming recv and
-// the sender when the sender's process is gone or sends nothing for the
-// group's timeout; that failure, like a collective's, makes the group
-// unusable. Messages still in an outbox at shutdown are streamed out first
-// (unless aborted, the receiver died, or it took nothing for the timeout).
-//
-// Ranks on other nodes use the gloo group of all ranks instead: the header
-// and the bytes go as one byte message with an internal tag (gloo delivers
-// one pair's messages on one tag in order), and recv checks the header as
-// above. The message is a copy, so the caller's tensor is free at once, as
-// with local sends; gloo's Work completes when it has gone out. A wait is
-// gloo's, bounded by the same timeout.
-
-namespace {
-
-struct P2PHeader {
-  int32_t tag;
-  int32_t dtype;
-  int64_t numel;
-  uint64_t seq;  // the message's number on its (src, dst) pair
-};
-
-void check_p2p_header(const P2PHeader& header, uint64_t seq, int tag, const at::Tensor& t, int src, int dst) {
-  TORCH_CHECK(header.seq == seq, "torch_tp backend: recv: rank ", dst, " expected message ", seq, " from rank ", src,
-              " but got message ", header.seq);
-  TORCH_CHECK(header.tag == tag && header.dtype == static_cast<int32_t>(t.scalar_type()) && header.numel == t.numel(),
-              "torch_tp backend: recv: mismatch between ranks: rank ", src, " sent (tag=", header.tag,
-              ", dtype=", static_cast<at::ScalarType>(header.dtype), ", numel=", header.numel, ") but rank ", dst,
-              " receives (tag=", tag, ", dtype=", t.scalar_type(), ", numel=", t.numel(), ")");
-}
-
-// The gloo tag of the messages to and from other nodes; gloo_all is this
-// backend's own group, so no other traffic uses it.
-constexpr int kRemoteP2PTag = 0;
-
-} // namespace
+// ---- send / recv (NOTE [send and recv] in p2p.cpp) -----------------------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   const char* op = "send";
@@ -1206,22 +506,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& te
   check_tensor(op, "tensor", tensors[0]);
   TORCH_CHECK(dst_rank >= 0 && dst_rank < size_ && dst_rank != rank_, "torch_tp backend: send: dst rank ", dst_rank,
               " must be another rank of the group of ", size_);
-  const at::Tensor t = tensors[0].contiguous();
-  const uint64_t seq = sent_[dst_rank]++;
-  const P2PHeader header{tag, static_cast<int32_t>(t.scalar_type()), t.numel(), seq};
-  if (local_index_[dst_rank] < 0) {
-    std::vector<at::Tensor> message{at::empty({static_cast<int64_t>(sizeof(header) + t.nbytes())}, at::kByte)};
-    auto* bytes = static_cast<char*>(message[0].data_ptr());
-    std::memcpy(bytes, &header, sizeof(header));
-    if (t.nbytes() > 0) {
-      std::memcpy(bytes + sizeof(header), t.data_ptr(), t.nbytes());
-    }
-    return options_.gloo_all->send(message, dst_rank, kRemoteP2PTag);
-  }
-  sender_->send(local_index_[dst_rank], &header, sizeof(header), t.data_ptr(), t.nbytes());
-  auto work = c10::make_intrusive<ShmWork>(rank_, c10d::OpType::SEND, tensors);
-  work->complete(nullptr);
-  return work;
+  return p2p_->send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
@@ -1230,47 +515,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& te
   check_tensor(op, "tensor", tensors[0]);
   TORCH_CHECK(src_rank >= 0 && src_rank < size_ && src_rank != rank_, "torch_tp backend: recv: src rank ", src_rank,
               " must be another rank of the group of ", size_);
-  const uint64_t seq = received_[src_rank]++;
-  Dense dense(tensors[0]);
-  const int src_local = local_index_[src_rank];
-  if (src_local >= 0) {
-    auto* transport = transport_.get();
-    const int me = rank_;
-    return enqueue(*p2p_, c10d::OpType::RECV, tensors, [=] {
-      const at::Tensor& t = dense.work;
-      P2PHeader header{};
-      transport->ring_read(src_local, &header, sizeof(header), op);
-      const size_t bytes = static_cast<size_t>(header.numel) * c10::elementSize(static_cast<at::ScalarType>(header.dtype));
-      if (header.seq != seq || header.tag != tag || header.dtype != static_cast<int32_t>(t.scalar_type()) ||
-          header.numel != t.numel()) {
-        transport->ring_read(src_local, nullptr, bytes, op);  // skip it: the next message starts behind it
-        check_p2p_header(header, seq, tag, t, src_rank, me);
-      }
-      transport->ring_read(src_local, t.data_ptr(), bytes, op);
-      dense.finish();
-    });
-  }
-  auto gloo = options_.gloo_all;
-  const int me = rank_;
-  return enqueue(*p2p_, c10d::OpType::RECV, tensors, [gloo, seq, dense, src_rank, tag, op, me] {
-    const at::Tensor& t = dense.work;
-    std::vector<at::Tensor> message{at::empty({static_cast<int64_t>(sizeof(P2PHeader) + t.nbytes())}, at::kByte)};
-    try {
-      gloo->recv(message, src_rank, kRemoteP2PTag)->wait();
-    } catch (c10::Error& e) {
-      e.add_context(c10::str("torch_tp backend: ", op, ": rank ", me, " receiving ", t.nbytes(), " bytes from rank ",
-                             src_rank, " on another node (a message of another size from that rank also fails here)"));
-      throw;
-    }
-    const auto* bytes = static_cast<const char*>(message[0].data_ptr());
-    P2PHeader header{};
-    std::memcpy(&header, bytes, sizeof(header));
-    check_p2p_header(header, seq, tag, t, src_rank, me);
-    if (t.nbytes() > 0) {
-      std::memcpy(t.data_ptr(), bytes + sizeof(header), t.nbytes());
-    }
-    dense.finish();
-  });
+  return p2p_->recv(tensors, src_rank, tag);
 }
 
 } // namespace torch_tp::backend

@@ -12,41 +12,29 @@
 // all the ranks. The gloo groups are built in Python (the torch wheel ships
 // no gloo headers) and passed in.
 //
-// NOTE [one worker thread]
-// Every call is checked on the caller's thread (bad input raises at once) and
-// then queued to one worker thread that runs the calls in issue order and
-// completes their Work and future. The caller can thus overlap compute with a
-// collective (async_op=True, torch_tp's PendingCollective), and the calls of
-// all ranks reach the transport in the same order, as its lockstep needs.
-// Receives go to a second queue of their own, so a recv waiting for a late
-// send never holds up the collectives; sends never wait for the receiver
-// (see NOTE [send and recv]).
-//
-// NOTE [synchronous calls run inline]
-// A call made with async_op=False (torch passes it as opts.asyncOp) is waited
-// for at once, so handing it to the worker only adds two thread wake-ups
-// (tens of microseconds on a busy machine, more than a small all-reduce
-// takes) and a second runnable thread per rank for the scheduler to place.
-// When nothing is queued or running, such a call runs on the caller's thread;
-// otherwise it queues behind the earlier calls, so the order stays the
-// issue order either way.
+// This class is the c10d front end: it checks every call's arguments on the
+// caller's thread, numbers the collectives and runs them through a WorkQueue
+// (NOTE [one worker thread] in work_queue.h). What a collective does is the
+// Collectives picked at construction (collectives.h): the single-node one
+// (node_collectives.cpp) or the multi-node one (multi_node_collectives.cpp).
+// send and recv are PointToPoint's (NOTE [send and recv] in p2p.cpp).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
+#include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace torch_tp::backend {
 
+class Collectives;
+class PointToPoint;
 class ShmTransport;
+class WorkQueue;
 
 // The default per-rank shared data buffer: two slots of 1 MiB.
 constexpr size_t kDefaultBufferBytes = 2 * 1024 * 1024;
@@ -130,26 +118,17 @@ class ProcessGroupShm : public c10d::Backend {
   void abort() override;
 
  private:
-  class Queue;
-  class Sender;
-  c10::intrusive_ptr<c10d::Work> enqueue(Queue& queue, c10d::OpType type, std::vector<at::Tensor> outputs,
-                                         std::function<void()> run);
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
                                             std::function<void(uint64_t seq)> run);
   void stop(const std::string& why);
 
   c10::intrusive_ptr<c10d::Store> store_;
   Options options_;
-  int num_nodes_ = 1;
-  std::vector<int> local_ranks_;
-  std::vector<int> local_index_;  // by group rank: index among local_ranks_, or -1 on another node
   std::unique_ptr<ShmTransport> transport_;
+  std::unique_ptr<Collectives> collectives_;  // single- or multi-node, picked at construction
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
-  std::vector<uint64_t> sent_;      // messages sent to each rank so far
-  std::vector<uint64_t> received_;  // messages received from each rank so far
-  std::unique_ptr<Queue> collectives_;
-  std::unique_ptr<Queue> p2p_;
-  std::unique_ptr<Sender> sender_;
+  std::unique_ptr<WorkQueue> queue_;  // the collectives'
+  std::unique_ptr<PointToPoint> p2p_;
 };
 
 } // namespace torch_tp::backend

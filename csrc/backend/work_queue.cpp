@@ -1,0 +1,126 @@
+#include "backend/work_queue.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+
+#include <sys/prctl.h>
+
+namespace torch_tp::backend {
+
+ShmWork::ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+// A caller that waited on either side reads the other at once: torch's
+// join() calls work.wait() and then work.get_future().value(), and a
+// future's waiter may ask work.isCompleted(). So the Work finishes first
+// (a woken future implies a completed Work), and wait() returns only once
+// the future is completed too.
+bool ShmWork::wait(std::chrono::milliseconds timeout) {
+  const bool done = c10d::Work::wait(timeout);
+  future_->wait();
+  return done;
+}
+
+void ShmWork::complete(std::exception_ptr error) {
+  finish(error);
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+void stop_thread(std::mutex& mutex, bool& stopping, std::condition_variable& cv, std::thread& thread) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    stopping = true;
+  }
+  cv.notify_one();
+  if (thread.joinable()) {
+    thread.join();
+  }
+}
+
+void lower_timer_slack() {
+  ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+}
+
+WorkQueue::WorkQueue(int rank)
+    : rank_(rank), thread_([this] {
+        lower_timer_slack();
+        loop();
+      }) {}
+
+c10::intrusive_ptr<ShmWork> WorkQueue::push(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                            std::function<void()> run) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
+    items_.push_back({work, std::move(run)});
+  }
+  cv_.notify_one();
+  return work;
+}
+
+c10::intrusive_ptr<ShmWork> WorkQueue::run_inline_or_push(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                          std::function<void()> run) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
+    if (busy_ || !items_.empty()) {
+      items_.push_back({work, std::move(run)});
+      cv_.notify_one();
+      return work;
+    }
+    busy_ = true;
+  }
+  execute({work, std::move(run)});
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    busy_ = false;
+  }
+  cv_.notify_one();  // a call another thread queued meanwhile
+  return work;
+}
+
+void WorkQueue::stop() {
+  stop_thread(mutex_, stopping_, cv_, thread_);
+}
+
+void WorkQueue::execute(Item item) {
+  std::exception_ptr error;
+  try {
+    item.run();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  item.run = nullptr;  // drop the captured tensors before completing
+  item.work->complete(error);
+}
+
+void WorkQueue::loop() {
+  for (;;) {
+    Item item;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return (stopping_ && !busy_) || (!items_.empty() && !busy_); });
+      if (items_.empty()) {
+        return;
+      }
+      item = std::move(items_.front());
+      items_.pop_front();
+      busy_ = true;
+    }
+    execute(std::move(item));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+    }
+  }
+}
+
+} // namespace torch_tp::backend

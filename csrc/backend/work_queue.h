@@ -1,0 +1,103 @@
+#pragma once
+// The backend's Work and the queues that run its calls, one thread each.
+//
+// NOTE [one worker thread]
+// Every call is checked on the caller's thread (bad input raises at once) and
+// then queued to one worker thread that runs the calls in issue order and
+// completes their Work and future. The caller can thus overlap compute with a
+// collective (async_op=True, torch_tp's PendingCollective), and the calls of
+// all ranks reach the transport in the same order, as its lockstep needs.
+// Receives go to a second queue of their own, so a recv waiting for a late
+// send never holds up the collectives; sends never wait for the receiver
+// (see NOTE [send and recv] in p2p.cpp).
+//
+// NOTE [synchronous calls run inline]
+// A call made with async_op=False (torch passes it as opts.asyncOp) is waited
+// for at once, so handing it to the worker only adds two thread wake-ups
+// (tens of microseconds on a busy machine, more than a small all-reduce
+// takes) and a second runnable thread per rank for the scheduler to place.
+// When nothing is queued or running, such a call runs on the caller's thread;
+// otherwise it queues behind the earlier calls, so the order stays the
+// issue order either way.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace torch_tp::backend {
+
+// A call's Work and its future, completed by whoever ran the call.
+class ShmWork : public c10d::Work {
+ public:
+  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+
+  std::vector<at::Tensor> result() override {
+    return outputs_;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
+  bool wait(std::chrono::milliseconds timeout) override;
+
+  // Finishes the Work, then its future, with `error` or with the outputs.
+  void complete(std::exception_ptr error);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A FIFO of calls run by one thread. stop() lets the queued calls run out
+// (they fail fast once the transport is aborted) and joins the thread.
+class WorkQueue {
+ public:
+  explicit WorkQueue(int rank);
+  ~WorkQueue() {
+    stop();
+  }
+
+  // Queues `run` behind the calls before it; the Work completes once it ran.
+  c10::intrusive_ptr<ShmWork> push(c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> run);
+  // The same for a call its caller waits for at once: runs it on the calling
+  // thread if nothing is queued or running (NOTE [synchronous calls run
+  // inline]), otherwise queues it behind the others.
+  c10::intrusive_ptr<ShmWork> run_inline_or_push(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                 std::function<void()> run);
+
+  void stop();
+
+ private:
+  struct Item {
+    c10::intrusive_ptr<ShmWork> work;
+    std::function<void()> run;
+  };
+
+  static void execute(Item item);
+  void loop();
+
+  const int rank_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Item> items_;
+  bool busy_ = false;  // a call is running, on the worker or inline; the next one waits
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
+// Sets `stopping` under `mutex`, wakes `thread` through `cv` and joins it.
+void stop_thread(std::mutex& mutex, bool& stopping, std::condition_variable& cv, std::thread& thread);
+
+// Lowers the calling thread's timer slack: a waiting rank naps for tens of
+// microseconds (NOTE [waiting]), and the default 50 us slack would more than
+// double each nap. For the threads that wait on the transport.
+void lower_timer_slack();
+
+} // namespace torch_tp::backend
