@@ -229,6 +229,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(std::vector<at::Tensor
   std::vector<at::Tensor> list = tensors;
   c10d::AllreduceCoalescedOptions coalesced;
   coalesced.reduceOp = opts.reduceOp;
+  coalesced.timeout = opts.timeout;
+  coalesced.asyncOp = opts.asyncOp;  // a synchronous call runs inline (NOTE in work_queue.h)
   check_count("all_reduce", "tensors", tensors.size(), 1);
   return allreduce_coalesced(list, coalesced);
 }

@@ -21,7 +21,7 @@ at::Tensor all_reduce_kernel(const at::Tensor& x, c10::string_view reduce_op, c1
   const Reduction reduction = parse_reduction(op, reduce_op, x.scalar_type());
   const auto group = resolve_group(op, group_name);
   at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
-  return start_all_reduce_(op, group, out, reduction).wait();
+  return start_all_reduce_(op, group, false, out, reduction).wait();
 }
 
 at::Tensor all_gather_kernel(const at::Tensor& x, int64_t dim, c10::string_view group_name,
@@ -30,7 +30,7 @@ at::Tensor all_gather_kernel(const at::Tensor& x, int64_t dim, c10::string_view 
   check_dtype(op, "x", x, /*allow_bool=*/true);
   dim = wrap_dim(op, dim, x.dim());
   const auto group = resolve_group(op, group_name);
-  return start_all_gather(op, group, x, dim, full_size).wait();
+  return start_all_gather(op, group, false, x, dim, full_size).wait();
 }
 
 at::Tensor reduce_scatter_kernel(const at::Tensor& x, int64_t dim, c10::string_view reduce_op,
@@ -40,7 +40,7 @@ at::Tensor reduce_scatter_kernel(const at::Tensor& x, int64_t dim, c10::string_v
   const Reduction reduction = parse_reduction(op, reduce_op, x.scalar_type());
   dim = wrap_dim(op, dim, x.dim());
   const auto group = resolve_group(op, group_name);
-  return start_reduce_scatter(op, group, x, dim, reduction).wait();
+  return start_reduce_scatter(op, group, false, x, dim, reduction).wait();
 }
 
 // f's forward is the identity; the op still hands back a new tensor, as a
@@ -57,7 +57,7 @@ at::Tensor reduce_from_tp_region_kernel(const at::Tensor& x, c10::string_view gr
   check_dtype(op, "x", x, /*allow_bool=*/false);
   const auto group = resolve_group(op, group_name);
   at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
-  return start_all_reduce_(op, group, out, Reduction::Sum).wait();
+  return start_all_reduce_(op, group, false, out, Reduction::Sum).wait();
 }
 
 } // namespace

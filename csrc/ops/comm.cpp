@@ -12,28 +12,32 @@ namespace {
 // ProcessGroup renamed _allgather_base/_reduce_scatter_base to
 // all_gather_single/reduce_scatter_single in torch 2.13 and deprecated the old names.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
-  return group.all_gather_single(out, in);
+c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
+                                               const c10d::AllgatherOptions& opts) {
+  return group.all_gather_single(out, in, opts);
 }
 c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
                                                    const c10d::ReduceScatterOptions& opts) {
   return group.reduce_scatter_single(out, in, opts);
 }
-c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
+c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
+                                               const c10d::AllToAllOptions& opts) {
   std::vector<int64_t> equal_splits;
-  return group.all_to_all_single(out, in, equal_splits, equal_splits);
+  return group.all_to_all_single(out, in, equal_splits, equal_splits, opts);
 }
 #else
-c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
-  return group._allgather_base(out, in);
+c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
+                                               const c10d::AllgatherOptions& opts) {
+  return group._allgather_base(out, in, opts);
 }
 c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
                                                    const c10d::ReduceScatterOptions& opts) {
   return group._reduce_scatter_base(out, in, opts);
 }
-c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in) {
+c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
+                                               const c10d::AllToAllOptions& opts) {
   std::vector<int64_t> equal_splits;
-  return group.alltoall_base(out, in, equal_splits, equal_splits);
+  return group.alltoall_base(out, in, equal_splits, equal_splits, opts);
 }
 #endif
 
@@ -151,7 +155,9 @@ void check_same_across_ranks(const char* op, const c10::intrusive_ptr<c10d::Proc
   c10::OptionalDeviceGuard device_guard(x.device());
   at::Tensor in = at::tensor(mine, at::TensorOptions().dtype(at::kLong)).to(x.device());
   at::Tensor all = at::empty({world_size * kFields}, in.options());
-  launch(op, *group, x, [&] { return all_gather_into(*group, all, in); })->wait();
+  c10d::AllgatherOptions opts;
+  opts.asyncOp = false;
+  launch(op, *group, x, [&] { return all_gather_into(*group, all, in, opts); })->wait();
   const at::Tensor table = all.view({world_size, kFields}).cpu();
   const auto rows = table.accessor<int64_t, 2>();
   const int64_t rank = group->getRank();
@@ -231,7 +237,7 @@ at::Tensor PendingCollective::wait() {
 }
 
 PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                    at::Tensor& x, Reduction reduction) {
+                                    bool async_op, at::Tensor& x, Reduction reduction) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous());
   const int64_t world_size = group->getSize();
   if (cross_rank_checks_enabled()) {
@@ -243,6 +249,7 @@ PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10
     std::vector<at::Tensor> tensors{x};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(reduction);
+    opts.asyncOp = async_op;
     work = launch(op, *group, x, [&] { return group->allreduce(tensors, opts); });
   }
   auto finish = [x, reduction, world_size]() mutable {
@@ -255,7 +262,7 @@ PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10
 }
 
 PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
+                                   bool async_op, const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
                                    const char* dim_arg) {
   const int64_t world_size = group->getSize();
   const int64_t n = gathered_size(op, x.size(dim), dim, full_size, world_size, group->getRank());
@@ -272,13 +279,15 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
   auto sizes = front.sizes().vec();
   sizes[0] = chunk * world_size;
   at::Tensor gathered = at::empty(sizes, front.options());
-  auto work = launch(op, *group, x, [&] { return all_gather_into(*group, gathered, front); });
+  c10d::AllgatherOptions opts;
+  opts.asyncOp = async_op;
+  auto work = launch(op, *group, x, [&] { return all_gather_into(*group, gathered, front, opts); });
   auto finish = [gathered, front, n, dim] { return gathered.narrow(0, 0, n).movedim(0, dim).contiguous(); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }
 
 PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                       const at::Tensor& x, int64_t dim, Reduction reduction,
+                                       bool async_op, const at::Tensor& x, int64_t dim, Reduction reduction,
                                        const char* dim_arg) {
   const int64_t world_size = group->getSize();
   if (cross_rank_checks_enabled()) {
@@ -307,7 +316,9 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     // NOTE [reduce-scatter on gloo]: block r of `blocks` is rank r's front
     // rows [me*c, (me+1)*c). `front` is captured to outlive the collective.
     at::Tensor blocks = at::empty_like(front);
-    auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, blocks, front); });
+    c10d::AllToAllOptions opts;
+    opts.asyncOp = async_op;
+    auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, blocks, front, opts); });
     sizes.insert(sizes.begin(), world_size);
     auto finish = [blocks, front, sizes, reduction, finish_piece] {
       return finish_piece(fold_blocks(blocks.view(sizes), reduction));
@@ -317,6 +328,7 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   at::Tensor piece = at::empty(sizes, front.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(reduction);
+  opts.asyncOp = async_op;
   auto work = launch(op, *group, x, [&] { return reduce_scatter_into(*group, piece, front, opts); });
   auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);

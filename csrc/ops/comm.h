@@ -86,21 +86,29 @@ class PendingCollective {
   at::Tensor input_;  // for the error message only
 };
 
+// NOTE [async_op of the start functions]
+// `async_op` is c10d's: false when the caller waits at once, true when it
+// computes while the collective runs (the linear backward). It is a hint:
+// every backend completes the call either way, but a synchronous call may run
+// on the caller's thread (the torch_tp backend's NOTE [synchronous calls run
+// inline]; NCCL's on the current stream), which at small sizes saves two
+// thread hand-offs, more than the collective itself takes.
+
 // Reduces the contiguous tensor `x` over the group, in place.
 PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                    at::Tensor& x, Reduction reduction);
+                                    bool async_op, at::Tensor& x, Reduction reduction);
 
 // Concatenates the ranks' pieces of x along `dim` (already wrapped). Without
 // `full_size` every rank's piece has x's size; with it, the pieces are the
 // torch.chunk pieces of full_size rows and x must hold this rank's.
 // `dim_arg` is the op's name for dim, for NOTE [cross-rank argument check].
 PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
+                                   bool async_op, const at::Tensor& x, int64_t dim, std::optional<int64_t> full_size,
                                    const char* dim_arg = "dim");
 
 // Reduces x over the group and keeps this rank's torch.chunk piece along `dim`.
 PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                       const at::Tensor& x, int64_t dim, Reduction reduction,
+                                       bool async_op, const at::Tensor& x, int64_t dim, Reduction reduction,
                                        const char* dim_arg = "dim");
 
 // NOTE [cross-rank argument check]

@@ -158,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward(
   const auto dim = check_linear_args(op, x, weight, bias, gather_dim, "gather_dim");
   const Activation act = parse_activation(op, activation);
   const auto group = resolve_group(op, group_name);
-  const at::Tensor x_full = dim ? start_all_gather(op, group, x, *dim, full_size, "gather_dim").wait() : x;
+  const at::Tensor x_full = dim ? start_all_gather(op, group, false, x, *dim, full_size, "gather_dim").wait() : x;
   const GemmResult result = gemm(op, rows2d(x_full), weight, bias, act);
   const auto sizes = with_features(x_full.sizes(), weight.size(0));
   at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : result.pre_activation.view(sizes);
@@ -174,8 +174,8 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
   at::Tensor partial =
       gemm(op, rows2d(x), weight, std::nullopt, Activation::None).out.view(
           with_features(x.sizes(), weight.size(0)));
-  at::Tensor y = dim ? start_reduce_scatter(op, group, partial, *dim, Reduction::Sum, "scatter_dim").wait()
-                     : start_all_reduce_(op, group, partial, Reduction::Sum).wait();
+  at::Tensor y = dim ? start_reduce_scatter(op, group, false, partial, *dim, Reduction::Sum, "scatter_dim").wait()
+                     : start_all_reduce_(op, group, false, partial, Reduction::Sum).wait();
   // Added once, after the reduction, so the result is nn.Linear's.
   return bias ? y.add_(*bias) : y;
 }
@@ -197,7 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
 
   std::optional<PendingCollective> x_gather;
   if (sequence_parallel && want_weight) {
-    x_gather.emplace(start_all_gather(op, group, x, dim, full_size, "gather_dim"));
+    x_gather.emplace(start_all_gather(op, group, true, x, dim, full_size, "gather_dim"));
   }
   const at::Tensor grad_pre = parse_activation(op, activation) == Activation::GeluTanh
       ? at::gelu_backward(grad_out, pre_activation, "tanh")
@@ -212,8 +212,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
   // partial_grad_input: the caller reduces grad_x later (see NOTE [partial grad_x]).
   std::optional<PendingCollective> grad_x_comm;
   if (want_x && !partial_grad_input) {
-    grad_x_comm.emplace(sequence_parallel ? start_reduce_scatter(op, group, grad_x, dim, Reduction::Sum, "gather_dim")
-                                          : start_all_reduce_(op, group, grad_x, Reduction::Sum));
+    grad_x_comm.emplace(sequence_parallel
+                            ? start_reduce_scatter(op, group, true, grad_x, dim, Reduction::Sum, "gather_dim")
+                            : start_all_reduce_(op, group, true, grad_x, Reduction::Sum));
   }
   // Overlaps the grad-input collective.
   at::Tensor grad_weight = want_weight ? grad2d.t().mm(rows2d(x_full)) : skipped_gradient(grad_out);
@@ -233,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kern
   at::Tensor grad_full = grad_out;
   if (scatter_dim) {
     const int64_t dim = *scatter_dim < 0 ? *scatter_dim + x.dim() : *scatter_dim;
-    grad_full = start_all_gather(op, group, grad_out, dim, x.size(dim), "scatter_dim").wait();
+    grad_full = start_all_gather(op, group, false, grad_out, dim, x.size(dim), "scatter_dim").wait();
   }
   const at::Tensor grad2d = rows2d(grad_full);
   at::Tensor grad_x = want_x ? grad2d.mm(weight).view(x.sizes()) : skipped_gradient(grad_out);
