@@ -200,26 +200,55 @@ struct ReduceFromTpRegionFunction : public torch::autograd::Function<ReduceFromT
   }
 };
 
+// NOTE [no gradient, no Function]
+// Function::apply builds a graph node, its context and saved data even when
+// nothing needs a gradient: a few microseconds a call, more than a small
+// all-reduce on the torch_tp backend takes. So when x needs no gradient (no
+// grad mode or x does not require grad, and x carries no forward-mode
+// tangent, which apply would reject), the kernels below redispatch straight
+// below autograd (redispatch_or_apply): the same result, and no graph either way.
+
+// `below()` under a guard that skips autograd when x needs no gradient, else `apply()`.
+template <typename Below, typename Apply>
+at::Tensor redispatch_or_apply(const at::Tensor& x, const Below& below, const Apply& apply) {
+  const bool needs_autograd = (at::GradMode::is_enabled() && x.requires_grad()) || x._fw_grad(/*level=*/0).defined();
+  if (!needs_autograd) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return below();
+  }
+  return apply();
+}
+
 at::Tensor all_reduce_autograd(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
-  return AllReduceFunction::apply(x, std::string(reduce_op), std::string(group_name));
+  return redispatch_or_apply(
+      x, [&] { return all_reduce(x, reduce_op, group_name); },
+      [&] { return AllReduceFunction::apply(x, std::string(reduce_op), std::string(group_name)); });
 }
 
 at::Tensor all_gather_autograd(const at::Tensor& x, int64_t dim, c10::string_view group_name,
                                std::optional<int64_t> full_size) {
-  return AllGatherFunction::apply(x, dim, std::string(group_name), full_size);
+  return redispatch_or_apply(
+      x, [&] { return all_gather(x, dim, group_name, full_size); },
+      [&] { return AllGatherFunction::apply(x, dim, std::string(group_name), full_size); });
 }
 
 at::Tensor reduce_scatter_autograd(const at::Tensor& x, int64_t dim, c10::string_view reduce_op,
                                    c10::string_view group_name) {
-  return ReduceScatterFunction::apply(x, dim, std::string(reduce_op), std::string(group_name));
+  return redispatch_or_apply(
+      x, [&] { return reduce_scatter(x, dim, reduce_op, group_name); },
+      [&] { return ReduceScatterFunction::apply(x, dim, std::string(reduce_op), std::string(group_name)); });
 }
 
 at::Tensor copy_to_tp_region_autograd(const at::Tensor& x, c10::string_view group_name) {
-  return CopyToTpRegionFunction::apply(x, std::string(group_name));
+  return redispatch_or_apply(
+      x, [&] { return copy_to_tp_region(x, group_name); },
+      [&] { return CopyToTpRegionFunction::apply(x, std::string(group_name)); });
 }
 
 at::Tensor reduce_from_tp_region_autograd(const at::Tensor& x, c10::string_view group_name) {
-  return ReduceFromTpRegionFunction::apply(x, std::string(group_name));
+  return redispatch_or_apply(
+      x, [&] { return reduce_from_tp_region(x, group_name); },
+      [&] { return ReduceFromTpRegionFunction::apply(x, std::string(group_name)); });
 }
 
 } // namespace
