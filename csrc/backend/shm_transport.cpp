@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstring>
 #include <fstream>
+#include <sched.h>
 #include <thread>
 #include <unistd.h>
 
@@ -19,11 +20,13 @@
 
 namespace torch_tp::backend {
 
-// The head of every segment. `posted` has a cache line of its own: peers
-// poll it while the owner writes its header and data.
+// The head of every segment. `posted` and `parked` (NOTE [waiting]) share a
+// cache line of their own, which only the owner writes: peers poll it while
+// the owner writes its header and data.
 struct alignas(64) ShmTransport::Control {
   std::atomic<uint64_t> posted;
-  char pad0[64 - sizeof(std::atomic<uint64_t>)];
+  std::atomic<uint32_t> parked;
+  char pad0[64 - sizeof(std::atomic<uint64_t>) - sizeof(std::atomic<uint32_t>)];
   int64_t pid;
   char pad1[64 - sizeof(int64_t)];
   alignas(64) CallHeader call[2];
@@ -40,11 +43,15 @@ struct alignas(64) ShmTransport::Ring {
 namespace {
 
 constexpr size_t kPage = 4096;
-// Busy polls before a waiter starts yielding the core, and how long it keeps
-// yielding before it naps.
-constexpr int kSpins = 1000;
+// NOTE [waiting]: the longest spin of one wait, how long a parked waiter
+// yields before it naps, the nap, and the polls between two reads of the
+// clock (a few microseconds of pauses). Backoff (the sender thread) spins
+// kSpins polls instead.
+constexpr auto kSpinFor = std::chrono::microseconds(50);
 constexpr auto kYieldFor = std::chrono::microseconds(500);
 constexpr auto kNap = std::chrono::microseconds(20);
+constexpr int kPollsPerCheck = 64;
+constexpr int kSpins = 1000;
 // How often a waiter checks that the peer's process still runs.
 constexpr auto kLivenessEvery = std::chrono::milliseconds(5);
 
@@ -139,10 +146,6 @@ void Backoff::pause() {
   }
 }
 
-bool Backoff::spinning() const {
-  return calls_ < kSpins;
-}
-
 const char* op_code_name(OpCode op) {
   switch (op) {
     case OpCode::Barrier: return "barrier";
@@ -162,6 +165,9 @@ ShmTransport::ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options
     : options_(std::move(options)) {
   const int n = local_size();
   TORCH_INTERNAL_ASSERT(options_.local_rank >= 0 && options_.local_rank < n);
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  cores_ = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
   // Slots start on cache lines, so chunk boundaries do too.
   slot_bytes_ = options_.buffer_bytes / 2 / 64 * 64;
   data_offset_ = round_up(sizeof(Control), kPage);
@@ -193,6 +199,7 @@ ShmTransport::ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options
   mine = ShmSegment::create(name_of(options_.local_rank), bytes);
   auto* own = new (mine.data()) Control();
   own->posted.store(0, std::memory_order_relaxed);
+  own->parked.store(0, std::memory_order_relaxed);
   own->pid = static_cast<int64_t>(::getpid());
   for (const auto local : c10::irange(n)) {
     if (local != options_.local_rank) {
@@ -256,30 +263,51 @@ void ShmTransport::wait_for(int local, uint64_t step, const char* op) {
   });
 }
 
-// Waits until `counter`, which local rank `local` advances, reaches `target`.
-// explain(timed_out, seen) completes the error message.
+// Waits until `counter`, which local rank `local` advances, reaches `target`,
+// as NOTE [waiting] says. explain(timed_out, seen) completes the error message.
 template <typename Explain>
 void ShmTransport::wait_counter(int local, const std::atomic<uint64_t>& counter, uint64_t target, const char* op,
                                 const Explain& explain) {
-  Backoff backoff;
-  while (backoff.spinning()) {
-    if (counter.load(std::memory_order_acquire) >= target) {
+  using Clock = std::chrono::steady_clock;
+  auto arrived = [&] { return counter.load(std::memory_order_acquire) >= target; };
+  // The common case, a peer that is there or about to be: no clock read.
+  for (int i = 0; i < kPollsPerCheck; ++i) {
+    if (arrived()) {
       return;
     }
-    backoff.pause();
+    cpu_relax();
   }
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   auto last_progress = start;
   auto next_liveness = start + kLivenessEvery;
+  auto last_check = start;
+  Clock::duration spun{};
+  Clock::time_point parked_since{};
+  bool parked = false;
+  bool spinning = true;  // during the polls since last_check
   uint64_t seen = counter.load(std::memory_order_acquire);
   const int rank = options_.group_ranks[local];
   const int me = options_.group_ranks[options_.local_rank];
+  // Unparks on every way out, a throw included.
+  struct Unpark {
+    ShmTransport& t;
+    const bool& parked;
+    ~Unpark() {
+      if (parked) {
+        t.set_parked(false);
+      }
+    }
+  } unpark{*this, parked};
   for (;;) {
     const uint64_t now_seen = counter.load(std::memory_order_acquire);
     if (now_seen >= target) {
       return;
     }
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = Clock::now();
+    if (spinning) {
+      spun += now - last_check;
+    }
+    last_check = now;
     if (now_seen != seen) {
       seen = now_seen;
       last_progress = now;
@@ -299,8 +327,45 @@ void ShmTransport::wait_counter(int local, const std::atomic<uint64_t>& counter,
       fail(c10::str("torch_tp backend: ", op, ": timed out after ", options_.timeout.count(), " ms waiting for rank ",
                     rank, explain(true, seen)));
     }
-    backoff.pause();
+    spinning = spun < kSpinFor && spin_pays_off(local);
+    if (spinning) {
+      if (parked) {
+        parked = false;
+        set_parked(false);
+      }
+      for (int i = 0; i < kPollsPerCheck && !arrived(); ++i) {
+        cpu_relax();
+      }
+      continue;
+    }
+    if (!parked) {
+      parked = true;
+      parked_since = now;
+      set_parked(true);
+    }
+    if (now - parked_since < kYieldFor) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(kNap);
+    }
   }
+}
+
+// NOTE [waiting]: local rank `local` is not parked, and the ranks that are
+// not parked (this one included) have a core each.
+bool ShmTransport::spin_pays_off(int local) const {
+  if (control(local)->parked.load(std::memory_order_relaxed) != 0) {
+    return false;
+  }
+  int active = 0;
+  for (const auto r : c10::irange(local_size())) {
+    active += r == options_.local_rank || control(r)->parked.load(std::memory_order_relaxed) == 0 ? 1 : 0;
+  }
+  return active <= cores_;
+}
+
+void ShmTransport::set_parked(bool parked) {
+  control(options_.local_rank)->parked.store(parked ? 1 : 0, std::memory_order_relaxed);
 }
 
 ShmTransport::Ring* ShmTransport::ring(int src, int dst) const {

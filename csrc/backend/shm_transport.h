@@ -14,15 +14,33 @@
 // buffered the same way, one per slot.
 //
 // NOTE [waiting]
-// A wait spins briefly (a peer on another core answers within microseconds),
-// then yields, then sleeps in short naps, so that 4 ranks on 2 cores still
-// make progress. It gives up when the peer has made no progress for the
-// group's timeout, or at once when the peer's process is gone (checked with
-// kill(pid, 0) and /proc, every few milliseconds), and then names the op and
-// the rank. After any failure the transport is broken: the ranks' steps no
-// longer line up, so every later call fails at once with the first reason.
-// The point-to-point rings (NOTE [send and recv] in process_group_shm.cpp)
-// wait the same way (Backoff, wait_counter) and fail the same way.
+// A rank waits for a peer's counter by polling it. How it passes the time
+// between polls decides both the latency of a small collective and whether
+// more ranks than cores make progress at all:
+// - It spins (a pause instruction between polls, no system call) while
+//   spinning can pay off: the peer is not parked (below) and the node's ranks
+//   that are not parked fit its cores (sched_getaffinity), so the peer most
+//   likely holds a core of its own and is about to post. A peer on another
+//   core then answers in well under a microsecond, as DeepSpeed's spin-only
+//   wait does. Spinning stops after kSpinFor in one wait (the peer may be
+//   preempted by another process, or computing for a long time).
+// - Otherwise it parks: it sets the `parked` flag beside its `posted`
+//   counter (the line its peers poll anyway) and yields the core, and after
+//   kYieldFor of yielding sleeps in short naps. A parked rank is not about to
+//   post, so its waiters park too instead of spinning for nothing; and with
+//   4 ranks on 2 cores the waiting ranks give the cores to the ranks still
+//   computing. A parked waiter starts spinning again as soon as the
+//   conditions above hold again (its peer unparked: it is running).
+// A wait gives up when the peer has made no progress for the group's
+// timeout, or at once when the peer's process is gone (checked with kill(pid,
+// 0) and /proc, every few milliseconds), and then names the op and the rank.
+// The clock is read once per kPollsPerCheck polls, so those checks cost the
+// spinning nothing measurable. After any failure the transport is broken: the
+// ranks' steps no longer line up, so every later call fails at once with the
+// first reason. The point-to-point rings (NOTE [send and recv] in
+// p2p.cpp) wait the same way (wait_counter) and fail the same
+// way; the sender thread there, which has no single peer to watch, uses
+// Backoff's fixed schedule.
 //
 // NOTE [point-to-point rings]
 // After its two slots, every rank's segment holds one ring per local peer: a
@@ -85,12 +103,11 @@ enum class OpCode : int32_t {
 };
 const char* op_code_name(OpCode op);
 
-// One pause of NOTE [waiting]'s schedule per call: a spin for the first
-// calls, then yields, then short naps.
+// One pause of a fixed schedule per call: a spin for the first calls, then
+// yields, then short naps (NOTE [waiting]: the sender thread's).
 class Backoff {
  public:
   void pause();
-  bool spinning() const;
 
  private:
   int calls_ = 0;
@@ -172,6 +189,8 @@ class ShmTransport {
   template <typename Explain>
   void wait_counter(int local, const std::atomic<uint64_t>& counter, uint64_t target, const char* op,
                     const Explain& explain);
+  bool spin_pays_off(int local) const;  // NOTE [waiting]
+  void set_parked(bool parked);
   char* slot(int local, uint64_t step) const;
   void wait_for(int local, uint64_t step, const char* op);
   void check_headers(uint64_t step, const char* op);
@@ -182,6 +201,7 @@ class ShmTransport {
   size_t data_offset_;
   size_t ring_bytes_;
   size_t rings_offset_;
+  int cores_;  // the cores this rank may run on (NOTE [waiting])
   std::vector<ShmSegment> segments_;  // by local rank; ours is segments_[local_rank]
   uint64_t step_ = 0;
   std::atomic<bool> broken_{false};
