@@ -8,27 +8,51 @@
 namespace torch_tp::backend {
 
 ShmWork::ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type),
-      outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+    : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
 
-// A caller that waited on either side reads the other at once: torch's
-// join() calls work.wait() and then work.get_future().value(), and a
-// future's waiter may ask work.isCompleted(). So the Work finishes first
-// (a woken future implies a completed Work), and wait() returns only once
-// the future is completed too.
+c10::intrusive_ptr<c10::ivalue::Future> ShmWork::getFuture() {
+  std::lock_guard<std::mutex> lock(future_mutex_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    if (done_) {
+      complete_future(future_);
+    }
+  }
+  return future_;
+}
+
 bool ShmWork::wait(std::chrono::milliseconds timeout) {
   const bool done = c10d::Work::wait(timeout);
-  future_->wait();
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(future_mutex_);  // complete() has finished with it
+    future = future_;
+  }
+  if (future) {
+    future->wait();
+  }
   return done;
 }
 
 void ShmWork::complete(std::exception_ptr error) {
-  finish(error);
-  if (error) {
-    future_->setError(error);
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(future_mutex_);
+    finish(error);
+    error_ = error;
+    done_ = true;
+    future = future_;
+  }
+  if (future) {
+    complete_future(future);
+  }
+}
+
+void ShmWork::complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& future) const {
+  if (error_) {
+    future->setError(error_);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    future->markCompleted(c10::IValue(outputs_));
   }
 }
 
@@ -79,11 +103,18 @@ c10::intrusive_ptr<ShmWork> WorkQueue::run_inline_or_push(c10d::OpType type, std
     busy_ = true;
   }
   execute({work, std::move(run)});
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     busy_ = false;
+    wake = !items_.empty() || stopping_;
   }
-  cv_.notify_one();  // a call another thread queued meanwhile
+  // Only when the worker has something to do (a call another thread queued
+  // meanwhile, or stop()): a needless wake-up makes it runnable for nothing,
+  // and on a busy node it then competes with the ranks for a core.
+  if (wake) {
+    cv_.notify_one();
+  }
   return work;
 }
 

@@ -35,6 +35,17 @@
 namespace torch_tp::backend {
 
 // A call's Work and its future, completed by whoever ran the call.
+//
+// NOTE [the Work's future]
+// A caller that waited on either side reads the other at once: torch's
+// join() calls work.wait() and then work.get_future().value(), and a
+// future's waiter may ask work.isCompleted(). So the Work finishes first (a
+// woken future implies a completed Work), and wait() returns only once the
+// future is completed too. The future is made on the first getFuture() (DDP
+// comm hooks, join): most calls never ask for it, and making and completing
+// one (a typed list of the outputs) is a good part of what a small
+// collective costs. `future_mutex_` orders complete() against getFuture()
+// and wait(), so every future made is completed exactly once, after finish().
 class ShmWork : public c10d::Work {
  public:
   ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
@@ -42,17 +53,20 @@ class ShmWork : public c10d::Work {
   std::vector<at::Tensor> result() override {
     return outputs_;
   }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    return future_;
-  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   bool wait(std::chrono::milliseconds timeout) override;
 
-  // Finishes the Work, then its future, with `error` or with the outputs.
+  // Finishes the Work, then its future if one was made, with `error` or with the outputs.
   void complete(std::exception_ptr error);
 
  private:
+  void complete_future(const c10::intrusive_ptr<c10::ivalue::Future>& future) const;
+
   std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex future_mutex_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by future_mutex_, as are:
+  bool done_ = false;
+  std::exception_ptr error_;
 };
 
 // A FIFO of calls run by one thread. stop() lets the queued calls run out
