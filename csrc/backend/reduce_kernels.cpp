@@ -177,7 +177,7 @@ void reduce_typed(Reduction kind, void* out, const void* const* inputs, int n, i
 // portable while the bf16/fp16 conversions, which are compute-bound at SSE2
 // width, get 8-wide vectors where the CPU has them.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TORCH_TP_REDUCE_CLONES __attribute__((target_clones("avx2", "default"), flatten))
+#define TORCH_TP_REDUCE_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), flatten))
 #else
 #define TORCH_TP_REDUCE_CLONES
 #endif
