@@ -10,7 +10,7 @@ S is the all_reduce tensor, the all_gather output, the reduce_scatter input), si
 
 - ``tp dist``: ``dist.all_reduce`` on a ``dist.new_group(backend="torch_tp")`` group (in place);
 - ``tp op``: ``torch.ops.torch_tp.all_reduce`` on that group (functional: a fresh output), which skips the
-  Python c10d wrapper;
+  Python c10d wrapper, and ``tp op_``: ``torch.ops.torch_tp.all_reduce_`` (in place, as DeepSpeed's raw op);
 - ``ds``: ``deepspeed.comm.inference_all_reduce`` (in place), and ``ds raw``: the op behind it,
   ``torch.ops.deepspeed.inference_all_reduce_``;
 - ``gloo``: ``dist.all_reduce`` on the default (gloo) group;
@@ -32,11 +32,13 @@ rounds with p10/p90. Results are checked first: every implementation's sum of kn
 With ``--breakdown`` (the default), a first phase splits a 4 KiB float32 all-reduce into its layers, the same
 rounds timing: ``dist.all_reduce`` on a no-op group (torch's fake backend: the Python c10d wrapper, the
 dispatcher and the Work, with no communication), ``dist.barrier`` on the torch_tp group (one transport step
-without data), ``dist.all_reduce(async_op=True).wait()`` (the call handed to the worker thread) and the
-synchronous call, which runs inline (NOTE [synchronous calls run inline] in process_group_shm.h).
+without data), ``dist.all_reduce(async_op=True).wait()`` (the call handed to the worker thread), the
+synchronous call, which runs inline (NOTE [synchronous calls run inline] in work_queue.h), the ops (which call
+the backend directly: NOTE [direct calls from the ops] in process_group_shm.h), and ``torch.ops.aten.clone``
+of the same tensor: what any functional op called through ``torch.ops`` pays before it communicates.
 
 Targets (2 ranks), printed PASS/MISS: at 4 KiB and 64 KiB, ``tp dist`` at or below ``ds`` and ``tp op`` at or
-below ``ds raw``; at 1 MiB ``tp dist`` at or below ``ds``; at 16 MiB ``tp dist`` at least 1.5x faster than
+below ``ds raw`` (and ``tp op_``, the like-for-like in-place op, too); at 1 MiB ``tp dist`` at or below ``ds``; at 16 MiB ``tp dist`` at least 1.5x faster than
 ``ds``; all_gather and reduce_scatter (``tp dist``) at or below the same-size ``ds`` all-reduce.
 """
 
@@ -68,7 +70,7 @@ from _common import (
 
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ALL_REDUCE = ["tp dist", "tp op", "ds", "ds raw", "gloo"]
+ALL_REDUCE = ["tp dist", "tp op", "tp op_", "ds", "ds raw", "gloo"]
 OTHERS = ["all_gather tp dist", "all_gather tp op", "reduce_scatter tp dist", "reduce_scatter tp op"]
 
 
@@ -122,6 +124,7 @@ def make_steps(dtype: torch.dtype, size: int, tp, p: int, ds_call, ds_raw) -> Di
     steps = {
         "tp dist": lambda: dist.all_reduce(buf["tp dist"], group=tp),
         "tp op": lambda: torch.ops.torch_tp.all_reduce(buf["tp op"], "sum", name),
+        "tp op_": lambda: torch.ops.torch_tp.all_reduce_(buf["tp op_"], "sum", name),
         "gloo": lambda: dist.all_reduce(buf["gloo"]),
         "all_gather tp dist": lambda: dist.all_gather_into_tensor(gathered, shard, group=tp),
         "all_gather tp op": lambda: torch.ops.torch_tp.all_gather(shard, 0, name, None),
@@ -141,6 +144,7 @@ def check(dtype: torch.dtype, tp, p: int, rank: int, ds_call, ds_raw) -> None:
     results = {
         "tp dist": (lambda t: (dist.all_reduce(t, group=tp), t)[1])(x.clone()),
         "tp op": torch.ops.torch_tp.all_reduce(x, "sum", tp.group_name),
+        "tp op_": (lambda t: (torch.ops.torch_tp.all_reduce_(t, "sum", tp.group_name), t)[1])(x.clone()),
         "gloo": (lambda t: (dist.all_reduce(t), t)[1])(x.clone()),
         "reduce_scatter tp op": torch.ops.torch_tp.reduce_scatter(x, 0, "sum", tp.group_name),
         "all_gather tp op": torch.ops.torch_tp.all_gather(x, 0, tp.group_name, None),
@@ -163,12 +167,14 @@ def check(dtype: torch.dtype, tp, p: int, rank: int, ds_call, ds_raw) -> None:
 def breakdown(tp, p: int, quick: bool, ds_raw) -> Dict[str, Dict]:
     """The layers of a 4 KiB float32 all-reduce, timed in the same rounds (see the module docstring)."""
     fake, why = make_noop_group(dist.group.WORLD)
-    t = {k: torch.zeros(1024) for k in ("fake", "sync", "async", "ds raw")}
+    t = {k: torch.zeros(1024) for k in ("fake", "sync", "async", "ds raw", "clone")}
     steps = {
         "torch_tp barrier": lambda: dist.barrier(group=tp),
         "tp dist async_op=True + wait": lambda: dist.all_reduce(t["async"], group=tp, async_op=True).wait(),
         "tp dist": lambda: dist.all_reduce(t["sync"], group=tp),
         "tp op": lambda: torch.ops.torch_tp.all_reduce(t["sync"], "sum", tp.group_name),
+        "tp op_": lambda: torch.ops.torch_tp.all_reduce_(t["sync"], "sum", tp.group_name),
+        "aten.clone through torch.ops (no communication)": lambda: torch.ops.aten.clone(t["clone"]),
     }
     if fake is not None:
         steps["no-op group dist.all_reduce"] = lambda: dist.all_reduce(t["fake"], group=fake)
@@ -212,6 +218,7 @@ def targets(records: List[Dict], p: int) -> List[Dict]:
         if r["bytes"] <= 64 * KiB:
             add(f"{where}: tp dist <= ds", us(r, "tp dist"), us(r, "ds"))
             add(f"{where}: tp op <= ds raw", us(r, "tp op"), us(r, "ds raw"))
+            add(f"{where}: tp op_ <= ds raw", us(r, "tp op_"), us(r, "ds raw"))
         elif r["bytes"] <= MiB:
             add(f"{where}: tp dist <= ds", us(r, "tp dist"), us(r, "ds"))
         else:
@@ -233,8 +240,8 @@ def results_section(report: Dict) -> List[str]:
         "(the machine is shared: other jobs run beside this one).".format(*report["loadavg_start"],
                                                                            *report["loadavg_end"]),
         "",
-        "| dtype | size | " + " | ".join(keys) + " | ds / tp dist | ds raw / tp op |",
-        "| --- | ---: | " + " | ".join("---:" for _ in keys) + " | ---: | ---: |",
+        "| dtype | size | " + " | ".join(keys) + " | ds / tp dist | ds raw / tp op | ds raw / tp op_ |",
+        "| --- | ---: | " + " | ".join("---:" for _ in keys) + " | ---: | ---: | ---: |",
     ]
     for r in report["records"]:
         cells = []
@@ -244,7 +251,7 @@ def results_section(report: Dict) -> List[str]:
                          f"{v:.1f} ({r['impls'][k]['p10_us']:.1f}-{r['impls'][k]['p90_us']:.1f})")
         ratio = lambda a, b: "-" if us(r, a) is None or us(r, b) is None else f"{us(r, a) / us(r, b):.2f}"  # noqa
         lines.append(f"| {r['dtype']} | {fmt_size(r['bytes'])} | " + " | ".join(cells)
-                     + f" | {ratio('ds', 'tp dist')} | {ratio('ds raw', 'tp op')} |")
+                     + f" | {ratio('ds', 'tp dist')} | {ratio('ds raw', 'tp op')} | {ratio('ds raw', 'tp op_')} |")
     lines += ["", "Cells: median (p10-p90) us per call."]
     if report.get("breakdown"):
         lines += ["", "4 KiB float32 all-reduce by layer (same rounds; median (p10-p90) us per call):", "",

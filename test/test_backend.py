@@ -670,6 +670,81 @@ def test_torch_tp_ops_on_backend(ranks, world_size):
     _assert_results(backend_pool(ranks, world_size).run(_check_torch_tp_ops))
 
 
+def _collectives_called(call):
+    """The collectives that ``call()`` ran, from torch's profiler: c10d's ops and the backend's direct calls."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    return {e.name for e in prof.events() if e.name.startswith(("c10d::", "torch_tp_backend::"))}
+
+
+def _check_ops_call_the_backend_directly():
+    """The ops' synchronous collectives skip c10d on this backend and equal the c10d calls bitwise."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    name = group.group_name
+    failures, digests = [], {}
+    # Sizes: one-shot, and several chunks of the SMALL_BUFFER slots (the
+    # separate output of the chunked path); dim 0 divides by p for reduce_scatter.
+    for dtype in [torch.float32, torch.bfloat16, torch.int32]:
+        for rows in [3, 20_000]:
+            for reduce_op in REDUCE_OPS:
+                if reduce_op == "avg" and not dtype.is_floating_point:
+                    continue
+                x = rank_input(rank, rows * p * 2, dtype, reduce_op, seed=23).view(rows * p, 2)
+                case = f"{dtype} rows={rows * p} {reduce_op}"
+                ours = torch.ops.torch_tp.all_reduce(x, reduce_op, name)
+                # c10d's path: avg is a sum and a division there too (NOTE [direct calls from the ops]).
+                theirs = x.clone()
+                dist.all_reduce(theirs, op=C10D_OPS["sum" if reduce_op == "avg" else reduce_op])
+                if reduce_op == "avg":
+                    theirs.div_(p)
+                failures.append(mismatch(ours, theirs, f"all_reduce {case}", rtol=0, atol=0))
+                digests[f"all_reduce {case}"] = digest(ours)
+                ours = torch.ops.torch_tp.reduce_scatter(x, 0, reduce_op, name)
+                theirs = torch.empty(rows, 2, dtype=dtype)
+                dist.reduce_scatter_tensor(theirs, x, op=C10D_OPS["sum" if reduce_op == "avg" else reduce_op])
+                if reduce_op == "avg":
+                    theirs.div_(p)
+                failures.append(mismatch(ours, theirs, f"reduce_scatter {case}", rtol=0, atol=0))
+            x = rank_input(rank, rows * 2, dtype, seed=24).view(rows, 2)
+            theirs = torch.empty(rows * p, 2, dtype=dtype)
+            dist.all_gather_into_tensor(theirs, x)
+            failures.append(mismatch(torch.ops.torch_tp.all_gather(x, 0, name, None), theirs,
+                                     f"all_gather {dtype} rows={rows}", rtol=0, atol=0))
+    # The ops call the backend directly, no c10d op (which dist.all_reduce shows).
+    x = torch.ones(16, 4)
+    assert _collectives_called(lambda: dist.all_reduce(x.clone())) == {"c10d::allreduce_"}
+    for call, direct in [
+        (lambda: torch.ops.torch_tp.all_reduce(x, "sum", name), "all_reduce"),
+        (lambda: torch.ops.torch_tp.all_reduce_(x.clone(), "sum", name), "all_reduce"),
+        (lambda: torch.ops.torch_tp.all_gather(x, 0, name, None), "all_gather_into_tensor"),
+        (lambda: torch.ops.torch_tp.reduce_scatter(x, 0, "sum", name), "reduce_scatter_tensor"),
+    ]:
+        called = _collectives_called(call)
+        want = {f"torch_tp_backend::{direct}"} if p > 1 else set()  # one rank: no collective at all
+        if called != want:
+            failures.append(f"{direct}: the profiler shows {sorted(called)}, want {sorted(want)}")
+    # A direct call behind queued async calls waits its turn: results in issue order.
+    big = [rank_input(rank, 100_000, torch.float32, seed=25 + k) for k in range(3)]
+    works = [dist.all_reduce(t, async_op=True) for t in big]
+    small = rank_input(rank, 7, torch.float32, seed=28)
+    ours = torch.ops.torch_tp.all_reduce(small, "sum", name)
+    for work in works:
+        work.wait()
+    reference = torch.stack([rank_input(r, 7, torch.float32, seed=28) for r in range(p)]).double().sum(0)
+    failures.append(mismatch(ours, reference, "direct call after async ones", **reference_tolerance(torch.float32, p)))
+    for k, t in enumerate(big):
+        reference = torch.stack([rank_input(r, 100_000, torch.float32, seed=25 + k) for r in range(p)]).double().sum(0)
+        failures.append(mismatch(t, reference, f"async call {k} before a direct one",
+                                 **reference_tolerance(torch.float32, p)))
+    return [f for f in failures if f], digests
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ops_call_the_backend_directly(ranks, world_size):
+    _assert_results(backend_pool(ranks, world_size).run(_check_ops_call_the_backend_directly))
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -102,6 +102,52 @@ def test_all_reduce_float(ranks, world_size):
     pool.run(_check_all_reduce, (), torch.float64, "max", True)
 
 
+def _check_all_reduce_inplace():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    name = dist.group.WORLD.group_name
+    for dtype, reduce_op, contiguous in [(torch.float32, "sum", True), (torch.bfloat16, "avg", True),
+                                         (torch.int64, "product", True), (torch.float64, "max", False)]:
+        x = _rank_input(rank, (5, 7), dtype, reduce_op, contiguous=contiguous)
+        expected = ops.all_reduce(x, reduce_op)
+        storage = x.data_ptr()
+        assert ops.all_reduce_(x, reduce_op) is x
+        assert x.data_ptr() == storage and x.is_contiguous() == contiguous, "not in place"
+        assert torch.equal(x, expected), f"{dtype} {reduce_op}: differs from all_reduce"
+
+    # Not differentiable: refused where a gradient is needed, allowed under no_grad.
+    leaf = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"torch_tp::all_reduce_: x requires grad"):
+        ops.all_reduce_(leaf.clone())
+    with torch.no_grad():
+        ops.all_reduce_(leaf)
+    assert torch.equal(leaf.detach(), torch.full((3,), float(world_size)))
+    # It bumps the version counter: a tensor saved for backward and changed by it is reported.
+    y = leaf * 1
+    z = y.sin()  # saves y
+    with torch.no_grad():
+        ops.all_reduce_(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+    torch.library.opcheck(torch.ops.torch_tp.all_reduce_.default,
+                          (_rank_input(rank, (4, 3), torch.float64), "sum", name))
+
+    def fn(t):
+        u = t * 2
+        torch.ops.torch_tp.all_reduce_(u, "sum", name)
+        return u + 1
+
+    x = _rank_input(rank, (4, 6), torch.float32)
+    torch._dynamo.reset()
+    # The same reduction of the same values: bitwise equal to eager.
+    assert torch.equal(torch.compile(fn, fullgraph=True)(x), fn(x)), "compiled all_reduce_ differs from eager"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_all_reduce_inplace(ranks, world_size):
+    ranks(world_size).run(_check_all_reduce_inplace, timeout=300)
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_all_reduce_integer(ranks, world_size):
     pool = ranks(world_size)

@@ -201,11 +201,12 @@ def _backward_work(backward):
     """Runs ``backward()`` under torch.profiler and returns what it ran on this
     rank: (GEMMs, collectives). The backward kernels' GEMMs are aten::mm, and
     every collective reaches its backend through a c10d:: op (ProcessGroup
-    dispatches them), whatever the backend, so neither escapes the count."""
+    dispatches them) or, on the torch_tp backend, as a direct call that the
+    profiler shows as torch_tp_backend::<collective>, so neither escapes the count."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         backward()
     names = [event.name for event in prof.events()]
-    return names.count("aten::mm"), sum(name.startswith("c10d::") for name in names)
+    return names.count("aten::mm"), sum(name.startswith(("c10d::", "torch_tp_backend::")) for name in names)
 
 
 def _check_frozen(layer, sequence_parallel, x_grad, w_grad, b_grad):

@@ -27,6 +27,7 @@ from . import ops  # noqa: E402
 from .ops import (  # noqa: E402
     all_gather,
     all_reduce,
+    all_reduce_,
     chunk_range,
     copy_to_tp_region,
     reduce_from_tp_region,
@@ -51,6 +52,7 @@ __all__ = [
     *parallel.__all__,
     "all_gather",
     "all_reduce",
+    "all_reduce_",
     "chunk_range",
     "copy_to_tp_region",
     "reduce_from_tp_region",

@@ -17,6 +17,7 @@ __all__ = [
     "GroupLike",
     "all_gather",
     "all_reduce",
+    "all_reduce_",
     "chunk_range",
     "column_parallel_embedding",
     "column_parallel_linear",
@@ -42,7 +43,7 @@ GroupLike = Optional[Union[dist.ProcessGroup, DeviceMesh, str]]
 # effect, which keeps FX's and inductor's dead-code elimination off it on every
 # rank (torch marks its functional collectives' wait_tensor the same way).
 _COMMUNICATING_OPS = (
-    "all_reduce", "all_gather", "reduce_scatter", "copy_to_tp_region", "reduce_from_tp_region",
+    "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "copy_to_tp_region", "reduce_from_tp_region",
     "column_parallel_linear", "row_parallel_linear", "vocab_parallel_embedding", "column_parallel_embedding",
     "_column_parallel_linear_forward", "_column_parallel_linear_backward", "_row_parallel_linear_backward",
 )
@@ -130,6 +131,20 @@ def all_reduce(x: torch.Tensor, reduce_op: str = "sum", group: GroupLike = None)
         tensor([3., 3., 3.])
     """
     return torch.ops.torch_tp.all_reduce(x, reduce_op, group_name(group))
+
+
+def all_reduce_(x: torch.Tensor, reduce_op: str = "sum", group: GroupLike = None) -> torch.Tensor:
+    r"""Reduce ``x`` over the ranks of ``group`` in place: :func:`all_reduce` with no new tensor.
+
+    As ``torch.ops._c10d_functional.all_reduce_``, it is not differentiable:
+    an ``x`` that requires grad is refused (use :func:`all_reduce`, or call it
+    under ``torch.no_grad()``). ``torch.compile`` traces it.
+
+    Returns:
+        Tensor: ``x``, holding the reduction.
+    """
+    torch.ops.torch_tp.all_reduce_(x, reduce_op, group_name(group))
+    return x
 
 
 def all_gather(

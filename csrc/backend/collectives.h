@@ -40,6 +40,9 @@ class Collectives {
 
   // Every tensors[i] reduced with kinds[i] across the group, in place.
   virtual Run all_reduce(std::vector<Dense> tensors, std::vector<Reduction> kinds) = 0;
+  // output = input reduced with `kind` across the group: both contiguous, of
+  // one dtype and numel; output may be input (NOTE [direct calls from the ops]).
+  virtual Run all_reduce_into(at::Tensor input, at::Tensor output, Reduction kind) = 0;
   // The reduction lands in `tensor` on the root; every rank reduces into
   // `scratch` (the root: tensor.work itself, the others a copy).
   virtual Run reduce(Dense tensor, at::Tensor scratch, Reduction kind, int64_t root) = 0;

@@ -29,7 +29,7 @@ void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, in
   const bool widen = t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
   const at::Tensor acc = widen ? t.to(at::kFloat) : t;
   const Reduction folded = kind == Reduction::Avg ? Reduction::Sum : kind;
-  shm_all_reduce(transport, header, acc.data_ptr(), acc.numel(), acc.scalar_type(), folded, size);
+  shm_all_reduce(transport, header, acc.data_ptr(), acc.data_ptr(), acc.numel(), acc.scalar_type(), folded, size);
   if (leaders != nullptr) {
     std::vector<at::Tensor> one{acc};
     c10d::AllreduceOptions across;
@@ -85,6 +85,21 @@ class MultiNodeCollectives final : public Collectives {
                                 t, kinds[i]);
         dense[i].finish();
       }
+    };
+  }
+
+  Run all_reduce_into(at::Tensor input, at::Tensor output, Reduction kind) override {
+    const int size = size_;
+    auto* transport = &transport_;
+    auto leaders = gloo_leaders_;
+    return [=](uint64_t seq) {
+      if (!output.is_same(input)) {
+        output.copy_(input);
+      }
+      all_reduce_across_nodes(*transport, leaders.get(), size,
+                              make_header(seq, OpCode::AllReduce, output, output.numel(), -1,
+                                          static_cast<int64_t>(kind)),
+                              output, kind);
     };
   }
 

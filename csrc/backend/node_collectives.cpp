@@ -39,9 +39,20 @@ class NodeCollectives final : public Collectives {
         const at::Tensor& t = dense[i].work;
         const CallHeader header =
             make_header(seq, OpCode::AllReduce, t, t.numel(), -1, static_cast<int64_t>(kinds[i]));
-        shm_all_reduce(*transport, header, t.data_ptr(), t.numel(), t.scalar_type(), kinds[i], size);
+        shm_all_reduce(*transport, header, t.data_ptr(), t.data_ptr(), t.numel(), t.scalar_type(), kinds[i], size);
         dense[i].finish();
       }
+    };
+  }
+
+  Run all_reduce_into(at::Tensor input, at::Tensor output, Reduction kind) override {
+    const int size = size_;
+    auto* transport = &transport_;
+    return [=](uint64_t seq) {
+      const CallHeader header =
+          make_header(seq, OpCode::AllReduce, input, input.numel(), -1, static_cast<int64_t>(kind));
+      shm_all_reduce(*transport, header, input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type(),
+                     kind, size);
     };
   }
 
@@ -52,7 +63,8 @@ class NodeCollectives final : public Collectives {
     return [=](uint64_t seq) {
       const CallHeader header =
           make_header(seq, OpCode::Reduce, scratch, scratch.numel(), root_rank, static_cast<int64_t>(kind));
-      shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.numel(), scratch.scalar_type(), kind, size);
+      shm_all_reduce(*transport, header, scratch.data_ptr(), scratch.data_ptr(), scratch.numel(), scratch.scalar_type(),
+                     kind, size);
       if (root) {
         dense.finish();
       }

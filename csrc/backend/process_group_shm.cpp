@@ -7,6 +7,7 @@
 #include "backend/work_queue.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -48,6 +49,12 @@ void check_like(const char* op, const char* arg, const at::Tensor& t, const at::
               t.numel(), " (sizes ", t.sizes(), ")");
 }
 
+void check_reduction(const char* op, Reduction kind, at::ScalarType dtype) {
+  const char* why = nullptr;
+  TORCH_CHECK(reduction_supported(kind, dtype, &why), "torch_tp backend: ", op, ": reduce_op ",
+              reduction_name(kind), " on dtype ", dtype, " is not supported: ", why);
+}
+
 Reduction from_c10d(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarType dtype) {
   Reduction kind{};
   switch (reduce_op.op_) {
@@ -60,9 +67,7 @@ Reduction from_c10d(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarT
       TORCH_CHECK(false, "torch_tp backend: ", op, ": reduce_op ", static_cast<int>(reduce_op.op_),
                   " is not supported (SUM, AVG, PRODUCT, MIN and MAX are)");
   }
-  const char* why = nullptr;
-  TORCH_CHECK(reduction_supported(kind, dtype, &why), "torch_tp backend: ", op, ": reduce_op ",
-              reduction_name(kind), " on dtype ", dtype, " is not supported: ", why);
+  check_reduction(op, kind, dtype);
   return kind;
 }
 
@@ -221,6 +226,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::collective(c10d::OpType type, st
   return queue_->run_inline_or_push(type, std::move(outputs), [run = std::move(run), seq] { run(seq); });
 }
 
+void ProcessGroupShm::call_now(const char* name, const Run& run) {
+  // What c10d's op would have shown in a profiler trace (NOTE [direct calls from the ops]).
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  const uint64_t seq = ++seq_;
+  queue_->run_now([&run, seq] { run(seq); });  // returns once it ran: `run` outlives the call
+}
 
 // ---- all-reduce, reduce, broadcast, barrier -------------------------------
 
@@ -247,6 +258,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
   }
   return collective(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp,
                     collectives_->all_reduce(std::move(dense), std::move(kinds)));
+}
+
+void ProcessGroupShm::all_reduce_now(const at::Tensor& input, const at::Tensor& output, Reduction kind) {
+  const char* op = "all_reduce";
+  check_tensor(op, "input", input);
+  check_like(op, "output", output, input, input.numel());
+  TORCH_CHECK(output.is_contiguous(), "torch_tp backend: ", op, ": output must be contiguous, got strides ",
+              output.strides());
+  check_reduction(op, kind, input.scalar_type());
+  call_now("torch_tp_backend::all_reduce", collectives_->all_reduce_into(input.contiguous(), output, kind));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& tensors,
@@ -306,6 +327,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
+  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
+                    all_gather_into_tensor_run(outputs, inputs, opts));
+}
+
+void ProcessGroupShm::all_gather_now(const at::Tensor& input, const at::Tensor& output) {
+  std::vector<at::Tensor> outputs{output};
+  std::vector<at::Tensor> inputs{input};
+  call_now("torch_tp_backend::all_gather_into_tensor",
+           all_gather_into_tensor_run(outputs, inputs, c10d::AllgatherOptions()));
+}
+
+Run ProcessGroupShm::all_gather_into_tensor_run(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
   check_count(op, "output_tensors", outputs.size(), inputs.size());
   for (const auto i : c10::irange(inputs.size())) {
@@ -325,9 +359,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
                 " ranks needs an output of shape ", at::IntArrayRef(expected),
                 " (the inputs concatenated along dim 0)");
   }
-  return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
-                    collectives_->all_gather_into_tensor(outputs, inputs, opts));
+  return collectives_->all_gather_into_tensor(outputs, inputs, opts);
 }
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                     std::vector<at::Tensor>& inputs,
                                                                     const c10d::AllgatherOptions& opts) {
@@ -431,18 +465,33 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor";
   check_count(op, "output_tensors", outputs.size(), inputs.size());
+  std::vector<Reduction> kinds;
+  for (const auto& output : outputs) {
+    check_tensor(op, "output", output);
+    kinds.push_back(from_c10d(op, opts.reduceOp, output.scalar_type()));
+  }
+  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
+                    reduce_scatter_tensor_run(outputs, inputs, std::move(kinds)));
+}
+
+void ProcessGroupShm::reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, Reduction kind) {
+  check_tensor("reduce_scatter_tensor", "output", output);
+  check_reduction("reduce_scatter_tensor", kind, output.scalar_type());
+  call_now("torch_tp_backend::reduce_scatter_tensor", reduce_scatter_tensor_run({output}, {input}, {kind}));
+}
+
+// kinds[i] is checked against outputs[i]'s dtype.
+Run ProcessGroupShm::reduce_scatter_tensor_run(const std::vector<at::Tensor>& outputs,
+                                               const std::vector<at::Tensor>& inputs, std::vector<Reduction> kinds) {
+  const char* op = "reduce_scatter_tensor";
   std::vector<at::Tensor> sources;
   std::vector<Dense> targets;
-  std::vector<Reduction> kinds;
   for (const auto i : c10::irange(inputs.size())) {
-    check_tensor(op, "output", outputs[i]);
     check_like(op, "input", inputs[i], outputs[i], outputs[i].numel() * size_);
-    kinds.push_back(from_c10d(op, opts.reduceOp, outputs[i].scalar_type()));
     sources.push_back(inputs[i].contiguous());
     targets.emplace_back(outputs[i]);
   }
-  return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
-                    collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds)));
+  return collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds));
 }
 
 // ---- all-to-all ---------------------------------------------------------------

@@ -41,61 +41,63 @@ Span portion(size_t count, size_t item_bytes, int n, int rank) {
 
 } // namespace
 
-void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,
-                    Reduction kind, int64_t avg_divisor) {
+void shm_all_reduce(ShmTransport& t, CallHeader header, const void* input, void* output, int64_t numel,
+                    c10::ScalarType dtype, Reduction kind, int64_t avg_divisor) {
   const char* op = name_of(header);
   const int n = t.local_size();
   const int me = t.local_rank();
   const size_t item = c10::elementSize(dtype);
   const size_t total = static_cast<size_t>(numel) * item;
-  auto* bytes = static_cast<char*>(data);
+  const auto* in = static_cast<const char*>(input);
+  auto* out = static_cast<char*>(output);
   std::vector<const void*> inputs(n);
 
   if (total <= std::min(kOneShotBytes, t.slot_bytes())) {
     const uint64_t step = t.next_step();
-    copy_bytes(t.my_slot(step), bytes, total);
+    copy_bytes(t.my_slot(step), in, total);
     t.arrive(op, &header);
     for (const auto r : c10::irange(n)) {
       inputs[r] = t.peer_slot(r, step);
     }
-    reduce_inputs(kind, dtype, data, inputs.data(), n, numel, avg_divisor);
+    reduce_inputs(kind, dtype, out, inputs.data(), n, numel, avg_divisor);
     return;
   }
 
   const size_t chunk_items = std::max<size_t>(1, t.slot_bytes() / item);
   const size_t count = static_cast<size_t>(numel);
-  // The reduced portion goes to the tensor and to the next slot a sub-block at
-  // a time, so the second copy reads it from L1/L2 (NOTE [all-reduce traffic]).
+  // The reduced portion goes to the output and to the next slot a sub-block
+  // at a time, so the second copy reads it from L1/L2 (NOTE [all-reduce traffic]).
   const size_t sub_items = std::max<size_t>(1, kReduceSubBlockBytes / item);
   bool first = true;
   for (size_t base = 0; base < count; base += chunk_items) {
     const size_t len = std::min(chunk_items, count - base);
-    char* chunk = bytes + base * item;
+    const char* chunk_in = in + base * item;
+    char* chunk_out = out + base * item;
     const Span mine = portion(len, item, n, me);
     // Step 1: copy in the portions the other ranks reduce (this rank's own
-    // portion is read from the tensor itself); reduce this rank's portion
-    // into the tensor and into the next slot.
+    // portion is read from the input itself); reduce this rank's portion
+    // into the output and into the next slot.
     const uint64_t in_step = t.next_step();
-    copy_bytes(t.my_slot(in_step), chunk, mine.lo * item);
-    copy_bytes(t.my_slot(in_step) + mine.hi * item, chunk + mine.hi * item, (len - mine.hi) * item);
+    copy_bytes(t.my_slot(in_step), chunk_in, mine.lo * item);
+    copy_bytes(t.my_slot(in_step) + mine.hi * item, chunk_in + mine.hi * item, (len - mine.hi) * item);
     t.arrive(op, first ? &header : nullptr);
     first = false;
     const uint64_t out_step = t.next_step();
     for (size_t lo = mine.lo; lo < mine.hi; lo += sub_items) {
       const size_t sub = std::min(sub_items, mine.hi - lo);
       for (const auto r : c10::irange(n)) {
-        inputs[r] = r == me ? chunk + lo * item : t.peer_slot(r, in_step) + lo * item;
+        inputs[r] = r == me ? chunk_in + lo * item : t.peer_slot(r, in_step) + lo * item;
       }
-      // In place over this rank's own input: fold reads a block before it writes it.
-      reduce_inputs(kind, dtype, chunk + lo * item, inputs.data(), n, static_cast<int64_t>(sub), avg_divisor);
-      copy_bytes(t.my_slot(out_step) + lo * item, chunk + lo * item, sub * item);
+      // In place when output is input: fold reads a block before it writes it.
+      reduce_inputs(kind, dtype, chunk_out + lo * item, inputs.data(), n, static_cast<int64_t>(sub), avg_divisor);
+      copy_bytes(t.my_slot(out_step) + lo * item, chunk_out + lo * item, sub * item);
     }
     // Step 2: copy the other ranks' reduced portions out.
     t.arrive(op);
     for (const auto r : c10::irange(n)) {
       if (r != me) {
         const Span theirs = portion(len, item, n, r);
-        copy_bytes(chunk + theirs.lo * item, t.peer_slot(r, out_step) + theirs.lo * item,
+        copy_bytes(chunk_out + theirs.lo * item, t.peer_slot(r, out_step) + theirs.lo * item,
                     (theirs.hi - theirs.lo) * item);
       }
     }

@@ -46,9 +46,10 @@ constexpr size_t kOneShotBytes = 128 * 1024;
 // The granularity of the reduced portion's two writes (NOTE [all-reduce traffic]).
 constexpr size_t kReduceSubBlockBytes = 32 * 1024;
 
-// data[numel] (in place) = reduction over the local ranks of their data.
-void shm_all_reduce(ShmTransport& t, CallHeader header, void* data, int64_t numel, c10::ScalarType dtype,
-                    Reduction kind, int64_t avg_divisor);
+// output[numel] = reduction over the local ranks of their input[numel].
+// output may be input (in place).
+void shm_all_reduce(ShmTransport& t, CallHeader header, const void* input, void* output, int64_t numel,
+                    c10::ScalarType dtype, Reduction kind, int64_t avg_divisor);
 
 // Every local rank's data[bytes] becomes root_local's.
 void shm_broadcast(ShmTransport& t, CallHeader header, void* data, size_t bytes, int root_local);

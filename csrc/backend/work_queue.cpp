@@ -103,6 +103,37 @@ c10::intrusive_ptr<ShmWork> WorkQueue::run_inline_or_push(c10d::OpType type, std
     busy_ = true;
   }
   execute({work, std::move(run)});
+  end_inline();
+  return work;
+}
+
+void WorkQueue::run_now(std::function<void()> run) {
+  c10::intrusive_ptr<ShmWork> queued;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
+    if (busy_ || !items_.empty()) {
+      queued = c10::make_intrusive<ShmWork>(rank_, c10d::OpType::UNKNOWN, std::vector<at::Tensor>{});
+      items_.push_back({queued, std::move(run)});
+    } else {
+      busy_ = true;
+    }
+  }
+  if (queued) {
+    cv_.notify_one();
+    queued->wait(kNoTimeout);  // rethrows the call's error
+    return;
+  }
+  struct EndInline {
+    WorkQueue& queue;
+    ~EndInline() {
+      queue.end_inline();
+    }
+  } end{*this};
+  run();
+}
+
+void WorkQueue::end_inline() {
   bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -115,7 +146,6 @@ c10::intrusive_ptr<ShmWork> WorkQueue::run_inline_or_push(c10d::OpType type, std
   if (wake) {
     cv_.notify_one();
   }
-  return work;
 }
 
 void WorkQueue::stop() {

@@ -85,6 +85,9 @@ class WorkQueue {
   // inline]), otherwise queues it behind the others.
   c10::intrusive_ptr<ShmWork> run_inline_or_push(c10d::OpType type, std::vector<at::Tensor> outputs,
                                                  std::function<void()> run);
+  // The same for a caller that needs no Work (NOTE [direct calls from the
+  // ops] in process_group_shm.h): returns once `run` ran, throwing what it threw.
+  void run_now(std::function<void()> run);
 
   void stop();
 
@@ -96,6 +99,8 @@ class WorkQueue {
 
   static void execute(Item item);
   void loop();
+  // Ends an inline run: frees the queue and wakes the worker if it has something to do.
+  void end_inline();
 
   const int rank_;
   std::mutex mutex_;

@@ -4,7 +4,7 @@
 // current stream wait in wait(); so one kernel per op serves both the CPU and
 // the CUDA dispatch key. The layout work (dim to the front, torch.chunk
 // padding) is in comm.cpp. The ops are functional: they return a fresh
-// contiguous tensor and leave x alone.
+// contiguous tensor and leave x alone; all_reduce_ alone works in place.
 
 #include "ops/comm.h"
 #include "ops/common.h"
@@ -20,8 +20,21 @@ at::Tensor all_reduce_kernel(const at::Tensor& x, c10::string_view reduce_op, c1
   check_dtype(op, "x", x, /*allow_bool=*/false);
   const Reduction reduction = parse_reduction(op, reduce_op, x.scalar_type());
   const auto group = resolve_group(op, group_name);
-  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
-  return start_all_reduce_(op, group, false, out, reduction).wait();
+  const at::Tensor in = x.contiguous();
+  return start_all_reduce(op, group, false, in, at::empty(in.sizes(), in.options()), reduction).wait();
+}
+
+void all_reduce_inplace_kernel(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
+  constexpr const char* op = "torch_tp::all_reduce_";
+  check_dtype(op, "x", x, /*allow_bool=*/false);
+  const Reduction reduction = parse_reduction(op, reduce_op, x.scalar_type());
+  const auto group = resolve_group(op, group_name);
+  // A non-contiguous x is reduced through a contiguous copy.
+  const at::Tensor dense = x.contiguous();
+  start_all_reduce(op, group, false, dense, dense, reduction).wait();
+  if (!dense.is_same(x)) {
+    x.copy_(dense);
+  }
 }
 
 at::Tensor all_gather_kernel(const at::Tensor& x, int64_t dim, c10::string_view group_name,
@@ -56,14 +69,15 @@ at::Tensor reduce_from_tp_region_kernel(const at::Tensor& x, c10::string_view gr
   constexpr const char* op = "torch_tp::reduce_from_tp_region";
   check_dtype(op, "x", x, /*allow_bool=*/false);
   const auto group = resolve_group(op, group_name);
-  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
-  return start_all_reduce_(op, group, false, out, Reduction::Sum).wait();
+  const at::Tensor in = x.contiguous();
+  return start_all_reduce(op, group, false, in, at::empty(in.sizes(), in.options()), Reduction::Sum).wait();
 }
 
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
   m.impl("all_reduce", all_reduce_kernel);
+  m.impl("all_reduce_", all_reduce_inplace_kernel);
   m.impl("all_gather", all_gather_kernel);
   m.impl("reduce_scatter", reduce_scatter_kernel);
   m.impl("copy_to_tp_region", copy_to_tp_region_kernel);
@@ -72,6 +86,7 @@ TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
 
 TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
   m.impl("all_reduce", all_reduce_kernel);
+  m.impl("all_reduce_", all_reduce_inplace_kernel);
   m.impl("all_gather", all_gather_kernel);
   m.impl("reduce_scatter", reduce_scatter_kernel);
   m.impl("copy_to_tp_region", copy_to_tp_region_kernel);

@@ -21,6 +21,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 namespace torch_tp {
@@ -225,6 +226,24 @@ at::Tensor all_reduce_autograd(const at::Tensor& x, c10::string_view reduce_op, 
       [&] { return AllReduceFunction::apply(x, std::string(reduce_op), std::string(group_name)); });
 }
 
+// NOTE [the in-place all-reduce and autograd]
+// all_reduce_ records no history, so it refuses an x that needs a gradient
+// (torch's _c10d_functional.all_reduce_ is not differentiable either; the
+// differentiable one is all_reduce). Like every in-place op it bumps x's
+// version counter, so autograd still reports a tensor saved for backward
+// that it changed.
+void all_reduce_inplace_autograd(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
+  const bool needs_autograd = (at::GradMode::is_enabled() && x.requires_grad()) || x._fw_grad(/*level=*/0).defined();
+  TORCH_CHECK(!needs_autograd,
+              "torch_tp::all_reduce_: x requires grad, and the in-place all-reduce is not differentiable; use "
+              "torch_tp::all_reduce, or call it under torch.no_grad()");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    all_reduce_(x, reduce_op, group_name);
+  }
+  torch::autograd::impl::bump_version(x);
+}
+
 at::Tensor all_gather_autograd(const at::Tensor& x, int64_t dim, c10::string_view group_name,
                                std::optional<int64_t> full_size) {
   return redispatch_or_apply(
@@ -255,6 +274,7 @@ at::Tensor reduce_from_tp_region_autograd(const at::Tensor& x, c10::string_view 
 
 TORCH_LIBRARY_IMPL(torch_tp, Autograd, m) {
   m.impl("all_reduce", all_reduce_autograd);
+  m.impl("all_reduce_", all_reduce_inplace_autograd);
   m.impl("all_gather", all_gather_autograd);
   m.impl("reduce_scatter", reduce_scatter_autograd);
   m.impl("copy_to_tp_region", copy_to_tp_region_autograd);

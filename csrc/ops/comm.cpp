@@ -1,5 +1,7 @@
 #include "ops/comm.h"
 
+#include "backend/process_group_shm.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
@@ -91,6 +93,27 @@ at::Tensor front_padded(const at::Tensor& x, int64_t dim, int64_t rows) {
   at::Tensor padded = at::zeros(sizes, front.options());
   padded.narrow(0, 0, front.size(0)).copy_(front);
   return padded;
+}
+
+// The torch_tp backend that serves x on `group`, for a collective the caller
+// waits for at once (NOTE [direct calls from the ops] in
+// backend/process_group_shm.h); null for an async call, another backend or
+// device, or a group with no backend for x's device (the c10d call reports that).
+backend::ProcessGroupShm* direct_backend(c10d::ProcessGroup& group, const at::Tensor& x, bool async_op) {
+  if (async_op || !x.is_cpu()) {
+    return nullptr;
+  }
+  try {
+    return dynamic_cast<backend::ProcessGroupShm*>(group.getBackend(c10::DeviceType::CPU).get());
+  } catch (const c10::Error&) {
+    return nullptr;
+  }
+}
+
+// Avg is a sum and one division by the caller on every backend, so that
+// every backend gives the same result.
+Reduction summed(Reduction reduction) {
+  return reduction == Reduction::Avg ? Reduction::Sum : reduction;
 }
 
 // Wraps the start of a collective: a failure while launching is reported like one while waiting.
@@ -236,29 +259,39 @@ at::Tensor PendingCollective::wait() {
   return finish_();
 }
 
-PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                    bool async_op, at::Tensor& x, Reduction reduction) {
-  TORCH_INTERNAL_ASSERT(x.is_contiguous());
+PendingCollective start_all_reduce(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   bool async_op, const at::Tensor& input, at::Tensor output, Reduction reduction) {
+  TORCH_INTERNAL_ASSERT(input.is_contiguous() && output.is_contiguous());
   const int64_t world_size = group->getSize();
   if (cross_rank_checks_enabled()) {
-    check_same_across_ranks(op, group, x, reduction, std::nullopt, std::nullopt, "dim");
+    check_same_across_ranks(op, group, input, reduction, std::nullopt, std::nullopt, "dim");
   }
   c10::intrusive_ptr<c10d::Work> work;
-  if (world_size > 1) {
-    c10::OptionalDeviceGuard device_guard(x.device());
-    std::vector<at::Tensor> tensors{x};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(reduction);
-    opts.asyncOp = async_op;
-    work = launch(op, *group, x, [&] { return group->allreduce(tensors, opts); });
-  }
-  auto finish = [x, reduction, world_size]() mutable {
-    if (reduction == Reduction::Avg && world_size > 1) {
-      x.div_(world_size);
+  if (auto* shm = world_size > 1 ? direct_backend(*group, input, async_op) : nullptr) {
+    launch(op, *group, input, [&] {
+      shm->all_reduce_now(input, output, summed(reduction));
+      return c10::intrusive_ptr<c10d::Work>();
+    });
+  } else {
+    if (!output.is_same(input)) {
+      output.copy_(input);
     }
-    return x;
+    if (world_size > 1) {
+      c10::OptionalDeviceGuard device_guard(output.device());
+      std::vector<at::Tensor> tensors{output};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = to_c10d(reduction);
+      opts.asyncOp = async_op;
+      work = launch(op, *group, input, [&] { return group->allreduce(tensors, opts); });
+    }
+  }
+  auto finish = [output, reduction, world_size]() mutable {
+    if (reduction == Reduction::Avg && world_size > 1) {
+      output.div_(world_size);
+    }
+    return output;
   };
-  return PendingCollective(std::move(work), std::move(finish), op, group, x);
+  return PendingCollective(std::move(work), std::move(finish), op, group, input);
 }
 
 PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
@@ -281,7 +314,13 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
   at::Tensor gathered = at::empty(sizes, front.options());
   c10d::AllgatherOptions opts;
   opts.asyncOp = async_op;
-  auto work = launch(op, *group, x, [&] { return all_gather_into(*group, gathered, front, opts); });
+  auto work = launch(op, *group, x, [&] {
+    if (auto* shm = direct_backend(*group, front, async_op)) {
+      shm->all_gather_now(front, gathered);
+      return c10::intrusive_ptr<c10d::Work>();
+    }
+    return all_gather_into(*group, gathered, front, opts);
+  });
   auto finish = [gathered, front, n, dim] { return gathered.narrow(0, 0, n).movedim(0, dim).contiguous(); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }
@@ -329,7 +368,13 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(reduction);
   opts.asyncOp = async_op;
-  auto work = launch(op, *group, x, [&] { return reduce_scatter_into(*group, piece, front, opts); });
+  auto work = launch(op, *group, x, [&] {
+    if (auto* shm = direct_backend(*group, front, async_op)) {
+      shm->reduce_scatter_now(front, piece, summed(reduction));
+      return c10::intrusive_ptr<c10d::Work>();
+    }
+    return reduce_scatter_into(*group, piece, front, opts);
+  });
   auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }

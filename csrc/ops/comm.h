@@ -94,9 +94,11 @@ class PendingCollective {
 // inline]; NCCL's on the current stream), which at small sizes saves two
 // thread hand-offs, more than the collective itself takes.
 
-// Reduces the contiguous tensor `x` over the group, in place.
-PendingCollective start_all_reduce_(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                    bool async_op, at::Tensor& x, Reduction reduction);
+// output = input reduced over the group; both contiguous, of one dtype and
+// shape. output may be input (in place); a separate output saves the torch_tp
+// backend a copy (NOTE [direct calls from the ops]).
+PendingCollective start_all_reduce(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   bool async_op, const at::Tensor& input, at::Tensor output, Reduction reduction);
 
 // Concatenates the ranks' pieces of x along `dim` (already wrapped). Without
 // `full_size` every rank's piece has x's size; with it, the pieces are the

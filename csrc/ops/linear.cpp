@@ -175,7 +175,7 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
       gemm(op, rows2d(x), weight, std::nullopt, Activation::None).out.view(
           with_features(x.sizes(), weight.size(0)));
   at::Tensor y = dim ? start_reduce_scatter(op, group, false, partial, *dim, Reduction::Sum, "scatter_dim").wait()
-                     : start_all_reduce_(op, group, false, partial, Reduction::Sum).wait();
+                     : start_all_reduce(op, group, false, partial, partial, Reduction::Sum).wait();
   // Added once, after the reduction, so the result is nn.Linear's.
   return bias ? y.add_(*bias) : y;
 }
@@ -214,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
   if (want_x && !partial_grad_input) {
     grad_x_comm.emplace(sequence_parallel
                             ? start_reduce_scatter(op, group, true, grad_x, dim, Reduction::Sum, "gather_dim")
-                            : start_all_reduce_(op, group, true, grad_x, Reduction::Sum));
+                            : start_all_reduce(op, group, true, grad_x, grad_x, Reduction::Sum));
   }
   // Overlaps the grad-input collective.
   at::Tensor grad_weight = want_weight ? grad2d.t().mm(rows2d(x_full)) : skipped_gradient(grad_out);

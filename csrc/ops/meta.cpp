@@ -23,6 +23,13 @@ at::Tensor all_reduce_meta(const at::Tensor& x, c10::string_view reduce_op, c10:
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
+void all_reduce_inplace_meta(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
+  constexpr const char* op = "torch_tp::all_reduce_";
+  check_dtype(op, "x", x, /*allow_bool=*/false);
+  parse_reduction(op, reduce_op, x.scalar_type());
+  resolve_group(op, group_name);
+}
+
 at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view group_name,
                            std::optional<int64_t> full_size) {
   constexpr const char* op = "torch_tp::all_gather";
@@ -134,6 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_meta
 
 TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("all_reduce", all_reduce_meta);
+  m.impl("all_reduce_", all_reduce_inplace_meta);
   m.impl("all_gather", all_gather_meta);
   m.impl("reduce_scatter", reduce_scatter_meta);
   m.impl("copy_to_tp_region", copy_to_tp_region_meta);

@@ -12,6 +12,11 @@ at::Tensor all_reduce(const at::Tensor& x, c10::string_view reduce_op, c10::stri
   return op.call(x, reduce_op, group_name);
 }
 
+void all_reduce_(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
+  static const auto op = find_op<void(const at::Tensor&, c10::string_view, c10::string_view)>("torch_tp::all_reduce_");
+  op.call(x, reduce_op, group_name);
+}
+
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, c10::string_view group_name,
                       std::optional<int64_t> full_size) {
   static const auto op =

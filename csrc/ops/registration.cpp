@@ -21,6 +21,11 @@
 
 TORCH_LIBRARY(torch_tp, m) {
   m.def("all_reduce(Tensor x, str reduce_op, str group_name) -> Tensor");
+  // In place, as torch's _c10d_functional.all_reduce_: x becomes the
+  // reduction. It returns nothing, as torch.compile wants of a mutating custom
+  // op (it functionalizes the call), and is not differentiable (NOTE [the
+  // in-place all-reduce and autograd] in collectives_autograd.cpp).
+  m.def("all_reduce_(Tensor(a!) x, str reduce_op, str group_name) -> ()");
   m.def("all_gather(Tensor x, int dim, str group_name, int? full_size=None) -> Tensor");
   m.def("reduce_scatter(Tensor x, int dim, str reduce_op, str group_name) -> Tensor");
   m.def("copy_to_tp_region(Tensor x, str group_name) -> Tensor");

@@ -134,6 +134,24 @@ TEST_P(Collectives, AllReduceNonContiguousInput) {
   });
 }
 
+TEST_P(Collectives, AllReduceInPlace) {
+  const int world_size = GetParam();
+  run_ranks(world_size, [&](int rank, const std::string& group) {
+    for (const bool contiguous : {true, false}) {
+      SCOPED_TRACE(contiguous ? "contiguous" : "transposed");
+      at::Tensor x = contiguous ? rank_values(rank, {4, 3}, at::kLong) : rank_values(rank, {3, 4}, at::kLong).t();
+      const at::Tensor expected = torch_tp::all_reduce(x, "max", group);
+      const void* storage = x.data_ptr();
+      torch_tp::all_reduce_(x, "max", group);
+      EXPECT_EQ(x.data_ptr(), storage);
+      EXPECT_TRUE(equal_exactly(x, expected));
+    }
+    const at::Tensor w = at::ones({3}, at::kFloat).requires_grad_();
+    EXPECT_TRUE(throws_with([&] { torch_tp::all_reduce_(w, "sum", group); },
+                            {"torch_tp::all_reduce_", "requires grad"}));
+  });
+}
+
 // General float32 values: the backend may add them in any order, so the sum
 // is compared with a tolerance. Summing W terms in any order in float32 is off
 // from the exact sum by at most (W-1) * eps * sum_r |x_r| (the standard

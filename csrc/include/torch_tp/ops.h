@@ -15,6 +15,10 @@ namespace torch_tp {
 // reduce_op: "sum", "avg", "min", "max", "product".
 at::Tensor all_reduce(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name);
 
+// The same in place: x becomes the reduction. Not differentiable: refuses an
+// x that requires grad.
+void all_reduce_(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name);
+
 // Concatenates the ranks' x along `dim`, in rank order. Without full_size
 // every rank's x has the same shape: x [.., n, ..] -> [.., world_size * n, ..].
 // With it, the ranks hold the torch.chunk pieces of full_size rows (uneven
