@@ -38,8 +38,9 @@ the backend directly: NOTE [direct calls from the ops] in process_group_shm.h), 
 of the same tensor: what any functional op called through ``torch.ops`` pays before it communicates.
 
 Targets (2 ranks), printed PASS/MISS: at 4 KiB and 64 KiB, ``tp dist`` at or below ``ds`` and ``tp op`` at or
-below ``ds raw`` (and ``tp op_``, the like-for-like in-place op, too); at 1 MiB ``tp dist`` at or below ``ds``; at 16 MiB ``tp dist`` at least 1.5x faster than
-``ds``; all_gather and reduce_scatter (``tp dist``) at or below the same-size ``ds`` all-reduce.
+below ``ds raw`` (and ``tp op_``, the like-for-like in-place op, too); at 1 MiB ``tp dist`` at or below ``ds``;
+at 16 MiB ``tp dist`` at least 1.5x faster than ``ds``; all_gather and reduce_scatter (``tp dist``) at or below
+the same-size ``ds`` all-reduce.
 """
 
 import argparse

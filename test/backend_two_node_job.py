@@ -82,6 +82,21 @@ def main(out_dir):
             dist.broadcast(ours, src=root)
             check(f"broadcast root={root} n={numel}", ours, data(5, numel, who=root), exact=True)
 
+        # The ops call the backend directly (NOTE [direct calls from the ops]): the multi-node path too.
+        world, other = dist.group.WORLD.group_name, gloo.group_name
+        for reduce_op in ("sum", "max", "avg"):
+            x = data(11, p * numel)
+            check(f"torch_tp::all_reduce {reduce_op} n={numel}", torch.ops.torch_tp.all_reduce(x, reduce_op, world),
+                  torch.ops.torch_tp.all_reduce(x, reduce_op, other), exact=reduce_op == "max")
+            check(f"torch_tp::reduce_scatter {reduce_op} n={numel}",
+                  torch.ops.torch_tp.reduce_scatter(x, 0, reduce_op, world),
+                  torch.ops.torch_tp.reduce_scatter(x, 0, reduce_op, other), exact=reduce_op == "max")
+        inplace = data(12, numel)
+        torch.ops.torch_tp.all_reduce_(inplace, "sum", world)
+        check(f"torch_tp::all_reduce_ n={numel}", inplace, torch.ops.torch_tp.all_reduce(data(12, numel), "sum", other))
+        check(f"torch_tp::all_gather n={numel}", torch.ops.torch_tp.all_gather(data(13, numel), 0, world, None),
+              torch.ops.torch_tp.all_gather(data(13, numel), 0, other, None), exact=True)
+
         ours, theirs = torch.empty(p * numel), torch.empty(p * numel)
         dist.all_to_all_single(ours, data(6, p * numel))
         dist.all_to_all_single(theirs, data(6, p * numel), group=gloo)
