@@ -28,6 +28,7 @@ TOP_LEVEL = sorted(PARALLEL + [
     "DistributedDataParallel",
     "all_gather",
     "all_reduce",
+    "all_reduce_",
     "chunk_range",
     "cmake_prefix_path",
     "copy_to_tp_region",
