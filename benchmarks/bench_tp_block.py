@@ -77,8 +77,9 @@ timed training step); after the run the times are gathered and a repeat's
 time is the slowest rank's. Reported: median, p10, p90 over
 repeats; DTensor / torch_tp is the ratio of the medians; the paired difference
 is the median of the per-repeat differences. Cyclic GC is off while timing.
-One more untimed step of each, under torch.profiler, counts the c10d
-collectives a step issues (``c10d::*`` events, by kind), which explains most
+One more untimed step of each, under torch.profiler, counts the
+collectives a step issues (``c10d::*`` events, and on the torch_tp backend the
+ops' direct calls, ``torch_tp_backend::*``; by kind), which explains most
 of the differences on a gloo group, where a collective costs far more than
 the example's small GEMMs.
 
@@ -503,9 +504,10 @@ def collective_kind(op: str) -> str:
 
 
 def count_collectives(case: Case, impl: str) -> Dict[str, int]:
-    """The c10d collectives one step of ``impl`` issues on this rank, by kind (untimed; torch.profiler's
+    """The collectives one step of ``impl`` issues on this rank, by kind (untimed; torch.profiler's
     ``c10d::*`` events, which every ProcessGroup call records, whoever calls it: torch_tp's C++ kernels or
-    DTensor's functional collectives)."""
+    DTensor's functional collectives; and ``torch_tp_backend::*``, the torch_tp ops' direct calls into the
+    torch_tp backend, which skip c10d: NOTE [direct calls from the ops] in process_group_shm.h)."""
     from torch.profiler import ProfilerActivity, profile
 
     case.resets[impl]()
@@ -525,9 +527,10 @@ def count_collectives(case: Case, impl: str) -> Dict[str, int]:
     case.outputs.clear()
     counts: Dict[str, int] = {}
     for e in prof.events():
-        if not e.name.startswith("c10d::") or "barrier" in e.name:
+        prefix = next((p for p in ("c10d::", "torch_tp_backend::") if e.name.startswith(p)), None)
+        if prefix is None or "barrier" in e.name:
             continue
-        kind = collective_kind(e.name[len("c10d::"):])
+        kind = collective_kind(e.name[len(prefix):])
         counts[kind] = counts.get(kind, 0) + 1
     counts["total"] = sum(counts.values())
     return counts
@@ -785,7 +788,8 @@ def results_section(report: Dict) -> List[str]:
         markdown_table(records),
         "",
         *compiled_lines,
-        "Collectives per step (one untimed step, rank 0, counted from torch.profiler's `c10d::*` events; "
+        "Collectives per step (one untimed step, rank 0, counted from torch.profiler's `c10d::*` and "
+        "`torch_tp_backend::*` events; "
         "DTensor's include the reductions of its Partial gradients):",
         "",
         *collectives_lines(records),
