@@ -15,13 +15,19 @@
 namespace torch_tp {
 namespace {
 
+// A new contiguous tensor holding x reduced over the group (the backend writes
+// it directly, NOTE [direct calls from the ops]).
+at::Tensor all_reduce_to_new(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& x,
+                             Reduction reduction) {
+  const at::Tensor in = x.contiguous();
+  return start_all_reduce(op, group, false, in, at::empty(in.sizes(), in.options()), reduction).wait();
+}
+
 at::Tensor all_reduce_kernel(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
   constexpr const char* op = "torch_tp::all_reduce";
   check_dtype(op, "x", x, /*allow_bool=*/false);
   const Reduction reduction = parse_reduction(op, reduce_op, x.scalar_type());
-  const auto group = resolve_group(op, group_name);
-  const at::Tensor in = x.contiguous();
-  return start_all_reduce(op, group, false, in, at::empty(in.sizes(), in.options()), reduction).wait();
+  return all_reduce_to_new(op, resolve_group(op, group_name), x, reduction);
 }
 
 void all_reduce_inplace_kernel(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
@@ -68,9 +74,7 @@ at::Tensor copy_to_tp_region_kernel(const at::Tensor& x, c10::string_view group_
 at::Tensor reduce_from_tp_region_kernel(const at::Tensor& x, c10::string_view group_name) {
   constexpr const char* op = "torch_tp::reduce_from_tp_region";
   check_dtype(op, "x", x, /*allow_bool=*/false);
-  const auto group = resolve_group(op, group_name);
-  const at::Tensor in = x.contiguous();
-  return start_all_reduce(op, group, false, in, at::empty(in.sizes(), in.options()), Reduction::Sum).wait();
+  return all_reduce_to_new(op, resolve_group(op, group_name), x, Reduction::Sum);
 }
 
 } // namespace

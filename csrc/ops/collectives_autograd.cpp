@@ -209,11 +209,16 @@ struct ReduceFromTpRegionFunction : public torch::autograd::Function<ReduceFromT
 // tangent, which apply would reject), the kernels below redispatch straight
 // below autograd (redispatch_or_apply): the same result, and no graph either way.
 
+// Whether an op on x must record autograd history: grad mode and x requires
+// grad, or x carries a forward-mode tangent.
+bool needs_autograd(const at::Tensor& x) {
+  return (at::GradMode::is_enabled() && x.requires_grad()) || x._fw_grad(/*level=*/0).defined();
+}
+
 // `below()` under a guard that skips autograd when x needs no gradient, else `apply()`.
 template <typename Below, typename Apply>
 at::Tensor redispatch_or_apply(const at::Tensor& x, const Below& below, const Apply& apply) {
-  const bool needs_autograd = (at::GradMode::is_enabled() && x.requires_grad()) || x._fw_grad(/*level=*/0).defined();
-  if (!needs_autograd) {
+  if (!needs_autograd(x)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return below();
   }
@@ -233,8 +238,7 @@ at::Tensor all_reduce_autograd(const at::Tensor& x, c10::string_view reduce_op, 
 // version counter, so autograd still reports a tensor saved for backward
 // that it changed.
 void all_reduce_inplace_autograd(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
-  const bool needs_autograd = (at::GradMode::is_enabled() && x.requires_grad()) || x._fw_grad(/*level=*/0).defined();
-  TORCH_CHECK(!needs_autograd,
+  TORCH_CHECK(!needs_autograd(x),
               "torch_tp::all_reduce_: x requires grad, and the in-place all-reduce is not differentiable; use "
               "torch_tp::all_reduce, or call it under torch.no_grad()");
   {

@@ -56,12 +56,8 @@ c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Te
 // more precisely than gloo does). It is faster than c10d's reduce_scatter
 // on gloo at every size benchmarks/bench_collectives.py measures (figures in
 // benchmarks/RESULTS.md).
-bool runs_on_gloo(c10d::ProcessGroup& group, const at::Tensor& x) {
-  try {
-    return group.getBackend(x.device().type())->getBackendName() == "gloo";
-  } catch (const c10::Error&) {
-    return false;  // no backend for x's device: the c10d call below reports it
-  }
+bool runs_on_gloo(c10d::Backend* backend) {
+  return backend != nullptr && backend->getBackendName() == "gloo";
 }
 
 // blocks [p, c, rest] -> [c, rest]: the fold of NOTE [reduce-scatter on gloo],
@@ -95,19 +91,20 @@ at::Tensor front_padded(const at::Tensor& x, int64_t dim, int64_t rows) {
   return padded;
 }
 
-// The torch_tp backend that serves x on `group`, for a collective the caller
-// waits for at once (NOTE [direct calls from the ops] in
-// backend/process_group_shm.h); null for an async call, another backend or
-// device, or a group with no backend for x's device (the c10d call reports that).
-backend::ProcessGroupShm* direct_backend(c10d::ProcessGroup& group, const at::Tensor& x, bool async_op) {
-  if (async_op || !x.is_cpu()) {
-    return nullptr;
-  }
+// The backend that serves x's device on `group`; null when the group has
+// none (the c10d call then reports it).
+c10d::Backend* backend_for(c10d::ProcessGroup& group, const at::Tensor& x) {
   try {
-    return dynamic_cast<backend::ProcessGroupShm*>(group.getBackend(c10::DeviceType::CPU).get());
+    return group.getBackend(x.device().type()).get();
   } catch (const c10::Error&) {
     return nullptr;
   }
+}
+
+// `backend` if it is the torch_tp backend and the caller waits at once (NOTE
+// [direct calls from the ops] in backend/process_group_shm.h), else null.
+backend::ProcessGroupShm* direct_backend(c10d::Backend* backend, bool async_op) {
+  return async_op ? nullptr : dynamic_cast<backend::ProcessGroupShm*>(backend);
 }
 
 // Avg is a sum and one division by the caller on every backend, so that
@@ -267,7 +264,7 @@ PendingCollective start_all_reduce(const char* op, const c10::intrusive_ptr<c10d
     check_same_across_ranks(op, group, input, reduction, std::nullopt, std::nullopt, "dim");
   }
   c10::intrusive_ptr<c10d::Work> work;
-  if (auto* shm = world_size > 1 ? direct_backend(*group, input, async_op) : nullptr) {
+  if (auto* shm = world_size > 1 ? direct_backend(backend_for(*group, input), async_op) : nullptr) {
     launch(op, *group, input, [&] {
       shm->all_reduce_now(input, output, summed(reduction));
       return c10::intrusive_ptr<c10d::Work>();
@@ -315,7 +312,7 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
   c10d::AllgatherOptions opts;
   opts.asyncOp = async_op;
   auto work = launch(op, *group, x, [&] {
-    if (auto* shm = direct_backend(*group, front, async_op)) {
+    if (auto* shm = direct_backend(backend_for(*group, front), async_op)) {
       shm->all_gather_now(front, gathered);
       return c10::intrusive_ptr<c10d::Work>();
     }
@@ -351,7 +348,8 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     }
     return mine.movedim(0, dim).contiguous();
   };
-  if (runs_on_gloo(*group, x)) {
+  c10d::Backend* const backend = backend_for(*group, x);
+  if (runs_on_gloo(backend)) {
     // NOTE [reduce-scatter on gloo]: block r of `blocks` is rank r's front
     // rows [me*c, (me+1)*c). `front` is captured to outlive the collective.
     at::Tensor blocks = at::empty_like(front);
@@ -369,7 +367,7 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   opts.reduceOp = to_c10d(reduction);
   opts.asyncOp = async_op;
   auto work = launch(op, *group, x, [&] {
-    if (auto* shm = direct_backend(*group, front, async_op)) {
+    if (auto* shm = direct_backend(backend, async_op)) {
       shm->reduce_scatter_now(front, piece, summed(reduction));
       return c10::intrusive_ptr<c10d::Work>();
     }
