@@ -2,185 +2,329 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <bit>
+#include <cstring>
 #include <type_traits>
 
 // NOTE [portable vectorisation]
 // The wheel must run on any x86-64 (or aarch64), so there is no -march=native
-// and no intrinsics: the loops below are written so that the compiler's
-// auto-vectoriser (this file is built with -O3 -fno-trapping-math) turns them
-// into SSE2/NEON code (and AVX2, NOTE [runtime ISA dispatch]).
-// The fold works on blocks of kBlock elements held in a local accumulator
-// array: the accumulator cannot alias the inputs, so each inner loop is a
-// plain streaming loop over two arrays, and the block stays in L1 while the
-// W inputs stream through it.
+// and no intrinsics. The folds are written in GCC/Clang vector extensions on
+// vectors of kBytes bytes, and compiled once per instruction set with kBytes
+// its native width (NOTE [runtime ISA dispatch]): wider vectors than the
+// target has are split by the compiler poorly, narrower ones waste the
+// registers. Each step loads one vector from every input, folds them in
+// registers and stores one vector, so a block is read completely before it
+// is written (the output may be one of the inputs, at the same offset).
+//
+// bfloat16 and float16 widen to float32 without shuffles or lane-count
+// changes: a vector of them is read as 32-bit words; the element in each
+// word's low half becomes accumulator part 0 and the one in its high half
+// part 1; storing puts them back the same way. Element order never changes,
+// and the conversions are shifts, masks and selects on whole words.
 
 namespace torch_tp::backend {
 namespace {
 
-constexpr int64_t kBlock = 1024;
+template <typename T, int kBytes>
+using Vector [[gnu::vector_size(kBytes)]] = T;  // kBytes / sizeof(T) lanes
 
-// Widening loads and narrowing stores. bfloat16 is the high half of a float32;
-// storing rounds to nearest even and keeps NaN a quiet NaN (c10's rounding).
-struct BF16Codec {
-  using Storage = uint16_t;
-  using Acc = float;
-  static float load(uint16_t bits) {
-    return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+// The codecs for one vector width. A codec's load turns one stored vector
+// into kParts accumulator vectors (`Wide`), its store turns them back.
+template <int kBytes>
+struct Codecs {
+  using Words = Vector<uint32_t, kBytes>;
+  using Floats = Vector<float, kBytes>;
+  // Comparisons below are on values under 2^31, signed (x86 before AVX-512
+  // has no unsigned vector compare).
+  using Ints = Vector<int32_t, kBytes>;
+  static Ints as_int(Words w) {
+    return std::bit_cast<Ints>(w);
   }
-  static uint16_t store(float value) {
-    const uint32_t u = std::bit_cast<uint32_t>(value);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
-  }
+
+  // float32, float64, the integers and bool fold in their own type.
+  template <typename T>
+  struct Same {
+    using Storage = T;
+    using Acc = T;
+    using Stored = Vector<T, kBytes>;
+    using AccVec = Stored;
+    static constexpr int kParts = 1;
+    struct Wide {
+      AccVec part[kParts];
+    };
+    static Wide load(Stored v) {
+      return {{v}};
+    }
+    static Stored store(const Wide& w) {
+      return w.part[0];
+    }
+  };
+
+  // bfloat16 and float16: two float32 parts per vector of words.
+  struct HalfWords {
+    using Storage = uint16_t;
+    using Acc = float;
+    using Stored = Words;
+    using AccVec = Floats;
+    static constexpr int kParts = 2;
+    struct Wide {
+      AccVec part[kParts];
+    };
+  };
+
+  // bfloat16 is the high half of a float32; storing rounds to nearest even and
+  // keeps NaN a quiet NaN (c10's rounding).
+  struct BF16 : HalfWords {
+    static typename HalfWords::Wide load(Words w) {
+      return {{std::bit_cast<Floats>(w << 16), std::bit_cast<Floats>(w & 0xffff0000u)}};
+    }
+    // The rounded bfloat16 in each word's high half (the low half is not zero).
+    static Words round(Floats value) {
+      const Words u = std::bit_cast<Words>(value);
+      const Words rounded = u + 0x7fffu + ((u >> 16) & 1u);
+      const Words quiet_nan = Words{} + 0x7fc00000u;
+      return as_int(u & 0x7fffffffu) > 0x7f800000 ? quiet_nan : rounded;
+    }
+    static Words store(const typename HalfWords::Wide& w) {
+      return (round(w.part[0]) >> 16) | (round(w.part[1]) & 0xffff0000u);
+    }
+  };
+
+  // float16 <-> float32 in bit arithmetic with selects instead of branches
+  // (c10::Half's conversions branch per element).
+  struct Half : HalfWords {
+    // `bits`: a float16 in each word's low half, zeros above.
+    static Floats widen(Words bits) {
+      const Words sign = (bits & 0x8000u) << 16;
+      const Words rest = bits & 0x7fffu;  // exponent and mantissa
+      // Shifted into float32's fields, the exponent is 112 too small; one
+      // multiplication by 2^112 fixes it for normal and subnormal halfs alike.
+      const Floats scaled = std::bit_cast<Floats>(rest << 13) * 0x1p112f;
+      // Inf and NaN keep an all-ones exponent (and NaN its payload).
+      const Words special = (rest << 13) | 0x7f800000u;
+      const Words magnitude = as_int(rest) >= 0x7c00 ? special : std::bit_cast<Words>(scaled);
+      return std::bit_cast<Floats>(magnitude | sign);
+    }
+    // The float16 in each word's low half, zeros above.
+    static Words narrow(Floats value) {
+      const Words u = std::bit_cast<Words>(value);
+      const Words sign = (u >> 16) & 0x8000u;
+      const Words mag = u & 0x7fffffffu;
+      // >= 65520 rounds to inf; NaN stays a quiet NaN.
+      const Words overflow = as_int(mag) > 0x7f800000 ? Words{} + 0x7e00u : Words{} + 0x7c00u;
+      // Below 2^-14 the result is subnormal: adding 0.5 (exponent 126) lets the
+      // float adder round the mantissa to nearest even at the right place.
+      const Floats sub_sum = std::bit_cast<Floats>(mag) + 0.5f;
+      const Words subnormal = std::bit_cast<Words>(sub_sum) - 0x3f000000u;
+      // Normal: rebias the exponent by -112 and round the 13 dropped bits to
+      // nearest even (add 0xfff plus the lowest kept bit, then truncate).
+      const Words normal = (mag - (112u << 23) + 0xfffu + ((mag >> 13) & 1u)) >> 13;
+      const Words result =
+          as_int(mag) >= (143 << 23) ? overflow : (as_int(mag) < (113 << 23) ? subnormal : normal);
+      return result | sign;
+    }
+    static typename HalfWords::Wide load(Words w) {
+      return {{widen(w & 0xffffu), widen(w >> 16)}};
+    }
+    static Words store(const typename HalfWords::Wide& w) {
+      return narrow(w.part[0]) | (narrow(w.part[1]) << 16);
+    }
+  };
 };
 
-// float16 <-> float32 in bit arithmetic with selects instead of branches
-// (c10::Half's conversions branch per element and stay scalar).
-struct HalfCodec {
-  using Storage = uint16_t;
-  using Acc = float;
-  static float load(uint16_t bits) {
-    const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
-    const uint32_t rest = bits & 0x7fffu;  // exponent and mantissa
-    // Shifted into float32's fields, the exponent is 112 too small; one
-    // multiplication by 2^112 fixes it for normal and subnormal halfs alike.
-    const float scaled = std::bit_cast<float>(rest << 13) * 0x1p112f;
-    // Inf and NaN keep an all-ones exponent (and NaN its payload).
-    const uint32_t special = (rest << 13) | 0x7f800000u;
-    const uint32_t magnitude = rest >= 0x7c00u ? special : std::bit_cast<uint32_t>(scaled);
-    return std::bit_cast<float>(magnitude | sign);
-  }
-  static uint16_t store(float value) {
-    const uint32_t u = std::bit_cast<uint32_t>(value);
-    const uint32_t sign = (u >> 16) & 0x8000u;
-    const uint32_t mag = u & 0x7fffffffu;
-    // >= 65520 rounds to inf; NaN stays a quiet NaN.
-    const uint32_t overflow = mag > 0x7f800000u ? 0x7e00u : 0x7c00u;
-    // Below 2^-14 the result is subnormal: adding 0.5 (exponent 126) lets the
-    // float adder round the mantissa to nearest even at the right place.
-    const float sub_sum = std::bit_cast<float>(mag) + 0.5f;
-    const uint32_t subnormal = std::bit_cast<uint32_t>(sub_sum) - 0x3f000000u;
-    // Normal: rebias the exponent by -112 and round the 13 dropped bits to
-    // nearest even (add 0xfff plus the lowest kept bit, then truncate).
-    const uint32_t normal = (mag - (112u << 23) + 0xfffu + ((mag >> 13) & 1u)) >> 13;
-    const uint32_t result = mag >= (143u << 23) ? overflow : (mag < (113u << 23) ? subnormal : normal);
-    return static_cast<uint16_t>(result | sign);
-  }
-};
-
-template <typename T>
-struct SameCodec {
-  using Storage = T;
-  using Acc = T;
-  static T load(T v) {
-    return v;
-  }
-  static T store(T v) {
-    return v;
-  }
-};
-
-// Integer arithmetic wraps around: computed in an unsigned type at least as
-// wide as int, so that neither signed overflow nor promotion to int is UB.
-template <typename T>
-using WrapType = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
-
-template <typename T>
-T add(T a, T b) {
+// Integer arithmetic wraps around: computed on unsigned lanes, where it is
+// defined (vector lanes are not promoted to int).
+template <typename T, typename V>
+V add(V a, V b) {
   if constexpr (std::is_integral_v<T>) {
-    return static_cast<T>(static_cast<WrapType<T>>(a) + static_cast<WrapType<T>>(b));
+    using U = Vector<std::make_unsigned_t<T>, sizeof(V)>;
+    return std::bit_cast<V>(std::bit_cast<U>(a) + std::bit_cast<U>(b));
   } else {
     return a + b;
   }
 }
 
-template <typename T>
-T mul(T a, T b) {
+template <typename T, typename V>
+V mul(V a, V b) {
   if constexpr (std::is_integral_v<T>) {
-    return static_cast<T>(static_cast<WrapType<T>>(a) * static_cast<WrapType<T>>(b));
+    using U = Vector<std::make_unsigned_t<T>, sizeof(V)>;
+    return std::bit_cast<V>(std::bit_cast<U>(a) * std::bit_cast<U>(b));
   } else {
     return a * b;
   }
 }
 
-// x != x is true only for NaN (this file is not built with -ffast-math).
-template <typename T>
-bool is_nan(T x) {
-  if constexpr (std::is_floating_point_v<T>) {
-    return x != x;
-  } else {
-    return false;
-  }
-}
-
+// out[i] = fold over r of inputs[r][i], one stored vector per step; the last,
+// partial vector is staged through zero-filled vectors.
 template <typename Codec, typename Op>
 void fold(void* out_ptr, const void* const* inputs, int n, int64_t numel, Op op, typename Codec::Acc scale) {
   using S = typename Codec::Storage;
-  using A = typename Codec::Acc;
+  using Stored = typename Codec::Stored;
+  constexpr int64_t kStep = sizeof(Stored) / sizeof(S);  // elements per step
   auto* out = static_cast<S*>(out_ptr);
-  A acc[kBlock];
-  for (int64_t base = 0; base < numel; base += kBlock) {
-    const int64_t len = std::min(kBlock, numel - base);
-    const S* first = static_cast<const S*>(inputs[0]) + base;
-    for (int64_t k = 0; k < len; ++k) {
-      acc[k] = Codec::load(first[k]);
-    }
+  auto input = [&](int r, int64_t base) { return static_cast<const S*>(inputs[r]) + base; };
+  // `load(r)` gives input r's vector; all are read before the result is stored.
+  auto step = [&](auto load) {
+    auto acc = Codec::load(load(0));
     for (int r = 1; r < n; ++r) {
-      const S* src = static_cast<const S*>(inputs[r]) + base;
-      for (int64_t k = 0; k < len; ++k) {
-        acc[k] = op(acc[k], Codec::load(src[k]));
+      const auto next = Codec::load(load(r));
+      for (int p = 0; p < Codec::kParts; ++p) {
+        acc.part[p] = op(acc.part[p], next.part[p]);
       }
     }
-    S* dst = out + base;
-    if (scale != A(1)) {
-      for (int64_t k = 0; k < len; ++k) {
-        dst[k] = Codec::store(acc[k] / scale);
-      }
-    } else {
-      for (int64_t k = 0; k < len; ++k) {
-        dst[k] = Codec::store(acc[k]);
+    if constexpr (std::is_floating_point_v<typename Codec::Acc>) {
+      if (scale != 1) {
+        for (int p = 0; p < Codec::kParts; ++p) {
+          acc.part[p] = acc.part[p] / scale;
+        }
       }
     }
+    return Codec::store(acc);
+  };
+  int64_t base = 0;
+  for (; base + kStep <= numel; base += kStep) {
+    const Stored result = step([&](int r) {
+      Stored v;
+      std::memcpy(&v, input(r, base), sizeof(v));
+      return v;
+    });
+    std::memcpy(out + base, &result, sizeof(result));
+  }
+  if (base < numel) {
+    const size_t rest = static_cast<size_t>(numel - base) * sizeof(S);
+    const Stored result = step([&](int r) {
+      Stored v{};
+      std::memcpy(&v, input(r, base), rest);
+      return v;
+    });
+    std::memcpy(out + base, &result, rest);
   }
 }
 
 template <typename Codec>
 void reduce_typed(Reduction kind, void* out, const void* const* inputs, int n, int64_t numel, int64_t avg_divisor) {
   using A = typename Codec::Acc;
+  using V = typename Codec::AccVec;
   switch (kind) {
     case Reduction::Sum:
-      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return add(a, b); }, A(1));
+      return fold<Codec>(out, inputs, n, numel, [](V a, V b) { return add<A>(a, b); }, A(1));
     case Reduction::Avg:
-      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return add(a, b); }, static_cast<A>(avg_divisor));
+      return fold<Codec>(out, inputs, n, numel, [](V a, V b) { return add<A>(a, b); }, static_cast<A>(avg_divisor));
     case Reduction::Product:
-      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return mul(a, b); }, A(1));
+      return fold<Codec>(out, inputs, n, numel, [](V a, V b) { return mul<A>(a, b); }, A(1));
     // NOTE [NaN under min and max]: as torch.minimum/maximum (and torch.amax),
     // a NaN on any rank makes the result NaN, whichever rank holds it and in
     // whatever order the fold meets it: the accumulator `a` keeps a NaN by
-    // itself (every comparison with it is false) and a NaN `b` is taken. The
-    // test is one more compare and an or per element; the loop still vectorises.
+    // itself (every comparison with it is false) and a NaN `b` is taken
+    // (b != b only for NaN: this file is not built with -ffast-math; for
+    // integers the test is always false). Lane-wise selects, no branches.
     case Reduction::Min:
-      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return (b < a || is_nan(b)) ? b : a; }, A(1));
+      return fold<Codec>(out, inputs, n, numel, [](V a, V b) { return ((b < a) | (b != b)) ? b : a; }, A(1));
     case Reduction::Max:
-      return fold<Codec>(out, inputs, n, numel, [](A a, A b) { return (a < b || is_nan(b)) ? b : a; }, A(1));
+      return fold<Codec>(out, inputs, n, numel, [](V a, V b) { return ((a < b) | (b != b)) ? b : a; }, A(1));
+  }
+}
+
+template <int kBytes>
+void reduce_with_vectors_of(Reduction kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n,
+                            int64_t numel, int64_t avg_divisor) {
+  using C = Codecs<kBytes>;
+  switch (dtype) {
+    case c10::kFloat: return reduce_typed<typename C::template Same<float>>(kind, out, inputs, n, numel, avg_divisor);
+    case c10::kDouble: return reduce_typed<typename C::template Same<double>>(kind, out, inputs, n, numel, avg_divisor);
+    case c10::kBFloat16: return reduce_typed<typename C::BF16>(kind, out, inputs, n, numel, avg_divisor);
+    case c10::kHalf: return reduce_typed<typename C::Half>(kind, out, inputs, n, numel, avg_divisor);
+    case c10::kChar: return reduce_typed<typename C::template Same<int8_t>>(kind, out, inputs, n, numel, 1);
+    case c10::kByte: return reduce_typed<typename C::template Same<uint8_t>>(kind, out, inputs, n, numel, 1);
+    case c10::kShort: return reduce_typed<typename C::template Same<int16_t>>(kind, out, inputs, n, numel, 1);
+    case c10::kInt: return reduce_typed<typename C::template Same<int32_t>>(kind, out, inputs, n, numel, 1);
+    case c10::kLong: return reduce_typed<typename C::template Same<int64_t>>(kind, out, inputs, n, numel, 1);
+    case c10::kBool: {
+      // bool is one byte holding 0 or 1: or is max, and is min.
+      const Reduction as_bytes =
+          (kind == Reduction::Sum || kind == Reduction::Max) ? Reduction::Max : Reduction::Min;
+      return reduce_typed<typename C::template Same<uint8_t>>(as_bytes, out, inputs, n, numel, 1);
+    }
+    default: TORCH_INTERNAL_ASSERT(false, "reduce_inputs: unsupported dtype ", dtype);
+  }
+}
+
+// NOTE [runtime ISA dispatch]
+// The folds are compiled three times, each with everything it calls inlined
+// (flatten) and its own vector width: 16 bytes for the baseline (SSE2 on
+// x86-64, NEON on aarch64), 32 for AVX2 and 64 for AVX-512 (F, BW, DQ, VL).
+// reduce_inputs takes the widest the CPU and OS support, checked once; the
+// wheel stays portable and the bf16/fp16 conversions, which are compute-bound,
+// get the widest vectors there are. reduce_inputs_with runs a given variant,
+// so that tests hold every variant the CPU runs to the same results.
+using FoldFn = void (*)(Reduction, c10::ScalarType, void*, const void* const*, int, int64_t, int64_t);
+
+[[gnu::flatten]] void fold_baseline(Reduction kind, c10::ScalarType dtype, void* out, const void* const* inputs,
+                                    int n, int64_t numel, int64_t avg_divisor) {
+  reduce_with_vectors_of<16>(kind, dtype, out, inputs, n, numel, avg_divisor);
+}
+
+#if defined(__x86_64__)
+[[gnu::target("avx2"), gnu::flatten]] void fold_avx2(Reduction kind, c10::ScalarType dtype, void* out,
+                                                      const void* const* inputs, int n, int64_t numel,
+                                                      int64_t avg_divisor) {
+  reduce_with_vectors_of<32>(kind, dtype, out, inputs, n, numel, avg_divisor);
+}
+
+[[gnu::target("avx512f,avx512bw,avx512dq,avx512vl"), gnu::flatten]] void fold_avx512(
+    Reduction kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n, int64_t numel,
+    int64_t avg_divisor) {
+  reduce_with_vectors_of<64>(kind, dtype, out, inputs, n, numel, avg_divisor);
+}
+#endif
+
+bool cpu_runs(FoldIsa isa) {
+  switch (isa) {
+    case FoldIsa::Baseline: return true;
+#if defined(__x86_64__)
+    case FoldIsa::Avx2: __builtin_cpu_init(); return __builtin_cpu_supports("avx2");
+    case FoldIsa::Avx512:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+    case FoldIsa::Avx2:
+    case FoldIsa::Avx512: return false;
+#endif
+  }
+  return false;
+}
+
+FoldFn fold_for(FoldIsa isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case FoldIsa::Avx512: return fold_avx512;
+    case FoldIsa::Avx2: return fold_avx2;
+#endif
+    default: return fold_baseline;
   }
 }
 
 } // namespace
 
-// NOTE [runtime ISA dispatch]
-// On x86-64 the entry point is compiled twice, for the baseline (SSE2) and
-// for AVX2, with everything it calls inlined into each copy (flatten); the
-// loader picks the copy the CPU supports (GNU ifunc). The wheel thus stays
-// portable while the bf16/fp16 conversions, which are compute-bound at SSE2
-// width, get 8-wide vectors where the CPU has them.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TORCH_TP_REDUCE_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"), flatten))
-#else
-#define TORCH_TP_REDUCE_CLONES
-#endif
+const char* fold_isa_name(FoldIsa isa) {
+  switch (isa) {
+    case FoldIsa::Baseline: return "baseline";
+    case FoldIsa::Avx2: return "avx2";
+    case FoldIsa::Avx512: return "avx512";
+  }
+  return "unknown";
+}
+
+std::vector<FoldIsa> supported_fold_isas() {
+  std::vector<FoldIsa> isas;
+  for (const FoldIsa isa : {FoldIsa::Avx512, FoldIsa::Avx2, FoldIsa::Baseline}) {
+    if (cpu_runs(isa)) {
+      isas.push_back(isa);
+    }
+  }
+  return isas;
+}
 
 bool reduction_supported(Reduction kind, c10::ScalarType dtype, const char** why) {
   switch (dtype) {
@@ -206,28 +350,19 @@ bool reduction_supported(Reduction kind, c10::ScalarType dtype, const char** why
   }
 }
 
-TORCH_TP_REDUCE_CLONES
+void reduce_inputs_with(FoldIsa isa, Reduction kind, c10::ScalarType dtype, void* out, const void* const* inputs,
+                        int n_inputs, int64_t numel, int64_t avg_divisor) {
+  TORCH_INTERNAL_ASSERT(n_inputs >= 1 && avg_divisor >= 1);
+  TORCH_CHECK(cpu_runs(isa), "torch_tp backend: the ", fold_isa_name(isa), " reduce kernels need a CPU that has ",
+              fold_isa_name(isa));
+  fold_for(isa)(kind, dtype, out, inputs, n_inputs, numel, avg_divisor);
+}
+
 void reduce_inputs(Reduction kind, c10::ScalarType dtype, void* out, const void* const* inputs, int n_inputs,
                    int64_t numel, int64_t avg_divisor) {
   TORCH_INTERNAL_ASSERT(n_inputs >= 1 && avg_divisor >= 1);
-  switch (dtype) {
-    case c10::kFloat: return reduce_typed<SameCodec<float>>(kind, out, inputs, n_inputs, numel, avg_divisor);
-    case c10::kDouble: return reduce_typed<SameCodec<double>>(kind, out, inputs, n_inputs, numel, avg_divisor);
-    case c10::kBFloat16: return reduce_typed<BF16Codec>(kind, out, inputs, n_inputs, numel, avg_divisor);
-    case c10::kHalf: return reduce_typed<HalfCodec>(kind, out, inputs, n_inputs, numel, avg_divisor);
-    case c10::kChar: return reduce_typed<SameCodec<int8_t>>(kind, out, inputs, n_inputs, numel, 1);
-    case c10::kByte: return reduce_typed<SameCodec<uint8_t>>(kind, out, inputs, n_inputs, numel, 1);
-    case c10::kShort: return reduce_typed<SameCodec<int16_t>>(kind, out, inputs, n_inputs, numel, 1);
-    case c10::kInt: return reduce_typed<SameCodec<int32_t>>(kind, out, inputs, n_inputs, numel, 1);
-    case c10::kLong: return reduce_typed<SameCodec<int64_t>>(kind, out, inputs, n_inputs, numel, 1);
-    case c10::kBool: {
-      // bool is one byte holding 0 or 1: or is max, and is min.
-      const Reduction as_bytes =
-          (kind == Reduction::Sum || kind == Reduction::Max) ? Reduction::Max : Reduction::Min;
-      return reduce_typed<SameCodec<uint8_t>>(as_bytes, out, inputs, n_inputs, numel, 1);
-    }
-    default: TORCH_INTERNAL_ASSERT(false, "reduce_inputs: unsupported dtype ", dtype);
-  }
+  static const FoldFn best = fold_for(supported_fold_isas().front());
+  best(kind, dtype, out, inputs, n_inputs, numel, avg_divisor);
 }
 
 } // namespace torch_tp::backend

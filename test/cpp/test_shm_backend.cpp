@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <dirent.h>
@@ -38,10 +39,15 @@
 namespace {
 
 using torch_tp::backend::ProcessGroupShm;
+using torch_tp::backend::fold_isa_name;
+using torch_tp::backend::FoldIsa;
 using torch_tp::backend::reduce_inputs;
+using torch_tp::backend::reduce_inputs_with;
+using torch_tp::backend::supported_fold_isas;
 using torch_tp::Reduction;
 using torch_tp::testing::contains;
 using torch_tp::testing::equal_exactly;
+using torch_tp::testing::throws_with;
 
 constexpr double kFloatRtol = 4 * 6e-8;
 constexpr double kFloatAtol = 4 * 4 * 6e-8 * 4;  // W roundings of partial sums up to ~4 (randn, W <= 4)
@@ -76,14 +82,15 @@ at::Tensor fold_reference(const std::vector<at::Tensor>& xs, Reduction kind, at:
   return out;
 }
 
-at::Tensor run_kernel(const std::vector<at::Tensor>& xs, Reduction kind) {
+// The kernel tests run every variant this CPU runs (NOTE [runtime ISA dispatch]).
+at::Tensor run_kernel(FoldIsa isa, const std::vector<at::Tensor>& xs, Reduction kind) {
   at::Tensor out = at::empty_like(xs[0]);
   std::vector<const void*> pointers;
   for (const auto& x : xs) {
     pointers.push_back(x.data_ptr());
   }
-  reduce_inputs(kind, xs[0].scalar_type(), out.data_ptr(), pointers.data(), static_cast<int>(xs.size()),
-                out.numel(), static_cast<int64_t>(xs.size()));
+  reduce_inputs_with(isa, kind, xs[0].scalar_type(), out.data_ptr(), pointers.data(), static_cast<int>(xs.size()),
+                     out.numel(), static_cast<int64_t>(xs.size()));
   return out;
 }
 
@@ -91,38 +98,43 @@ const std::vector<Reduction> kAllKinds{Reduction::Sum, Reduction::Avg, Reduction
                                         Reduction::Max};
 
 TEST(ReduceKernels, IntegersAndBoolAreExact) {
-  for (auto dtype : {at::kChar, at::kByte, at::kShort, at::kInt, at::kLong, at::kBool}) {
-    for (int world : {1, 2, 3, 4}) {
-      std::vector<at::Tensor> xs;
-      for (int r = 0; r < world; ++r) {
-        xs.push_back(input(r, 2500, dtype));
-      }
-      for (auto kind : kAllKinds) {
-        if (kind == Reduction::Avg) {
-          continue;  // refused for integers (reduction_supported)
+  for (const FoldIsa isa : supported_fold_isas()) {
+    for (auto dtype : {at::kChar, at::kByte, at::kShort, at::kInt, at::kLong, at::kBool}) {
+      for (int world : {1, 2, 3, 4}) {
+        std::vector<at::Tensor> xs;
+        for (int r = 0; r < world; ++r) {
+          xs.push_back(input(r, 2500, dtype));
         }
-        // Wrap-around integer arithmetic: fold in int64, then truncate.
-        const at::ScalarType acc = dtype == at::kBool ? at::kBool : at::kLong;
-        EXPECT_TRUE(equal_exactly(run_kernel(xs, kind), fold_reference(xs, kind, acc).to(dtype)))
-            << dtype << " " << torch_tp::reduction_name(kind) << " W=" << world;
+        for (auto kind : kAllKinds) {
+          if (kind == Reduction::Avg) {
+            continue;  // refused for integers (reduction_supported)
+          }
+          // Wrap-around integer arithmetic: fold in int64, then truncate.
+          const at::ScalarType acc = dtype == at::kBool ? at::kBool : at::kLong;
+          EXPECT_TRUE(equal_exactly(run_kernel(isa, xs, kind), fold_reference(xs, kind, acc).to(dtype)))
+              << fold_isa_name(isa) << " " << dtype << " " << torch_tp::reduction_name(kind) << " W=" << world;
+        }
       }
     }
   }
 }
 
 TEST(ReduceKernels, FloatsMatchAFloat64Fold) {
-  for (auto dtype : {at::kFloat, at::kDouble}) {
-    for (int world : {1, 2, 3, 4}) {
-      std::vector<at::Tensor> xs;
-      for (int r = 0; r < world; ++r) {
-        xs.push_back(input(r, 3001, dtype));  // not a multiple of the kernel's block
-      }
-      for (auto kind : kAllKinds) {
-        const at::Tensor got = run_kernel(xs, kind).to(at::kDouble);
-        const at::Tensor want = fold_reference(xs, kind, at::kDouble);
-        EXPECT_TRUE(at::allclose(got, want, kFloatRtol, kFloatAtol)) << dtype << " " << torch_tp::reduction_name(kind);
-        if (kind == Reduction::Min || kind == Reduction::Max) {
-          EXPECT_TRUE(at::equal(got, want));
+  for (const FoldIsa isa : supported_fold_isas()) {
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      for (int world : {1, 2, 3, 4}) {
+        std::vector<at::Tensor> xs;
+        for (int r = 0; r < world; ++r) {
+          xs.push_back(input(r, 3001, dtype));  // not a multiple of any vector width
+        }
+        for (auto kind : kAllKinds) {
+          const at::Tensor got = run_kernel(isa, xs, kind).to(at::kDouble);
+          const at::Tensor want = fold_reference(xs, kind, at::kDouble);
+          EXPECT_TRUE(at::allclose(got, want, kFloatRtol, kFloatAtol))
+              << fold_isa_name(isa) << " " << dtype << " " << torch_tp::reduction_name(kind);
+          if (kind == Reduction::Min || kind == Reduction::Max) {
+            EXPECT_TRUE(at::equal(got, want));
+          }
         }
       }
     }
@@ -130,42 +142,98 @@ TEST(ReduceKernels, FloatsMatchAFloat64Fold) {
 }
 
 TEST(ReduceKernels, HalfTypesAccumulateInFloat32) {
-  for (auto dtype : {at::kBFloat16, at::kHalf}) {
-    for (int world : {2, 3, 4}) {
-      std::vector<at::Tensor> xs;
-      for (int r = 0; r < world; ++r) {
-        xs.push_back(input(r, 4099, dtype).mul_(100));
+  for (const FoldIsa isa : supported_fold_isas()) {
+    for (auto dtype : {at::kBFloat16, at::kHalf}) {
+      for (int world : {2, 3, 4}) {
+        std::vector<at::Tensor> xs;
+        for (int r = 0; r < world; ++r) {
+          xs.push_back(input(r, 4099, dtype).mul_(100));
+        }
+        for (auto kind : kAllKinds) {
+          const at::Tensor want = fold_reference(xs, kind, at::kFloat).to(dtype);
+          EXPECT_TRUE(equal_exactly(run_kernel(isa, xs, kind), want))
+              << fold_isa_name(isa) << " " << dtype << " " << torch_tp::reduction_name(kind) << " W=" << world;
+        }
       }
-      for (auto kind : kAllKinds) {
-        const at::Tensor want = fold_reference(xs, kind, at::kFloat).to(dtype);
-        EXPECT_TRUE(equal_exactly(run_kernel(xs, kind), want))
-            << dtype << " " << torch_tp::reduction_name(kind) << " W=" << world;
+      // A fold in the narrow type would lose the small terms: 256 + 1 + 1 is 258 in
+      // float32 but 256 in bfloat16 when added one at a time.
+      std::vector<at::Tensor> xs{at::full({8}, 256.0, dtype), at::full({8}, 1.0, dtype), at::full({8}, 1.0, dtype)};
+      if (dtype == at::kBFloat16) {
+        EXPECT_TRUE(equal_exactly(run_kernel(isa, xs, Reduction::Sum), at::full({8}, 258.0, dtype)));
       }
-    }
-    // A fold in the narrow type would lose the small terms: 256 + 1 + 1 is 258 in
-    // float32 but 256 in bfloat16 when added one at a time.
-    std::vector<at::Tensor> xs{at::full({8}, 256.0, dtype), at::full({8}, 1.0, dtype), at::full({8}, 1.0, dtype)};
-    if (dtype == at::kBFloat16) {
-      EXPECT_TRUE(equal_exactly(run_kernel(xs, Reduction::Sum), at::full({8}, 258.0, dtype)));
     }
   }
 }
 
 TEST(ReduceKernels, HalfConversionsMatchC10OnEveryPattern) {
-  // Every float16 bit pattern, paired with a shuffled copy: the sum goes
-  // through the widening load of both and the rounding store.
+  // Every float16 and bfloat16 bit pattern, paired with a shuffled copy: the
+  // sum goes through the widening load of both and the rounding store. Both
+  // halves of every 32-bit word the kernels split (NOTE [portable
+  // vectorisation]) see every pattern: the shuffle puts patterns at both
+  // parities.
   at::Tensor bits = at::arange(0, 65536, at::kInt).to(at::kShort);
-  at::Tensor a = bits.view(at::kHalf);
-  at::Tensor b = a.index_select(0, at::randperm(65536, at::make_generator<at::CPUGeneratorImpl>(1), at::kLong));
-  const at::Tensor got = run_kernel({a, b}, Reduction::Sum);
-  const at::Tensor want = (a.to(at::kFloat) + b.to(at::kFloat)).to(at::kHalf);
-  const at::Tensor nan_both = at::isnan(got) & at::isnan(want);
-  EXPECT_TRUE(at::equal(got.view(at::kShort).masked_fill(nan_both, 0), want.view(at::kShort).masked_fill(nan_both, 0)));
-  // Identity round trip (one input) of every pattern: load then store.
-  const at::Tensor copied = run_kernel({a}, Reduction::Max);
-  const at::Tensor nan = at::isnan(a);
-  EXPECT_TRUE(at::equal(copied.view(at::kShort).masked_fill(nan, 0), bits.masked_fill(nan, 0)));
-  EXPECT_TRUE(at::equal(at::isnan(copied), nan));
+  const at::Tensor order = at::randperm(65536, at::make_generator<at::CPUGeneratorImpl>(1), at::kLong);
+  for (const FoldIsa isa : supported_fold_isas()) {
+    for (auto dtype : {at::kHalf, at::kBFloat16}) {
+      at::Tensor a = bits.view(dtype);
+      at::Tensor b = a.index_select(0, order);
+      const at::Tensor got = run_kernel(isa, {a, b}, Reduction::Sum);
+      const at::Tensor want = (a.to(at::kFloat) + b.to(at::kFloat)).to(dtype);
+      const at::Tensor nan_both = at::isnan(got) & at::isnan(want);
+      EXPECT_TRUE(
+          at::equal(got.view(at::kShort).masked_fill(nan_both, 0), want.view(at::kShort).masked_fill(nan_both, 0)))
+          << fold_isa_name(isa) << " " << dtype;
+      EXPECT_TRUE(at::equal(at::isnan(got), at::isnan(want))) << fold_isa_name(isa) << " " << dtype;
+      // Identity round trip (one input) of every pattern: load then store.
+      const at::Tensor copied = run_kernel(isa, {a}, Reduction::Max);
+      const at::Tensor nan = at::isnan(a);
+      EXPECT_TRUE(at::equal(copied.view(at::kShort).masked_fill(nan, 0), bits.masked_fill(nan, 0)))
+          << fold_isa_name(isa) << " " << dtype;
+      EXPECT_TRUE(at::equal(at::isnan(copied), nan)) << fold_isa_name(isa) << " " << dtype;
+    }
+  }
+}
+
+TEST(ReduceKernels, EveryVariantGivesTheBaselinesBits) {
+  // Ranks on one node all run the same variant, but a job may span machines of
+  // different CPUs: the variants must agree bitwise on every length around
+  // the vector widths (randn inputs: no NaN, whose payload no reduction promises).
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kChar, at::kLong, at::kBool}) {
+    for (int64_t numel : {1, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1000}) {
+      std::vector<at::Tensor> xs;
+      for (int r = 0; r < 3; ++r) {
+        xs.push_back(input(r, numel, dtype, static_cast<int>(numel)));
+      }
+      for (auto kind : kAllKinds) {
+        const char* why = nullptr;
+        if (!torch_tp::backend::reduction_supported(kind, dtype, &why)) {
+          continue;
+        }
+        const at::Tensor want = run_kernel(FoldIsa::Baseline, xs, kind);
+        for (const FoldIsa isa : supported_fold_isas()) {
+          EXPECT_TRUE(equal_exactly(run_kernel(isa, xs, kind).view(at::kByte), want.view(at::kByte)))
+              << fold_isa_name(isa) << " " << dtype << " " << torch_tp::reduction_name(kind) << " n=" << numel;
+        }
+      }
+    }
+  }
+}
+
+TEST(ReduceKernels, AVariantTheCpuLacksIsRefused) {
+  const std::vector<FoldIsa> runs = supported_fold_isas();
+  ASSERT_EQ(runs.back(), FoldIsa::Baseline);
+  at::Tensor x = at::ones({4});
+  const void* in[1] = {x.data_ptr()};
+  for (const FoldIsa isa : {FoldIsa::Avx2, FoldIsa::Avx512}) {
+    if (std::find(runs.begin(), runs.end(), isa) == runs.end()) {
+      EXPECT_TRUE(throws_with([&] { reduce_inputs_with(isa, Reduction::Sum, at::kFloat, x.data_ptr(), in, 1, 4, 1); },
+                              {fold_isa_name(isa), "need a CPU"}));
+    }
+  }
+  // reduce_inputs itself takes the widest variant.
+  at::Tensor out = at::empty({4});
+  reduce_inputs(Reduction::Sum, at::kFloat, out.data_ptr(), in, 1, 4, 1);
+  EXPECT_TRUE(at::equal(out, x));
 }
 
 // ---- the backend, ranks as threads -----------------------------------------
