@@ -237,12 +237,22 @@ void ProcessGroupShm::call_now(const char* name, const Run& run) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
+  const char* op = "all_reduce";
+  check_count(op, "tensors", tensors.size(), 1);
+  const at::Tensor& t = tensors[0];
+  if (t.is_contiguous()) {
+    // The common case, reduced in place: no dense copy to make and write back,
+    // and a 4 KiB call's bookkeeping is a good part of its time (NOTE
+    // [synchronous calls run inline] in work_queue.h).
+    check_tensor(op, "tensor", t);
+    const Reduction kind = from_c10d(op, opts.reduceOp, t.scalar_type());
+    return collective(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, collectives_->all_reduce_into(t, t, kind));
+  }
   std::vector<at::Tensor> list = tensors;
   c10d::AllreduceCoalescedOptions coalesced;
   coalesced.reduceOp = opts.reduceOp;
   coalesced.timeout = opts.timeout;
   coalesced.asyncOp = opts.asyncOp;  // a synchronous call runs inline (NOTE in work_queue.h)
-  check_count("all_reduce", "tensors", tensors.size(), 1);
   return allreduce_coalesced(list, coalesced);
 }
 
