@@ -175,7 +175,7 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
   } else {
     collectives_ = node_collectives(*transport_, rank, size);
   }
-  queue_ = std::make_unique<WorkQueue>(rank);
+  queue_ = std::make_shared<WorkQueue>(rank);
   p2p_ = std::make_unique<PointToPoint>(*transport_, std::move(local_index), options_.gloo_all, rank,
                                         options_.timeout);
 }

@@ -157,7 +157,7 @@ class ProcessGroupShm : public c10d::Backend {
   std::unique_ptr<ShmTransport> transport_;
   std::unique_ptr<Collectives> collectives_;  // single- or multi-node, picked at construction
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
-  std::unique_ptr<WorkQueue> queue_;  // the collectives'
+  std::shared_ptr<WorkQueue> queue_;  // the collectives' (shared with the Works it may still run)
   std::unique_ptr<PointToPoint> p2p_;
 };
 

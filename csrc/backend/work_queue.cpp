@@ -5,6 +5,8 @@
 
 #include <sys/prctl.h>
 
+#include <algorithm>
+
 namespace torch_tp::backend {
 
 ShmWork::ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
@@ -22,6 +24,16 @@ c10::intrusive_ptr<c10::ivalue::Future> ShmWork::getFuture() {
 }
 
 bool ShmWork::wait(std::chrono::milliseconds timeout) {
+  if (timeout == kNoTimeout) {
+    std::shared_ptr<WorkQueue> queue;
+    {
+      std::lock_guard<std::mutex> lock(future_mutex_);
+      queue = queue_;  // keeps the queue alive while this thread runs its calls
+    }
+    if (queue) {
+      queue->run_queued_through(this);
+    }
+  }
   const bool done = c10d::Work::wait(timeout);
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
@@ -42,6 +54,7 @@ void ShmWork::complete(std::exception_ptr error) {
     error_ = error;
     done_ = true;
     future = future_;
+    queue_.reset();  // never the last owner here: whoever runs the call holds one
   }
   if (future) {
     complete_future(future);
@@ -80,6 +93,7 @@ WorkQueue::WorkQueue(int rank)
 c10::intrusive_ptr<ShmWork> WorkQueue::push(c10d::OpType type, std::vector<at::Tensor> outputs,
                                             std::function<void()> run) {
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  work->queue_ = weak_from_this().lock();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
@@ -96,6 +110,7 @@ c10::intrusive_ptr<ShmWork> WorkQueue::run_inline_or_push(c10d::OpType type, std
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
     if (busy_ || !items_.empty()) {
+      work->queue_ = weak_from_this().lock();
       items_.push_back({work, std::move(run)});
       cv_.notify_one();
       return work;
@@ -114,6 +129,7 @@ void WorkQueue::run_now(std::function<void()> run) {
     TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
     if (busy_ || !items_.empty()) {
       queued = c10::make_intrusive<ShmWork>(rank_, c10d::OpType::UNKNOWN, std::vector<at::Tensor>{});
+      queued->queue_ = weak_from_this().lock();
       items_.push_back({queued, std::move(run)});
     } else {
       busy_ = true;
@@ -131,6 +147,28 @@ void WorkQueue::run_now(std::function<void()> run) {
     }
   } end{*this};
   run();
+}
+
+void WorkQueue::run_queued_through(const ShmWork* work) {
+  for (;;) {
+    Item item;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const bool queued = std::any_of(items_.begin(), items_.end(), [&](const Item& i) { return i.work.get() == work; });
+      if (busy_ || !queued) {
+        return;  // running on the worker or another waiter (the Work's wait follows), or done
+      }
+      item = std::move(items_.front());
+      items_.pop_front();
+      busy_ = true;
+    }
+    const bool mine = item.work.get() == work;
+    execute(std::move(item));
+    end_inline();
+    if (mine) {
+      return;
+    }
+  }
 }
 
 void WorkQueue::end_inline() {
