@@ -414,4 +414,28 @@ TEST(ShmBackend, AsyncWorkCompletesItsFuture) {
   }));
 }
 
+TEST(ShmBackend, WaitingOnTheLastCallRunsTheQueuedOnesInOrder) {
+  // The wait may run the calls the worker has not started on this thread
+  // (NOTE [waiters run their own calls]): all of them, in issue order (the
+  // call headers would not match across ranks otherwise), and each Work done.
+  expect_no_errors(run_ranks(2, kSmallBuffer, std::chrono::seconds(30), [&](int rank, ProcessGroupShm& pg) {
+    for (int round = 0; round < 50; ++round) {
+      std::vector<std::vector<at::Tensor>> tensors;
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int i = 0; i < 6; ++i) {
+        tensors.push_back({at::full({100 + 700 * i}, static_cast<float>((rank + 1) * (i + 1)))});
+        c10d::AllreduceOptions options;
+        options.asyncOp = true;
+        works.push_back(pg.allreduce(tensors.back(), options));
+      }
+      works.back()->wait();
+      for (int i = 0; i < 6; ++i) {
+        works[i]->wait();
+        EXPECT_TRUE(equal_exactly(tensors[i][0], at::full({100 + 700 * i}, 3.0f * (i + 1))))
+            << "round " << round << " call " << i;
+      }
+    }
+  }));
+}
+
 } // namespace
