@@ -79,8 +79,21 @@ at::Tensor fold_blocks(const at::Tensor& blocks, Reduction reduction) {
 
 // x moved so that `dim` leads, as one contiguous block of `rows` rows: x's own
 // rows, then zeros. [.., n, ..] -> [rows, rest].
+// x with `dim` moved to the front, and back: skipped when dim is 0, since
+// each view op is a dispatcher round trip and a new TensorImpl, a good part
+// of what a small collective costs.
+at::Tensor dim_to_front(const at::Tensor& x, int64_t dim) {
+  return dim == 0 ? x : x.movedim(dim, 0);
+}
+
+// The first `rows` rows of `front` with dim 0 moved back to `dim`, contiguous.
+at::Tensor rows_back_to_dim(const at::Tensor& front, int64_t rows, int64_t dim) {
+  const at::Tensor first = rows == front.size(0) ? front : front.narrow(0, 0, rows);
+  return (dim == 0 ? first : first.movedim(0, dim)).contiguous();
+}
+
 at::Tensor front_padded(const at::Tensor& x, int64_t dim, int64_t rows) {
-  at::Tensor front = x.movedim(dim, 0);
+  at::Tensor front = dim_to_front(x, dim);
   if (front.size(0) == rows) {
     return front.contiguous();
   }
@@ -318,7 +331,7 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
     }
     return all_gather_into(*group, gathered, front, opts);
   });
-  auto finish = [gathered, front, n, dim] { return gathered.narrow(0, 0, n).movedim(0, dim).contiguous(); };
+  auto finish = [gathered, front, n, dim] { return rows_back_to_dim(gathered, n, dim); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }
 
@@ -342,11 +355,10 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   auto sizes = front.sizes().vec();
   sizes[0] = chunk;
   auto finish_piece = [length, dim, reduction, world_size](const at::Tensor& piece) {
-    at::Tensor mine = piece.narrow(0, 0, length);
     if (reduction == Reduction::Avg) {
-      mine.div_(world_size);
+      piece.div_(world_size);  // the padding rows too: they are dropped
     }
-    return mine.movedim(0, dim).contiguous();
+    return rows_back_to_dim(piece, length, dim);
   };
   c10d::Backend* const backend = backend_for(*group, x);
   if (runs_on_gloo(backend)) {
