@@ -14,9 +14,11 @@ S is the all_reduce tensor, the all_gather output, the reduce_scatter input), si
 - ``ds``: ``deepspeed.comm.inference_all_reduce`` (in place), and ``ds raw``: the op behind it,
   ``torch.ops.deepspeed.inference_all_reduce_``;
 - ``gloo``: ``dist.all_reduce`` on the default (gloo) group;
-- ``tp dist`` and ``tp op`` of all_gather (``dist.all_gather_into_tensor``, ``torch.ops.torch_tp.all_gather``)
-  and reduce_scatter (``dist.reduce_scatter_tensor``, ``torch.ops.torch_tp.reduce_scatter``), which DeepSpeed
-  has no counterpart of: they are compared with the same-size all-reduce.
+- ``tp dist`` and ``tp op`` of all_gather (``dist.all_gather_single``, ``torch.ops.torch_tp.all_gather``)
+  and reduce_scatter (``dist.reduce_scatter_single``, ``torch.ops.torch_tp.reduce_scatter``), which DeepSpeed
+  has no counterpart of: they are compared with the same-size all-reduce. (Before torch 2.13 the two are
+  ``all_gather_into_tensor`` and ``reduce_scatter_tensor``; from 2.13 those names are deprecated and warn on
+  every call, about a microsecond at 4 KiB.)
 
 DeepSpeed is a peer, never a dependency: when it is not installed (or its op does not build, or the CPU lacks
 the ISA its kernels need) its columns are skipped and the section says why. It needs ``DS_ACCELERATOR=cpu``
@@ -122,14 +124,16 @@ def make_steps(dtype: torch.dtype, size: int, tp, p: int, ds_call, ds_raw) -> Di
     full = torch.zeros(numel, dtype=dtype)
     gathered = torch.empty(numel, dtype=dtype)
     scattered = torch.empty(numel // p, dtype=dtype)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     steps = {
         "tp dist": lambda: dist.all_reduce(buf["tp dist"], group=tp),
         "tp op": lambda: torch.ops.torch_tp.all_reduce(buf["tp op"], "sum", name),
         "tp op_": lambda: torch.ops.torch_tp.all_reduce_(buf["tp op_"], "sum", name),
         "gloo": lambda: dist.all_reduce(buf["gloo"]),
-        "all_gather tp dist": lambda: dist.all_gather_into_tensor(gathered, shard, group=tp),
+        "all_gather tp dist": lambda: all_gather_single(gathered, shard, group=tp),
         "all_gather tp op": lambda: torch.ops.torch_tp.all_gather(shard, 0, name, None),
-        "reduce_scatter tp dist": lambda: dist.reduce_scatter_tensor(scattered, full, group=tp),
+        "reduce_scatter tp dist": lambda: reduce_scatter_single(scattered, full, group=tp),
         "reduce_scatter tp op": lambda: torch.ops.torch_tp.reduce_scatter(full, 0, "sum", name),
     }
     if ds_call is not None:
