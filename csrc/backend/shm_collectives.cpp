@@ -52,7 +52,8 @@ void shm_all_reduce(ShmTransport& t, CallHeader header, const void* input, void*
   auto* out = static_cast<char*>(output);
   std::vector<const void*> inputs(n);
 
-  if (total <= std::min(kOneShotBytes, t.slot_bytes())) {
+  const size_t one_shot_bytes = t.ranks_outnumber_cpus() ? kOneShotBytesOversubscribed : kOneShotBytes;
+  if (total <= std::min(one_shot_bytes, t.slot_bytes())) {
     const uint64_t step = t.next_step();
     copy_bytes(t.my_slot(step), in, total);
     t.arrive(op, &header);

@@ -7,7 +7,8 @@
 // across the ranks in the first step.
 //
 // NOTE [all-reduce algorithms]
-// Up to kOneShotBytes, all-reduce is one step: every rank copies its tensor
+// Up to kOneShotBytes (kOneShotBytesOversubscribed when the node's ranks
+// outnumber its CPUs), all-reduce is one step: every rank copies its tensor
 // into its slot and reduces all W slots itself (rank order), which costs one
 // synchronisation. Above, it goes chunk by chunk, a slot at a time (the
 // default 1 MiB slot keeps a chunk in cache from the copy-in to the copy-out
@@ -42,7 +43,13 @@
 
 namespace torch_tp::backend {
 
-constexpr size_t kOneShotBytes = 128 * 1024;
+// The largest all-reduce done in one step (NOTE [all-reduce algorithms]).
+// With a CPU per rank a synchronisation costs about a microsecond, less than
+// every rank folding every rank's whole tensor, so one step only below 4 KiB;
+// when the ranks outnumber the CPUs a synchronisation may cost a context
+// switch, and one step is worth it up to 128 KiB.
+constexpr size_t kOneShotBytes = 4 * 1024 - 1;
+constexpr size_t kOneShotBytesOversubscribed = 128 * 1024;
 // The granularity of the reduced portion's two writes (NOTE [all-reduce traffic]).
 constexpr size_t kReduceSubBlockBytes = 32 * 1024;
 

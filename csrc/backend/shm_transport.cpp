@@ -204,6 +204,7 @@ ShmTransport::ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   cores_ = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
+  ranks_outnumber_cpus_ = n > std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
   // Slots start on cache lines, so chunk boundaries do too.
   slot_bytes_ = options_.buffer_bytes / 2 / 64 * 64;
   data_offset_ = round_up(sizeof(Control), kPage);

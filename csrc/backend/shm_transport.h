@@ -142,6 +142,12 @@ class ShmTransport {
   size_t slot_bytes() const {
     return slot_bytes_;
   }
+  // Whether the node's local ranks outnumber its online CPUs. The same on
+  // every rank (sysconf, not this rank's affinity), so algorithms may be
+  // chosen by it (NOTE [all-reduce algorithms]).
+  bool ranks_outnumber_cpus() const {
+    return ranks_outnumber_cpus_;
+  }
 
   // The step the next arrive() publishes, and this rank's slot for it.
   uint64_t next_step() const {
@@ -202,6 +208,7 @@ class ShmTransport {
   size_t ring_bytes_;
   size_t rings_offset_;
   int cores_;  // the cores this rank may run on (NOTE [waiting])
+  bool ranks_outnumber_cpus_;
   std::vector<ShmSegment> segments_;  // by local rank; ours is segments_[local_rank]
   uint64_t step_ = 0;
   std::atomic<bool> broken_{false};
