@@ -31,6 +31,7 @@
 #include <cmath>
 #include <dirent.h>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -238,13 +239,33 @@ TEST(ReduceKernels, AVariantTheCpuLacksIsRefused) {
 
 // ---- the backend, ranks as threads -----------------------------------------
 
+// The tokens of the groups this process made, which their segment names
+// carry (/torch_tp_<uid>_<token>_<rank>): segments of other processes, such
+// as this test's other cases under a parallel ctest, are not looked at.
+std::mutex tokens_mutex;
+std::vector<std::string> our_tokens;
+
+void remember_token(c10d::Store& store) {
+  const std::vector<uint8_t> bytes = store.get("torch_tp/token");
+  std::lock_guard<std::mutex> lock(tokens_mutex);
+  const std::string token(bytes.begin(), bytes.end());
+  if (std::find(our_tokens.begin(), our_tokens.end(), token) == our_tokens.end()) {
+    our_tokens.push_back(token);
+  }
+}
+
+// The segments of this process's groups still in /dev/shm.
 std::vector<std::string> shm_files() {
   std::vector<std::string> names;
   const std::string prefix = "torch_tp_" + std::to_string(::getuid()) + "_";
+  std::lock_guard<std::mutex> lock(tokens_mutex);
   if (DIR* dir = ::opendir("/dev/shm")) {
     while (dirent* entry = ::readdir(dir)) {
-      if (std::string(entry->d_name).rfind(prefix, 0) == 0) {
-        names.emplace_back(entry->d_name);
+      const std::string name = entry->d_name;
+      for (const auto& token : our_tokens) {
+        if (name.rfind(prefix + token + "_", 0) == 0) {
+          names.push_back(name);
+        }
       }
     }
     ::closedir(dir);
@@ -274,6 +295,7 @@ std::vector<RankResult> run_ranks(int world, size_t buffer_bytes, std::chrono::m
         // Past this barrier every rank has finished its constructor, which
         // unlinks its segment (NOTE [segment lifetime]).
         backend->barrier()->wait();
+        remember_token(*store);
         EXPECT_TRUE(shm_files().empty()) << "segments stay linked after every rank mapped them";
         body(rank, *backend);
       } catch (const c10::Error& e) {
