@@ -93,11 +93,10 @@ WorkQueue::WorkQueue(int rank)
 c10::intrusive_ptr<ShmWork> WorkQueue::push(c10d::OpType type, std::vector<at::Tensor> outputs,
                                             std::function<void()> run) {
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
-  work->queue_ = weak_from_this().lock();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
-    items_.push_back({work, std::move(run)});
+    enqueue({work, std::move(run)});
   }
   cv_.notify_one();
   return work;
@@ -110,8 +109,7 @@ c10::intrusive_ptr<ShmWork> WorkQueue::run_inline_or_push(c10d::OpType type, std
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
     if (busy_ || !items_.empty()) {
-      work->queue_ = weak_from_this().lock();
-      items_.push_back({work, std::move(run)});
+      enqueue({work, std::move(run)});
       cv_.notify_one();
       return work;
     }
@@ -129,8 +127,7 @@ void WorkQueue::run_now(std::function<void()> run) {
     TORCH_CHECK(!stopping_, "torch_tp backend: the process group was shut down");
     if (busy_ || !items_.empty()) {
       queued = c10::make_intrusive<ShmWork>(rank_, c10d::OpType::UNKNOWN, std::vector<at::Tensor>{});
-      queued->queue_ = weak_from_this().lock();
-      items_.push_back({queued, std::move(run)});
+      enqueue({queued, std::move(run)});
     } else {
       busy_ = true;
     }
@@ -147,6 +144,11 @@ void WorkQueue::run_now(std::function<void()> run) {
     }
   } end{*this};
   run();
+}
+
+void WorkQueue::enqueue(Item item) {
+  item.work->queue_ = weak_from_this().lock();  // NOTE [waiters run their own calls]
+  items_.push_back(std::move(item));
 }
 
 void WorkQueue::run_queued_through(const ShmWork* work) {

@@ -122,6 +122,8 @@ class WorkQueue : public std::enable_shared_from_this<WorkQueue> {
     std::function<void()> run;
   };
 
+  // Appends `item` (mutex_ held), letting its waiter run it.
+  void enqueue(Item item);
   static void execute(Item item);
   void loop();
   // Ends an inline run: frees the queue and wakes the worker if it has something to do.

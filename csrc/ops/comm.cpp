@@ -77,23 +77,19 @@ at::Tensor fold_blocks(const at::Tensor& blocks, Reduction reduction) {
   TORCH_INTERNAL_ASSERT(false, "unknown reduction");
 }
 
-// x moved so that `dim` leads, as one contiguous block of `rows` rows: x's own
-// rows, then zeros. [.., n, ..] -> [rows, rest].
-// x with `dim` moved to the front, and back: skipped when dim is 0, since
-// each view op is a dispatcher round trip and a new TensorImpl, a good part
-// of what a small collective costs.
-at::Tensor dim_to_front(const at::Tensor& x, int64_t dim) {
-  return dim == 0 ? x : x.movedim(dim, 0);
-}
-
 // The first `rows` rows of `front` with dim 0 moved back to `dim`, contiguous.
+// The view ops are skipped where they would change nothing (dim 0, all
+// rows): each is a dispatcher round trip and a new TensorImpl, a good part of
+// what a small collective costs.
 at::Tensor rows_back_to_dim(const at::Tensor& front, int64_t rows, int64_t dim) {
   const at::Tensor first = rows == front.size(0) ? front : front.narrow(0, 0, rows);
   return (dim == 0 ? first : first.movedim(0, dim)).contiguous();
 }
 
+// x moved so that `dim` leads, as one contiguous block of `rows` rows: x's own
+// rows, then zeros. [.., n, ..] -> [rows, rest]. (No movedim for dim 0, as above.)
 at::Tensor front_padded(const at::Tensor& x, int64_t dim, int64_t rows) {
-  at::Tensor front = dim_to_front(x, dim);
+  at::Tensor front = dim == 0 ? x : x.movedim(dim, 0);
   if (front.size(0) == rows) {
     return front.contiguous();
   }
