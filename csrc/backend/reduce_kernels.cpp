@@ -6,9 +6,14 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 // NOTE [portable vectorisation]
-// The wheel must run on any x86-64 (or aarch64), so there is no -march=native
-// and no intrinsics. The folds are written in GCC/Clang vector extensions on
+// The wheel must run on any x86-64 (or aarch64), so there is no -march=native,
+// and intrinsics only where a variant's target guarantees them (NOTE [float16
+// in hardware]). The folds are written in GCC/Clang vector extensions on
 // vectors of kBytes bytes, and compiled once per instruction set with kBytes
 // its native width (NOTE [runtime ISA dispatch]): wider vectors than the
 // target has are split by the compiler poorly, narrower ones waste the
@@ -21,6 +26,20 @@
 // word's low half becomes accumulator part 0 and the one in its high half
 // part 1; storing puts them back the same way. Element order never changes,
 // and the conversions are shifts, masks and selects on whole words.
+//
+// NOTE [float16 in hardware]
+// float16's bit arithmetic is some twenty operations a vector each way, so
+// on 1 MiB it took twice bfloat16's time. The AVX2 and AVX-512 variants
+// convert it with the conversion instructions instead (F16C, which every
+// AVX2 CPU has, and AVX-512F; Half256 and Half512 below), the one place
+// this file uses intrinsics, each inside its variant's target. They widen a
+// vector's first half of elements into part 0 and its second half into part
+// 1 and store them back the same way: element order still never changes,
+// and the fold itself is the same float32 arithmetic, so the results are the
+// baseline's bit for bit. (NaN payloads aside: the instructions carry a
+// NaN's payload over, the bit arithmetic gives the canonical quiet NaN as c10
+// does; no reduction promises a payload.) Storing rounds to nearest even, as the
+// bit arithmetic does, whatever MXCSR's rounding mode.
 
 namespace torch_tp::backend {
 namespace {
@@ -132,6 +151,73 @@ struct Codecs {
   };
 };
 
+#if defined(__x86_64__)
+// The first (`which` 0) or second (1) half of a vector's bytes: a plain copy,
+// which the compiler folds into the instruction that reads the half.
+template <typename Half, typename Whole>
+Half half_of(const Whole& whole, int which) {
+  static_assert(2 * sizeof(Half) == sizeof(Whole));
+  Half half;
+  std::memcpy(&half, reinterpret_cast<const char*>(&whole) + which * sizeof(Half), sizeof(Half));
+  return half;
+}
+
+// The float32 -> float16 conversions' rounding: to nearest even, whatever MXCSR says.
+constexpr int kNearestEven = _MM_FROUND_TO_NEAREST_INT;
+
+// float16 through F16C at 32 bytes (NOTE [float16 in hardware]): each
+// 16-byte half of the vector is eight float16, widened to eight float32.
+struct Half256 : Codecs<32>::HalfWords {
+  using Words = Codecs<32>::Words;
+  using Floats = Codecs<32>::Floats;
+  [[gnu::target("avx2,f16c")]] static Wide load(Words w) {
+    return {{std::bit_cast<Floats>(_mm256_cvtph_ps(half_of<__m128i>(w, 0))),
+             std::bit_cast<Floats>(_mm256_cvtph_ps(half_of<__m128i>(w, 1)))}};
+  }
+  [[gnu::target("avx2,f16c")]] static Words store(const Wide& w) {
+    const __m128i first = _mm256_cvtps_ph(std::bit_cast<__m256>(w.part[0]), kNearestEven);
+    const __m128i second = _mm256_cvtps_ph(std::bit_cast<__m256>(w.part[1]), kNearestEven);
+    return std::bit_cast<Words>(_mm256_set_m128i(second, first));
+  }
+};
+
+// The same at 64 bytes with AVX-512F: each 32-byte half is sixteen float16.
+// The maskz forms with every lane selected are the plain instructions; GCC 12's
+// plain forms start from an undefined register that -Wmaybe-uninitialized flags.
+struct Half512 : Codecs<64>::HalfWords {
+  using Words = Codecs<64>::Words;
+  using Floats = Codecs<64>::Floats;
+  static constexpr __mmask16 kAllLanes = 0xffff;  // of 16 float32
+  static constexpr __mmask8 kAllQuads = 0xff;     // of 8 64-bit lanes
+  [[gnu::target("avx512f,avx512bw,avx512dq,avx512vl")]] static Wide load(Words w) {
+    return {{std::bit_cast<Floats>(_mm512_maskz_cvtph_ps(kAllLanes, half_of<__m256i>(w, 0))),
+             std::bit_cast<Floats>(_mm512_maskz_cvtph_ps(kAllLanes, half_of<__m256i>(w, 1)))}};
+  }
+  [[gnu::target("avx512f,avx512bw,avx512dq,avx512vl")]] static Words store(const Wide& w) {
+    const __m256i first = _mm512_maskz_cvtps_ph(kAllLanes, std::bit_cast<__m512>(w.part[0]), kNearestEven);
+    const __m256i second = _mm512_maskz_cvtps_ph(kAllLanes, std::bit_cast<__m512>(w.part[1]), kNearestEven);
+    return std::bit_cast<Words>(_mm512_maskz_inserti64x4(kAllQuads, _mm512_castsi256_si512(first), second, 1));
+  }
+};
+#endif
+
+// The float16 codec of each vector width: the conversion instructions where a
+// variant has them, the bit arithmetic elsewhere.
+template <int kBytes>
+struct HalfCodec {
+  using type = typename Codecs<kBytes>::Half;
+};
+#if defined(__x86_64__)
+template <>
+struct HalfCodec<32> {
+  using type = Half256;
+};
+template <>
+struct HalfCodec<64> {
+  using type = Half512;
+};
+#endif
+
 // Integer arithmetic wraps around: computed on unsigned lanes, where it is
 // defined (vector lanes are not promoted to int).
 template <typename T, typename V>
@@ -233,7 +319,7 @@ void reduce_with_vectors_of(Reduction kind, c10::ScalarType dtype, void* out, co
     case c10::kFloat: return reduce_typed<typename C::template Same<float>>(kind, out, inputs, n, numel, avg_divisor);
     case c10::kDouble: return reduce_typed<typename C::template Same<double>>(kind, out, inputs, n, numel, avg_divisor);
     case c10::kBFloat16: return reduce_typed<typename C::BF16>(kind, out, inputs, n, numel, avg_divisor);
-    case c10::kHalf: return reduce_typed<typename C::Half>(kind, out, inputs, n, numel, avg_divisor);
+    case c10::kHalf: return reduce_typed<typename HalfCodec<kBytes>::type>(kind, out, inputs, n, numel, avg_divisor);
     case c10::kChar: return reduce_typed<typename C::template Same<int8_t>>(kind, out, inputs, n, numel, 1);
     case c10::kByte: return reduce_typed<typename C::template Same<uint8_t>>(kind, out, inputs, n, numel, 1);
     case c10::kShort: return reduce_typed<typename C::template Same<int16_t>>(kind, out, inputs, n, numel, 1);
@@ -252,7 +338,8 @@ void reduce_with_vectors_of(Reduction kind, c10::ScalarType dtype, void* out, co
 // NOTE [runtime ISA dispatch]
 // The folds are compiled three times, each with everything it calls inlined
 // (flatten) and its own vector width: 16 bytes for the baseline (SSE2 on
-// x86-64, NEON on aarch64), 32 for AVX2 and 64 for AVX-512 (F, BW, DQ, VL).
+// x86-64, NEON on aarch64), 32 for AVX2 (with F16C) and 64 for AVX-512 (F, BW,
+// DQ, VL).
 // reduce_inputs takes the widest the CPU and OS support, checked once; the
 // wheel stays portable and the bf16/fp16 conversions, which are compute-bound,
 // get the widest vectors there are. reduce_inputs_with runs a given variant,
@@ -265,7 +352,7 @@ using FoldFn = void (*)(Reduction, c10::ScalarType, void*, const void* const*, i
 }
 
 #if defined(__x86_64__)
-[[gnu::target("avx2"), gnu::flatten]] void fold_avx2(Reduction kind, c10::ScalarType dtype, void* out,
+[[gnu::target("avx2,f16c"), gnu::flatten]] void fold_avx2(Reduction kind, c10::ScalarType dtype, void* out,
                                                       const void* const* inputs, int n, int64_t numel,
                                                       int64_t avg_divisor) {
   reduce_with_vectors_of<32>(kind, dtype, out, inputs, n, numel, avg_divisor);
@@ -282,7 +369,9 @@ bool cpu_runs(FoldIsa isa) {
   switch (isa) {
     case FoldIsa::Baseline: return true;
 #if defined(__x86_64__)
-    case FoldIsa::Avx2: __builtin_cpu_init(); return __builtin_cpu_supports("avx2");
+    case FoldIsa::Avx2:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     case FoldIsa::Avx512:
       __builtin_cpu_init();
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
