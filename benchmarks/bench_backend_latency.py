@@ -5,8 +5,9 @@ Launch with ``torchrun``, one process per rank::
 
     torchrun --nproc-per-node 2 benchmarks/bench_backend_latency.py [--quick] [--no-breakdown]
 
-One job times, for float32 and bfloat16 and S in 4 KiB, 64 KiB, 1 MiB, 16 MiB (sizes as in bench_backend.py:
-S is the all_reduce tensor, the all_gather output, the reduce_scatter input), side by side:
+One job times, for float32 and bfloat16 (``--dtypes``: float16 too) and S in 4 KiB, 64 KiB, 1 MiB, 16 MiB
+(sizes as in bench_backend.py: S is the all_reduce tensor, the all_gather output, the reduce_scatter input),
+side by side:
 
 - ``tp dist``: ``dist.all_reduce`` on a ``dist.new_group(backend="torch_tp")`` group (in place);
 - ``tp op``: ``torch.ops.torch_tp.all_reduce`` on that group (functional: a fresh output), which skips the
@@ -72,7 +73,8 @@ from _common import (
 )
 
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DTYPES = "float32,bfloat16"
 ALL_REDUCE = ["tp dist", "tp op", "tp op_", "ds", "ds raw", "gloo"]
 OTHERS = ["all_gather tp dist", "all_gather tp op", "reduce_scatter tp dist", "reduce_scatter tp op"]
 
@@ -277,7 +279,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--no-breakdown", action="store_true", help="skip the 4 KiB layer breakdown phase")
     parser.add_argument("--sizes", default=None,
                         help="comma-separated subset of the sizes in bytes (default: 4 KiB, 64 KiB, 1 MiB, 16 MiB)")
-    return parser.parse_args(argv)
+    parser.add_argument("--dtypes", default=DEFAULT_DTYPES,
+                        help=f"comma-separated dtypes, of {', '.join(DTYPES)} (default: {DEFAULT_DTYPES})")
+    args = parser.parse_args(argv)
+    unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if unknown:
+        parser.error(f"--dtypes: {', '.join(unknown)} is not one of {', '.join(DTYPES)}")
+    return args
 
 
 def measure(args: argparse.Namespace) -> Output:
@@ -287,13 +295,14 @@ def measure(args: argparse.Namespace) -> Output:
     ds_call, ds_raw, ds_note = setup_deepspeed(p)
     if rank == 0:
         print(f"[bench_backend_latency] peers: {ds_note}", flush=True)
-    for dtype in DTYPES.values():
-        check(dtype, tp, p, rank, ds_call, ds_raw)
+    dtype_names = args.dtypes.split(",")
+    for dtype_name in dtype_names:
+        check(DTYPES[dtype_name], tp, p, rank, ds_call, ds_raw)
     parts = None if args.no_breakdown else breakdown(tp, p, args.quick, ds_raw)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else SIZES
     records = []
     for size in sizes:
-        for dtype_name in DTYPES:
+        for dtype_name in dtype_names:
             r = measure_one(dtype_name, size, tp, p, args.quick, ds_call, ds_raw)
             records.append(r)
             if rank == 0:
