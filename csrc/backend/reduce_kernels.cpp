@@ -168,16 +168,14 @@ constexpr int kNearestEven = _MM_FROUND_TO_NEAREST_INT;
 // float16 through F16C at 32 bytes (NOTE [float16 in hardware]): each
 // 16-byte half of the vector is eight float16, widened to eight float32.
 struct Half256 : Codecs<32>::HalfWords {
-  using Words = Codecs<32>::Words;
-  using Floats = Codecs<32>::Floats;
-  [[gnu::target("avx2,f16c")]] static Wide load(Words w) {
-    return {{std::bit_cast<Floats>(_mm256_cvtph_ps(half_of<__m128i>(w, 0))),
-             std::bit_cast<Floats>(_mm256_cvtph_ps(half_of<__m128i>(w, 1)))}};
+  [[gnu::target("avx2,f16c")]] static Wide load(Stored w) {
+    return {{std::bit_cast<AccVec>(_mm256_cvtph_ps(half_of<__m128i>(w, 0))),
+             std::bit_cast<AccVec>(_mm256_cvtph_ps(half_of<__m128i>(w, 1)))}};
   }
-  [[gnu::target("avx2,f16c")]] static Words store(const Wide& w) {
+  [[gnu::target("avx2,f16c")]] static Stored store(const Wide& w) {
     const __m128i first = _mm256_cvtps_ph(std::bit_cast<__m256>(w.part[0]), kNearestEven);
     const __m128i second = _mm256_cvtps_ph(std::bit_cast<__m256>(w.part[1]), kNearestEven);
-    return std::bit_cast<Words>(_mm256_set_m128i(second, first));
+    return std::bit_cast<Stored>(_mm256_set_m128i(second, first));
   }
 };
 
@@ -185,18 +183,16 @@ struct Half256 : Codecs<32>::HalfWords {
 // The maskz forms with every lane selected are the plain instructions; GCC 12's
 // plain forms start from an undefined register that -Wmaybe-uninitialized flags.
 struct Half512 : Codecs<64>::HalfWords {
-  using Words = Codecs<64>::Words;
-  using Floats = Codecs<64>::Floats;
   static constexpr __mmask16 kAllLanes = 0xffff;  // of 16 float32
   static constexpr __mmask8 kAllQuads = 0xff;     // of 8 64-bit lanes
-  [[gnu::target("avx512f,avx512bw,avx512dq,avx512vl")]] static Wide load(Words w) {
-    return {{std::bit_cast<Floats>(_mm512_maskz_cvtph_ps(kAllLanes, half_of<__m256i>(w, 0))),
-             std::bit_cast<Floats>(_mm512_maskz_cvtph_ps(kAllLanes, half_of<__m256i>(w, 1)))}};
+  [[gnu::target("avx512f,avx512bw,avx512dq,avx512vl")]] static Wide load(Stored w) {
+    return {{std::bit_cast<AccVec>(_mm512_maskz_cvtph_ps(kAllLanes, half_of<__m256i>(w, 0))),
+             std::bit_cast<AccVec>(_mm512_maskz_cvtph_ps(kAllLanes, half_of<__m256i>(w, 1)))}};
   }
-  [[gnu::target("avx512f,avx512bw,avx512dq,avx512vl")]] static Words store(const Wide& w) {
+  [[gnu::target("avx512f,avx512bw,avx512dq,avx512vl")]] static Stored store(const Wide& w) {
     const __m256i first = _mm512_maskz_cvtps_ph(kAllLanes, std::bit_cast<__m512>(w.part[0]), kNearestEven);
     const __m256i second = _mm512_maskz_cvtps_ph(kAllLanes, std::bit_cast<__m512>(w.part[1]), kNearestEven);
-    return std::bit_cast<Words>(_mm512_maskz_inserti64x4(kAllQuads, _mm512_castsi256_si512(first), second, 1));
+    return std::bit_cast<Stored>(_mm512_maskz_inserti64x4(kAllQuads, _mm512_castsi256_si512(first), second, 1));
   }
 };
 #endif
