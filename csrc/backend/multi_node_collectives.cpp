@@ -31,7 +31,7 @@ void all_reduce_across_nodes(ShmTransport& transport, c10d::Backend* leaders, in
   const Reduction folded = kind == Reduction::Avg ? Reduction::Sum : kind;
   shm_all_reduce(transport, header, acc.data_ptr(), acc.data_ptr(), acc.numel(), acc.scalar_type(), folded, size);
   if (leaders != nullptr) {
-    std::vector<at::Tensor> one{acc};
+    std::vector<at::Tensor> one{alias_for_backend(acc)};  // NOTE [what a backend's threads may hold]
     c10d::AllreduceOptions across;
     switch (folded) {
       case Reduction::Product: across.reduceOp = c10d::ReduceOp::PRODUCT; break;
@@ -174,22 +174,27 @@ class MultiNodeCollectives final : public Collectives {
   }
 
   // ---- on the gloo group of all ranks ---------------------------------------
+  // gloo gets aliases of the caller's tensors (NOTE [what a backend's threads may hold]).
 
   Run broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
     auto gloo = gloo_all_;
-    return [gloo, tensors, opts](uint64_t) mutable { gloo->broadcast(tensors, opts)->wait(); };
+    return [gloo, tensors = alias_for_backend(tensors), opts](uint64_t) mutable {
+      gloo->broadcast(tensors, opts)->wait();
+    };
   }
 
   Run all_gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                  const c10d::AllgatherOptions& opts) override {
     auto gloo = gloo_all_;
-    return [gloo, outputs, inputs, opts](uint64_t) mutable { gloo->allgather(outputs, inputs, opts)->wait(); };
+    return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts](uint64_t) mutable {
+      gloo->allgather(outputs, inputs, opts)->wait();
+    };
   }
 
   Run all_gather_into_tensor(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                              const c10d::AllgatherOptions& opts) override {
     auto gloo = gloo_all_;
-    return [gloo, outputs, inputs, opts](uint64_t) mutable {
+    return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts](uint64_t) mutable {
       for (const auto i : c10::irange(inputs.size())) {
         gloo->_allgather_base(outputs[i], inputs[i], opts)->wait();
       }
@@ -199,20 +204,25 @@ class MultiNodeCollectives final : public Collectives {
   Run gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
              const c10d::GatherOptions& opts) override {
     auto gloo = gloo_all_;
-    return [gloo, outputs, inputs, opts](uint64_t) mutable { gloo->gather(outputs, inputs, opts)->wait(); };
+    return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts](uint64_t) mutable {
+      gloo->gather(outputs, inputs, opts)->wait();
+    };
   }
 
   Run scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
               const c10d::ScatterOptions& opts) override {
     auto gloo = gloo_all_;
-    return [gloo, outputs, inputs, opts](uint64_t) mutable { gloo->scatter(outputs, inputs, opts)->wait(); };
+    return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts](uint64_t) mutable {
+      gloo->scatter(outputs, inputs, opts)->wait();
+    };
   }
 
   Run all_to_all_single(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
                         std::vector<int64_t>& input_split_sizes, const std::vector<int64_t>&,
                         const std::vector<int64_t>&, const c10d::AllToAllOptions& opts) override {
     auto gloo = gloo_all_;
-    return [gloo, output, input, output_split_sizes, input_split_sizes, opts](uint64_t) mutable {
+    return [gloo, output = alias_for_backend(output), input = alias_for_backend(input), output_split_sizes,
+            input_split_sizes, opts](uint64_t) mutable {
       gloo->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)->wait();
     };
   }
@@ -220,7 +230,9 @@ class MultiNodeCollectives final : public Collectives {
   Run all_to_all(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                  const c10d::AllToAllOptions& opts) override {
     auto gloo = gloo_all_;
-    return [gloo, outputs, inputs, opts](uint64_t) mutable { gloo->alltoall(outputs, inputs, opts)->wait(); };
+    return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts](uint64_t) mutable {
+      gloo->alltoall(outputs, inputs, opts)->wait();
+    };
   }
 
  private:

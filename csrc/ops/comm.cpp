@@ -1,5 +1,6 @@
 #include "ops/comm.h"
 
+#include "backend/dense.h"
 #include "backend/process_group_shm.h"
 
 #include <ATen/ATen.h>
@@ -284,7 +285,7 @@ PendingCollective start_all_reduce(const char* op, const c10::intrusive_ptr<c10d
     }
     if (world_size > 1) {
       c10::OptionalDeviceGuard device_guard(output.device());
-      std::vector<at::Tensor> tensors{output};
+      std::vector<at::Tensor> tensors{backend::alias_for_backend(output)};  // NOTE [what a backend's threads may hold]
       c10d::AllreduceOptions opts;
       opts.reduceOp = to_c10d(reduction);
       opts.asyncOp = async_op;
@@ -325,7 +326,10 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
       shm->all_gather_now(front, gathered);
       return c10::intrusive_ptr<c10d::Work>();
     }
-    return all_gather_into(*group, gathered, front, opts);
+    // NOTE [what a backend's threads may hold]
+    at::Tensor out = backend::alias_for_backend(gathered);
+    at::Tensor in = backend::alias_for_backend(front);
+    return all_gather_into(*group, out, in, opts);
   });
   auto finish = [gathered, front, n, dim] { return rows_back_to_dim(gathered, n, dim); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
@@ -363,7 +367,11 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     at::Tensor blocks = at::empty_like(front);
     c10d::AllToAllOptions opts;
     opts.asyncOp = async_op;
-    auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, blocks, front, opts); });
+    auto work = launch(op, *group, x, [&] {
+      at::Tensor out = backend::alias_for_backend(blocks);  // NOTE [what a backend's threads may hold]
+      at::Tensor in = backend::alias_for_backend(front);
+      return all_to_all_into(*group, out, in, opts);
+    });
     sizes.insert(sizes.begin(), world_size);
     auto finish = [blocks, front, sizes, reduction, finish_piece] {
       return finish_piece(fold_blocks(blocks.view(sizes), reduction));
@@ -379,7 +387,9 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
       shm->reduce_scatter_now(front, piece, summed(reduction));
       return c10::intrusive_ptr<c10d::Work>();
     }
-    return reduce_scatter_into(*group, piece, front, opts);
+    at::Tensor out = backend::alias_for_backend(piece);  // NOTE [what a backend's threads may hold]
+    at::Tensor in = backend::alias_for_backend(front);
+    return reduce_scatter_into(*group, out, in, opts);
   });
   auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);

@@ -412,6 +412,49 @@ TEST(CollectiveErrors, MessagesNameTheOpTheArgumentAndTheValue) {
   });
 }
 
+// ------------------------------------------------------------------ hand-off
+// NOTE [what a backend's threads may hold]: a backend gets aliases over the
+// caller's storage, never the caller's own TensorImpls, which Python may wrap
+// (releasing those on a backend's thread can need the GIL). The results are
+// still written through to the caller's tensors.
+
+TEST(CollectiveHandoff, BackendGetsAliasesOfTheCallersTensors) {
+  run_ranks(2, [](int /*rank*/, const std::string& group) {
+    auto* backend = dynamic_cast<torch_tp::testing::ThreadBackend*>(
+        c10d::resolve_process_group(group)->getBackend(c10::DeviceType::CPU).get());
+    ASSERT_NE(backend, nullptr);
+    auto expect_aliased = [&](const at::Tensor& caller, const char* what) {
+      bool same_storage = false;
+      for (const at::Tensor& handed : backend->last_handed()) {
+        EXPECT_FALSE(handed.is_same(caller)) << what << " itself was handed to the backend";
+        same_storage = same_storage || handed.data_ptr() == caller.data_ptr();
+      }
+      EXPECT_TRUE(same_storage) << "no tensor handed to the backend shares " << what << "'s storage";
+    };
+
+    at::Tensor x = at::ones({4, 3});
+    torch_tp::all_reduce_(x, "sum", group);
+    expect_aliased(x, "all_reduce_'s x");
+    EXPECT_TRUE(equal_exactly(x, at::full({4, 3}, 2.0f)));
+
+    const at::Tensor reduced = torch_tp::all_reduce(x, "sum", group);
+    expect_aliased(reduced, "all_reduce's result");
+    EXPECT_TRUE(equal_exactly(reduced, at::full({4, 3}, 4.0f)));
+
+    // Along dim 0 with whole pieces, x is the backend's input and the
+    // backend's output is the result: neither is copied on the way.
+    const at::Tensor gathered = torch_tp::all_gather(x, 0, group);
+    expect_aliased(x, "all_gather's x");
+    expect_aliased(gathered, "all_gather's result");
+    EXPECT_TRUE(equal_exactly(gathered, at::full({8, 3}, 2.0f)));
+
+    const at::Tensor piece = torch_tp::reduce_scatter(x, 0, "sum", group);
+    expect_aliased(x, "reduce_scatter's x");
+    expect_aliased(piece, "reduce_scatter's result");
+    EXPECT_TRUE(equal_exactly(piece, at::full({2, 3}, 4.0f)));
+  });
+}
+
 // ------------------------------------------------------------------- harness
 // The test double itself: each rank resolves its own group, and a rank that
 // fails, disagrees or stalls gives every rank a clear error instead of a hang.

@@ -195,10 +195,17 @@ class ThreadBackend : public c10d::Backend {
     return "threads";
   }
 
+  // The tensors the last collective was handed, as they were handed: tests
+  // check what callers give a backend (NOTE [what a backend's threads may hold]).
+  const std::vector<at::Tensor>& last_handed() const {
+    return handed_;
+  }
+
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
     TORCH_CHECK(tensors.size() == 1, "threads backend: allreduce takes one tensor, got ", tensors.size());
     at::Tensor& tensor = tensors[0];
+    handed_ = tensors;
     check_dense("allreduce", tensor);
     const auto op = opts.reduceOp.op_;
     const std::string signature = c10::str("allreduce(", op_name(op), ", ", tensor.scalar_type(), ", ",
@@ -216,6 +223,7 @@ class ThreadBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override {
     TORCH_CHECK(tensors.size() == 1, "threads backend: broadcast takes one tensor, got ", tensors.size());
     at::Tensor& tensor = tensors[0];
+    handed_ = tensors;
     check_dense("broadcast", tensor);
     const std::string signature = c10::str("broadcast(", opts.rootRank, ", ", tensor.scalar_type(), ", ",
                                            tensor.sizes(), ")");
@@ -232,6 +240,7 @@ class ThreadBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& /*opts*/ =
                                                      c10d::AllgatherOptions()) override {
+    handed_ = {input, output};
     check_dense("_allgather_base", input);
     check_dense("_allgather_base", output);
     check_pair("_allgather_base", output, input, output.numel() == size_ * input.numel(), "W * input.numel()");
@@ -253,6 +262,7 @@ class ThreadBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts =
                                                           c10d::ReduceScatterOptions()) override {
+    handed_ = {input, output};
     check_dense("_reduce_scatter_base", input);
     check_dense("_reduce_scatter_base", output);
     check_pair("_reduce_scatter_base", output, input, input.numel() == size_ * output.numel(), "W * output.numel()");
@@ -316,6 +326,7 @@ class ThreadBackend : public c10d::Backend {
   }
 
   std::shared_ptr<ThreadGroupState> state_;
+  std::vector<at::Tensor> handed_;
 };
 
 // What a rank that failed said.
