@@ -349,8 +349,8 @@ using FoldFn = void (*)(Reduction, c10::ScalarType, void*, const void* const*, i
 
 #if defined(__x86_64__)
 [[gnu::target("avx2,f16c"), gnu::flatten]] void fold_avx2(Reduction kind, c10::ScalarType dtype, void* out,
-                                                      const void* const* inputs, int n, int64_t numel,
-                                                      int64_t avg_divisor) {
+                                                           const void* const* inputs, int n, int64_t numel,
+                                                           int64_t avg_divisor) {
   reduce_with_vectors_of<32>(kind, dtype, out, inputs, n, numel, avg_divisor);
 }
 

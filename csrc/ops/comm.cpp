@@ -12,37 +12,56 @@
 namespace torch_tp {
 namespace {
 
-// ProcessGroup renamed _allgather_base/_reduce_scatter_base to
-// all_gather_single/reduce_scatter_single in torch 2.13 and deprecated the old names.
+// The one door from this file to c10d's collectives: each hands the engine
+// aliases of its tensors (NOTE [what a backend's threads may hold]), so no
+// engine thread ever holds a TensorImpl Python wraps. ProcessGroup renamed
+// _allgather_base/_reduce_scatter_base to all_gather_single/reduce_scatter_single
+// in torch 2.13 and deprecated the old names.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
-c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
-                                               const c10d::AllgatherOptions& opts) {
-  return group.all_gather_single(out, in, opts);
-}
-c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
-                                                   const c10d::ReduceScatterOptions& opts) {
-  return group.reduce_scatter_single(out, in, opts);
-}
-c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
-                                               const c10d::AllToAllOptions& opts) {
-  std::vector<int64_t> equal_splits;
-  return group.all_to_all_single(out, in, equal_splits, equal_splits, opts);
-}
+#define TORCH_TP_SINGLE_TENSOR_NAMES 1
 #else
-c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
-                                               const c10d::AllgatherOptions& opts) {
-  return group._allgather_base(out, in, opts);
-}
-c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
-                                                   const c10d::ReduceScatterOptions& opts) {
-  return group._reduce_scatter_base(out, in, opts);
-}
-c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
-                                               const c10d::AllToAllOptions& opts) {
-  std::vector<int64_t> equal_splits;
-  return group.alltoall_base(out, in, equal_splits, equal_splits, opts);
-}
+#define TORCH_TP_SINGLE_TENSOR_NAMES 0
 #endif
+
+c10::intrusive_ptr<c10d::Work> all_reduce_into(c10d::ProcessGroup& group, const at::Tensor& tensor,
+                                               const c10d::AllreduceOptions& opts) {
+  std::vector<at::Tensor> tensors{backend::alias_for_backend(tensor)};
+  return group.allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> all_gather_into(c10d::ProcessGroup& group, const at::Tensor& out, const at::Tensor& in,
+                                               const c10d::AllgatherOptions& opts) {
+  at::Tensor engine_out = backend::alias_for_backend(out);
+  at::Tensor engine_in = backend::alias_for_backend(in);
+#if TORCH_TP_SINGLE_TENSOR_NAMES
+  return group.all_gather_single(engine_out, engine_in, opts);
+#else
+  return group._allgather_base(engine_out, engine_in, opts);
+#endif
+}
+
+c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& out,
+                                                   const at::Tensor& in, const c10d::ReduceScatterOptions& opts) {
+  at::Tensor engine_out = backend::alias_for_backend(out);
+  at::Tensor engine_in = backend::alias_for_backend(in);
+#if TORCH_TP_SINGLE_TENSOR_NAMES
+  return group.reduce_scatter_single(engine_out, engine_in, opts);
+#else
+  return group._reduce_scatter_base(engine_out, engine_in, opts);
+#endif
+}
+
+c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, const at::Tensor& out, const at::Tensor& in,
+                                               const c10d::AllToAllOptions& opts) {
+  at::Tensor engine_out = backend::alias_for_backend(out);
+  at::Tensor engine_in = backend::alias_for_backend(in);
+  std::vector<int64_t> equal_splits;
+#if TORCH_TP_SINGLE_TENSOR_NAMES
+  return group.all_to_all_single(engine_out, engine_in, equal_splits, equal_splits, opts);
+#else
+  return group.alltoall_base(engine_out, engine_in, equal_splits, equal_splits, opts);
+#endif
+}
 
 // NOTE [reduce-scatter on gloo]
 // gloo's reduce_scatter is slow on CPU tensors: DTensor's profile shows it
@@ -285,11 +304,10 @@ PendingCollective start_all_reduce(const char* op, const c10::intrusive_ptr<c10d
     }
     if (world_size > 1) {
       c10::OptionalDeviceGuard device_guard(output.device());
-      std::vector<at::Tensor> tensors{backend::alias_for_backend(output)};  // NOTE [what a backend's threads may hold]
       c10d::AllreduceOptions opts;
       opts.reduceOp = to_c10d(reduction);
       opts.asyncOp = async_op;
-      work = launch(op, *group, input, [&] { return group->allreduce(tensors, opts); });
+      work = launch(op, *group, input, [&] { return all_reduce_into(*group, output, opts); });
     }
   }
   auto finish = [output, reduction, world_size]() mutable {
@@ -326,10 +344,7 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
       shm->all_gather_now(front, gathered);
       return c10::intrusive_ptr<c10d::Work>();
     }
-    // NOTE [what a backend's threads may hold]
-    at::Tensor out = backend::alias_for_backend(gathered);
-    at::Tensor in = backend::alias_for_backend(front);
-    return all_gather_into(*group, out, in, opts);
+    return all_gather_into(*group, gathered, front, opts);
   });
   auto finish = [gathered, front, n, dim] { return rows_back_to_dim(gathered, n, dim); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
@@ -367,11 +382,7 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     at::Tensor blocks = at::empty_like(front);
     c10d::AllToAllOptions opts;
     opts.asyncOp = async_op;
-    auto work = launch(op, *group, x, [&] {
-      at::Tensor out = backend::alias_for_backend(blocks);  // NOTE [what a backend's threads may hold]
-      at::Tensor in = backend::alias_for_backend(front);
-      return all_to_all_into(*group, out, in, opts);
-    });
+    auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, blocks, front, opts); });
     sizes.insert(sizes.begin(), world_size);
     auto finish = [blocks, front, sizes, reduction, finish_piece] {
       return finish_piece(fold_blocks(blocks.view(sizes), reduction));
@@ -387,9 +398,7 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
       shm->reduce_scatter_now(front, piece, summed(reduction));
       return c10::intrusive_ptr<c10d::Work>();
     }
-    at::Tensor out = backend::alias_for_backend(piece);  // NOTE [what a backend's threads may hold]
-    at::Tensor in = backend::alias_for_backend(front);
-    return reduce_scatter_into(*group, out, in, opts);
+    return reduce_scatter_into(*group, piece, front, opts);
   });
   auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
