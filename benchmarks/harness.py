@@ -1,0 +1,334 @@
+"""What every benchmark here shares: interleaved timing, cross-rank medians and the JSON a run writes.
+
+The method, in the manner of torch.utils.benchmark and nccl-tests: the implementations a benchmark compares
+run side by side in one job. Every repeat runs one timed sample of each, in an order that changes from repeat
+to repeat, so machine drift hits them all alike and none always runs first (cold) or after the same one (whose
+leftovers it would pay for). Before each sample an untimed reset runs (gradients to None, buffers refilled),
+then a barrier lines the ranks up; each rank times its own sample (perf_counter; CUDA events on a GPU), and
+after the run the times are gathered: a repeat's time is the slowest rank's, since a distributed step is done
+when it is done everywhere. A sample is one call, or a batch of back-to-back calls for calls too short for the
+clock (per-call time: batch time / batch length). Reported are medians over repeats with p10/p90, ratios of
+medians, and paired differences as medians of the per-repeat differences. Cyclic GC is off while timing.
+
+With ``--noop-group`` a benchmark binds its steps to a group on torch's "fake" backend instead, whose
+collectives complete at once without communicating: what is left is each layer's own cost (dispatch, checks,
+allocation, autograd). There samples are batches, with one world-group barrier per round.
+
+The scripts run as ``torchrun ... benchmarks/<script>.py``, so this directory is ``sys.path[0]``.
+"""
+
+import argparse
+import datetime
+import gc
+import itertools
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import report
+
+KiB = 1024
+MiB = 1024 * KiB
+UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6}
+
+
+def parse_size(text: str) -> int:
+    """``4K``, ``16KiB``, ``1M``, ``64MiB`` or a plain byte count."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def fmt_size(nbytes: int) -> str:
+    for unit, name in ((MiB, "MiB"), (KiB, "KiB")):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit} {name}"
+    return f"{nbytes} B"
+
+
+def busbw_GBps(op: str, nbytes: int, seconds: float, p: int) -> float:
+    """nccl-tests' bus bandwidth, GB/s: ``S / t`` times 2(p-1)/p for all_reduce, (p-1)/p for all_gather and
+    reduce_scatter, S being the all_reduce tensor, the all_gather output, the reduce_scatter input."""
+    return nbytes / seconds / 1e9 * (2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p)
+
+
+def materialize(t):
+    """Wait for an eager functional collective's result, also inside a DTensor: DTensor hands back outputs and
+    gradients before their collectives have finished, and a step is not done until they have."""
+    from torch.distributed.tensor import DTensor
+
+    inner = t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(inner, funcol.AsyncCollectiveTensor):
+        inner.wait()
+    return t
+
+
+# ---------------------------------------------------------------------------
+# timing
+
+
+def wall_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
+    """Seconds per call of ``calls`` back-to-back calls. A step that returns a dict of ``perf_counter()``
+    stamps ("laps") gets them back as seconds since its start."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn()
+    t1 = time.perf_counter()
+    laps = {k: v - t0 for k, v in out.items()} if isinstance(out, dict) else {}
+    return (t1 - t0) / calls, laps
+
+
+def cuda_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
+    """:func:`wall_time` on a GPU: CUDA events on the current stream (no laps)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls, {}
+
+
+def rotations(keys: Sequence[str]) -> Callable[[int], List[str]]:
+    """Repeat r runs ``keys`` rotated by r (two keys: the order alternates)."""
+    keys = list(keys)
+    return lambda r: keys[r % len(keys):] + keys[: r % len(keys)]
+
+
+def permutations(keys: Sequence[str]) -> Callable[[int], List[str]]:
+    """Repeat r runs the r-th of all orders of ``keys``: none always after the same one either."""
+    orders = [list(o) for o in itertools.permutations(keys)]
+    return lambda r: orders[r % len(orders)]
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default)."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def stats(times_s: Sequence[float], unit: str) -> Dict[str, Any]:
+    v = [t * UNITS[unit] for t in times_s]
+    return {"median": quantile(v, 0.5), "p10": quantile(v, 0.1), "p90": quantile(v, 0.9), "times": v}
+
+
+class Samples:
+    """What :func:`time_interleaved` measured: ``per_rank[key]`` is ``[ranks, repeats]`` in seconds."""
+
+    def __init__(self, per_rank: Dict[str, torch.Tensor], calls: int) -> None:
+        self.per_rank, self.calls = per_rank, calls
+
+    def max(self, key: str) -> List[float]:
+        """Per repeat, the slowest rank's time."""
+        return self.per_rank[key].max(dim=0).values.tolist()
+
+    def stats(self, key: str, unit: str) -> Dict[str, Any]:
+        return stats(self.max(key), unit)
+
+    def median(self, key: str, unit: str) -> float:
+        return quantile(self.max(key), 0.5) * UNITS[unit]
+
+    def paired(self, a: str, b: str, unit: str) -> Dict[str, Any]:
+        """Over repeats, ``a - b``: both ran in every repeat, so the difference cancels drift."""
+        return stats([x - y for x, y in zip(self.max(a), self.max(b))], unit)
+
+
+def time_interleaved(
+    steps: Dict[str, Callable[[], Any]],
+    repeats: int,
+    group: dist.ProcessGroup,
+    *,
+    order: Optional[Callable[[int], Sequence[str]]] = None,
+    reset: Optional[Dict[str, Callable[[], None]]] = None,
+    calls: int = 1,
+    warmup: int = 0,
+    barrier: Union[str, Callable[[str], None]] = "step",
+    timer: Callable[[Callable[[], Any], int], Tuple[float, Dict[str, float]]] = wall_time,
+    gc_off: bool = True,
+) -> Samples:
+    """Time ``steps`` side by side: ``warmup`` untimed rounds, then ``repeats`` rounds of ``order(r)``
+    (default: :func:`rotations`). ``group``: the ranks whose times are gathered, and of the barriers;
+    ``barrier``: ``"step"`` before every sample, ``"round"`` before each round, or ``barrier(key)``.
+    A step returning laps adds the samples ``"<key>/<lap>"``."""
+    order = order or rotations(list(steps))
+    reset = reset or {}
+    local: Dict[str, List[float]] = {}
+    gc_was_enabled = gc.isenabled()
+    if gc_off:
+        gc.collect()
+        gc.disable()
+    try:
+        for r in range(-warmup, repeats):
+            if barrier == "round":
+                dist.barrier(group=group)
+            for key in order(r):
+                if key in reset:
+                    reset[key]()
+                if barrier == "step":
+                    dist.barrier(group=group)
+                elif callable(barrier):
+                    barrier(key)
+                seconds, laps = timer(steps[key], calls)
+                if r >= 0:
+                    local.setdefault(key, []).append(seconds)
+                    for lap, t in laps.items():
+                        local.setdefault(f"{key}/{lap}", []).append(t)
+    finally:
+        if gc_off and gc_was_enabled:
+            gc.enable()
+    keys = list(local)
+    mine = torch.tensor([local[k] for k in keys], dtype=torch.float64).reshape(len(keys), repeats)
+    gathered = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(gathered, mine, group=group)
+    per_rank = torch.stack(gathered)  # [rank, key, repeat]
+    return Samples({k: per_rank[:, i] for i, k in enumerate(keys)}, calls)
+
+
+# ---------------------------------------------------------------------------
+# results
+
+
+class Table:
+    """Rows of one comparison, as :mod:`report` prints them: a row is a case (``case``: its labels), each
+    implementation's stats, the paired differences, and ``extra`` figures; ratios are taken at report time."""
+
+    def __init__(self, unit: str, impls: Sequence[str], ratios: Sequence[Tuple[str, str]] = (),
+                 paired: Sequence[Tuple[str, str]] = (), title: str = "") -> None:
+        self.unit, self.impls, self.title = unit, list(impls), title
+        self.ratios, self.paired = [list(r) for r in ratios], [list(p) for p in paired]
+        self.rows: List[Dict[str, Any]] = []
+
+    def add(self, case: Dict[str, Any], samples: Samples, keys: Optional[Dict[str, str]] = None,
+            extra: Optional[Dict[str, Any]] = None, x: Optional[float] = None, panel: str = "") -> Dict[str, Any]:
+        """``keys[impl]``: the sample key of ``impl`` (default: the name itself); ``x``, ``panel``: where the
+        plot puts the row (a numeric x draws lines over x, one panel per ``panel``; none draws bars)."""
+        keys = keys or {}
+        key = lambda impl: keys.get(impl, impl)  # noqa: E731
+        row = {
+            "case": case, "x": x, "panel": panel, "calls_per_sample": samples.calls,
+            "stats": {i: samples.stats(key(i), self.unit) for i in self.impls if key(i) in samples.per_rank},
+            "paired": {f"{a} - {b}": samples.paired(key(a), key(b), self.unit) for a, b in self.paired
+                       if key(a) in samples.per_rank and key(b) in samples.per_rank},
+            "extra": extra or {},
+        }
+        self.rows.append(row)
+        return row
+
+
+def noop_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group on torch's "fake" backend beside the world group; every rank must call this."""
+    why = ""
+    try:
+        # torch names the backend but registers its creator only when this module is imported.
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+        group = dist.new_group(backend="fake")
+    except Exception as e:  # a torch without it: every rank says why below
+        why = f"{type(e).__name__}: {e}"
+    ok = torch.tensor([0 if why else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=world)
+    if not ok.item():
+        raise RuntimeError(f"--noop-group: torch cannot make a 'fake' group here ({why or 'on another rank'})")
+    return group
+
+
+def parser(doc: str, *, quick: str = "", noop_batch: int = 0) -> argparse.ArgumentParser:
+    """The options every script shares, under the script's docstring; ``quick``: the help of a smoke-run
+    flag; ``noop_batch``: the default batch of ``--noop-group`` (0: the script has no such mode)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)),
+                   help="where the json, the png and RESULTS.md go (default: benchmarks/)")
+    p.add_argument("--no-results-md", action="store_true", help="write the json and png, not RESULTS.md")
+    if quick:
+        p.add_argument("--quick", action="store_true", help=quick)
+    if noop_batch:
+        p.add_argument("--noop-group", action="store_true",
+                       help="bind the steps to a no-op group (torch's fake backend: collectives do not "
+                       "communicate), which leaves each layer's own per-call cost; its own section")
+        p.add_argument("--batch", type=int, default=noop_batch,
+                       help="with --noop-group: calls per timed sample (default: %(default)s)")
+    return p
+
+
+def subset(p: argparse.ArgumentParser, option: str, text: str, allowed: Sequence[str]) -> List[str]:
+    """The values of a comma-separated ``option``, each one of ``allowed``."""
+    values = text.split(",")
+    if set(values) - set(allowed):
+        p.error(f"{option}: choose from {','.join(allowed)}")
+    return values
+
+
+def command_line(torchrun: bool) -> str:
+    """The command as typed (torchrun re-executes the script as plain python)."""
+    script = os.path.relpath(sys.argv[0])
+    if not torchrun:
+        return shlex.join(["python", script] + sys.argv[1:])
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    return shlex.join(["torchrun", "--nproc-per-node", nproc, script] + sys.argv[1:])
+
+
+def machine() -> Dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {
+        "cpu_model": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "torch_version": torch.__version__,
+        "python_version": platform.python_version(), "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(), "threads_per_rank": torch.get_num_threads(),
+        # glibc malloc tunables change what fresh output allocations cost (large blocks are mmap'd per call).
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
+    }
+
+
+def run(name: str, args: argparse.Namespace, measure: Callable[[], Dict[str, Any]], *, backend: str = "gloo",
+        threads: Optional[int] = 1, torchrun: bool = True) -> int:
+    """Set up the process group, ``measure()``, and on rank 0 write ``<stem>.json`` and :mod:`report`'s
+    outputs. ``measure`` returns ``tag`` (the RESULTS.md markers), ``stem``, ``title``, ``about`` (what the
+    implementations are), ``tables`` (:class:`Table`) and ``notes`` (lines). ``threads``: intra-op threads per
+    rank (one: 2 ranks on 2 cores, no oversubscription). ``torchrun=False``: one process, world size 1."""
+    if torchrun and "RANK" not in os.environ:
+        print(f"{name}: launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/{name}.py",
+              file=sys.stderr)
+        return 2
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if torchrun:
+        dist.init_process_group(backend)
+    else:
+        store = tempfile.mkdtemp(prefix=f"{name}_")
+        dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1)
+    start = time.perf_counter()
+    try:
+        out = measure()
+        if getattr(args, "noop_group", False):  # a section and files of their own
+            out.update(tag=out["tag"] + " noop", stem=out["stem"] + "_noop", title=out["title"] + ", no-op group",
+                       about=out["about"] + f" No-op group (torch's fake backend): samples of {args.batch} "
+                       "back-to-back steps, one world barrier per round; values are not the collectives'.")
+        if dist.get_rank() == 0:
+            data = {
+                "benchmark": name, "command": command_line(torchrun), "args": vars(args),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "machine": machine(), "elapsed_s": time.perf_counter() - start,
+                **out, "tables": [vars(t) for t in out["tables"]],
+            }
+            os.makedirs(args.out_dir, exist_ok=True)
+            path = os.path.join(args.out_dir, f"{out['stem']}.json")
+            with open(path, "w") as f:
+                json.dump(data, f, indent=1)
+            report.write(path, results_md=None if args.no_results_md else os.path.join(args.out_dir, "RESULTS.md"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
