@@ -49,7 +49,8 @@ def deepspeed_ops(p: int):
             raise RuntimeError("DeepSpeed's deepspeed_shm_comm op did not build")
         if getattr(backend, "shm_vector_kernel_level", 0) < 2:
             raise RuntimeError("the CPU lacks avx512bw, which DeepSpeed's bf16 shm kernel needs")
-        ds = (ds_comm.inference_all_reduce, torch.ops.deepspeed.inference_all_reduce_, f"DeepSpeed {deepspeed.__version__}")
+        ds = (ds_comm.inference_all_reduce, torch.ops.deepspeed.inference_all_reduce_,
+              f"DeepSpeed {deepspeed.__version__}")
     except Exception as e:  # not installed, or unusable here
         ds = (None, None, f"DeepSpeed skipped ({type(e).__name__}: {e})")
     ok = torch.tensor([0 if ds[0] is None else 1], dtype=torch.int32)
@@ -143,7 +144,8 @@ def measure(args):
 
 def main(argv) -> int:
     p = harness.parser(__doc__, quick="smoke run: five rounds per row")
-    p.add_argument("--no-breakdown", action="store_true", help="skip the 4 KiB by-layer table")
+    p.add_argument("--no-breakdown", action="store_true",
+                   help="skip the 4 KiB by-layer table (it needs torch's fake backend for its no-op group row)")
     p.add_argument("--sizes", help="comma-separated sizes, e.g. 4K,64K (default: 4 KiB, 64 KiB, 1 MiB, 16 MiB)")
     p.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)} "
                    "(default: %(default)s)")

@@ -23,7 +23,8 @@ IMPLS = ["torch_tp", "torch_tp_fused", "dtensor", "floor"]
 # (batch, hidden): the first is framework cost and latency (GEMMs of microseconds), the last two are
 # GEMM-bound, the one between shows the crossover. --quick leaves out the largest.
 SIZES = [(8, 256), (128, 512), (512, 1024), (1024, 2048)]
-# Timed repeats and untimed warm-up steps per size: fewer where a step is longer (a full run takes minutes).
+# Timed repeats and untimed warm-up steps per size: fewer where a step is longer (a full run takes minutes);
+# a size not listed gets 30 and 2.
 REPEATS = {(8, 256): (400, 10), (128, 512): (120, 5), (512, 1024): (30, 2), (1024, 2048): (12, 1)}
 
 
@@ -132,7 +133,8 @@ def measure(args):
 
 
 def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats, without the largest size", noop_batch=50)
+    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats, without the largest size (with "
+                       "--noop-group: see --steps)", noop_batch=50)
     p.add_argument("--sizes", help="comma-separated batch x hidden, e.g. 8x256,512x1024 (default: "
                    + ",".join(f"{b}x{h}" for b, h in SIZES) + "; with --noop-group: 8x256)")
     p.add_argument("--steps", type=int, default=2000,
