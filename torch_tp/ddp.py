@@ -20,14 +20,12 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._utils import _get_device_index
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.tensor import DTensor
-from torch.distributed.utils import _cast_forward_inputs, _to_kwargs
-from torch.utils._pytree import tree_flatten
 
 from . import _C
+from ._torch_private import cast_forward_inputs, get_default_group, get_device_index, to_kwargs, tree_flatten
 
 __all__ = ["DistributedDataParallel"]
 
@@ -189,7 +187,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "mesh['dp']")
             process_group = device_mesh.get_group(0)
         elif process_group is None:
-            process_group = dist.distributed_c10d._get_default_group()
+            process_group = get_default_group()
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb={bucket_cap_mb} must be positive")
 
@@ -305,8 +303,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.device_ids = None
             self.output_device = None
         else:
-            self.device_ids = [_get_device_index(d, True) for d in device_ids]
-            self.output_device = _get_device_index(device_ids[0] if output_device is None else output_device, True)
+            self.device_ids = [get_device_index(d, True) for d in device_ids]
+            self.output_device = get_device_index(device_ids[0] if output_device is None else output_device, True)
 
     def _parameters_to_reduce(self) -> Tuple[List[nn.Parameter], List[str]]:
         # Registration order, each shared parameter once (under its first name), as torch's DDP.
@@ -363,10 +361,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._check_global_requires_backward_grad_sync(is_joined_rank=False)
             if self.device_ids:
                 device = torch.device(self.device_type, self.device_ids[0])
-                moved_inputs, moved_kwargs = _to_kwargs(inputs, kwargs, device, self._use_side_stream_for_tensor_copies)
+                moved_inputs, moved_kwargs = to_kwargs(inputs, kwargs, device, self._use_side_stream_for_tensor_copies)
                 inputs, kwargs = moved_inputs[0], moved_kwargs[0]
             if self._param_dtype is not None:
-                inputs, kwargs = _cast_forward_inputs(self._param_dtype, *inputs, **kwargs)
+                inputs, kwargs = cast_forward_inputs(self._param_dtype, *inputs, **kwargs)
             with _forward_parameters(self._swapped_parameters, self._param_dtype):
                 output = self.module(*inputs, **kwargs)
             if grad_enabled and self.require_backward_grad_sync:
@@ -542,7 +540,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("DistributedDataParallel.register_comm_hook can only be called once")
         builtin = _BUILTIN_HOOKS.get(hook)
         same_group = state is self.process_group or (
-            state is None and self.process_group is dist.distributed_c10d._get_default_group())
+            state is None and self.process_group is get_default_group())
         if builtin is not None and same_group:
             self.reducer.register_builtin_comm_hook(builtin)
         else:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._torch_private import LocalTensor, LocalTensorMode, resolve_process_group
+
 __all__ = [
     "GroupLike",
     "all_gather",
@@ -66,14 +68,9 @@ def _refuse_local_tensors(_mode_or_class, func, _types, _args, _kwargs):
         "for LocalTensorMode")
 
 
-try:
-    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
-except ImportError:  # a torch without LocalTensorMode
-    pass
-else:
-    for _name in _COMMUNICATING_OPS:
-        for _mode_or_class in (LocalTensorMode, LocalTensor):
-            torch.library.register_torch_dispatch(f"torch_tp::{_name}", _mode_or_class, _refuse_local_tensors)
+for _name in _COMMUNICATING_OPS:
+    for _mode_or_class in (LocalTensorMode, LocalTensor):
+        torch.library.register_torch_dispatch(f"torch_tp::{_name}", _mode_or_class, _refuse_local_tensors)
 
 
 def group_name(group: GroupLike) -> str:
@@ -390,7 +387,7 @@ def shard(full: torch.Tensor, dim: int, group: GroupLike = None) -> torch.Tensor
         tensor([3., 4.])
     """
     name = group_name(group)
-    pg = torch.distributed.distributed_c10d._resolve_process_group(name)
+    pg = resolve_process_group(name)
     start, length = chunk_range(full.size(dim), pg.size(), pg.rank())
     # A copy, never a view: a parameter made from it must not share storage with `full`.
     return full.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)

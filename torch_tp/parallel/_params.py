@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from .._torch_private import DTensorSpec, dtensor_from_spec, dtensor_local, dtensor_spec
 
 # The qualified name (from the module parallelize_module was given) of the
 # module a style is being applied to, for error messages.
@@ -111,7 +112,7 @@ class _LocalTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
         ctx.grad_spec = grad_spec
-        local = param._local_tensor
+        local = dtensor_local(param)
         return local.view_as(local)
 
     @staticmethod
@@ -120,7 +121,7 @@ class _LocalTensor(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: the gradient must stay differentiable
             return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                                       stride=spec.stride), None
-        return DTensor(grad.contiguous(), spec, requires_grad=False), None
+        return dtensor_from_spec(grad.contiguous(), spec, requires_grad=False), None
 
 
 # NOTE [unwrapping a parameter]
@@ -142,10 +143,10 @@ def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> O
     if not isinstance(param, DTensor):
         return param
     if not torch.is_grad_enabled() or not param.requires_grad:
-        return param._local_tensor
+        return dtensor_local(param)
     if torch.compiler.is_compiling():
         return param.to_local(grad_placements=(Partial(),) if partial_grad else None)
-    spec = param._spec
+    spec = dtensor_spec(param)
     if partial_grad:
         spec = _partial_twin(param)
     return _LocalTensor.apply(param, spec)
@@ -159,7 +160,7 @@ _partial_twins: "weakref.WeakKeyDictionary[DTensorSpec, DTensorSpec]" = weakref.
 def _partial_twin(param: DTensor) -> DTensorSpec:
     """``param``'s spec with a ``Partial()`` placement, made once per spec: building a
     DTensorSpec costs more than the rest of the unwrap, and it would run every forward."""
-    spec = param._spec
+    spec = dtensor_spec(param)
     twin = _partial_twins.get(spec)
     if twin is None:
         twin = _partial_twins[spec] = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)

@@ -49,6 +49,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from .._torch_private import queue_autograd_callback
+
 # id(parameter) -> (registration number, parameter): parameters whose .grad
 # holds Partial sums that the next end-of-backward callback completes. Strong
 # references, here and in the hooks: a weak reference to a parameter would
@@ -106,9 +108,7 @@ def _record(param: nn.Parameter, number: int, grad: torch.Tensor):
     if isinstance(previous, DTensor) and not _is_partial(previous):
         param.grad = _as_partial(previous)
     _pending[id(param)] = (number, param)
-    # Variable._execution_engine.queue_callback: no public API runs a function
-    # at the end of the current backward (torch's DDP and FSDP use it too).
-    torch.autograd.Variable._execution_engine.queue_callback(_complete_pending)
+    queue_autograd_callback(_complete_pending)
     return None
 
 

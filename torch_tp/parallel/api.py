@@ -10,21 +10,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import style as _torch_style
 
+from .._torch_private import current_mesh
 from . import style as _style
 from ._layout import scope_records_to_forward
 from ._params import naming_module
 
 __all__ = ["parallelize_module"]
-
-
-def _current_mesh() -> Optional[DeviceMesh]:
-    """The mesh of an enclosing ``with mesh:`` block, as torch looks it up."""
-    from torch.distributed.device_mesh import _mesh_resources
-
-    try:
-        return _mesh_resources.get_current_mesh()
-    except RuntimeError:
-        return None
 
 
 def _from_torch(style: _torch_style.ParallelStyle) -> _torch_style.ParallelStyle:
@@ -111,7 +102,7 @@ def parallelize_module(
         >>> tp_mesh = init_device_mesh("cpu", (2,))
         >>> m = parallelize_module(MLP(), tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     """
-    device_mesh = device_mesh or _current_mesh()
+    device_mesh = device_mesh or current_mesh()
     if device_mesh is None:
         raise RuntimeError("torch_tp.parallelize_module: no device_mesh given and no `with mesh:` block is active")
     if device_mesh.ndim != 1:

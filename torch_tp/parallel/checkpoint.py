@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils._foreach_utils import (
-    _device_has_foreach_support,
-    _group_tensors_by_device_and_dtype,
-    _has_foreach_support,
+
+from .._torch_private import (
+    IncompatibleKeys,
+    device_has_foreach_support,
+    group_tensors_by_device_and_dtype,
+    has_foreach_support,
 )
 
 __all__ = ["clip_grad_norm_", "get_full_state_dict", "load_full_state_dict"]
@@ -122,7 +123,7 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> Dict[s
     return full
 
 
-def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> _IncompatibleKeys:
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> IncompatibleKeys:
     r"""Load the state dict of the unsharded model into a parallelized one.
 
     For a DTensor parameter, this rank's piece of the full tensor (for
@@ -217,10 +218,10 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
 def _norms(grads: List[torch.Tensor], norm_type: float, foreach: Optional[bool]) -> List[torch.Tensor]:
     """The norm of each tensor, computed as ``torch.nn.utils.get_total_norm`` computes it."""
     norms: List[torch.Tensor] = []
-    grouped = _group_tensors_by_device_and_dtype([grads])
+    grouped = group_tensors_by_device_and_dtype([grads])
     for (device, _), ([device_grads], _) in grouped.items():
-        if (foreach is None and _has_foreach_support(device_grads, device)) or (
-                foreach and _device_has_foreach_support(device)):
+        if (foreach is None and has_foreach_support(device_grads, device)) or (
+                foreach and device_has_foreach_support(device)):
             norms.extend(torch._foreach_norm(device_grads, norm_type))
         elif foreach:
             raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
@@ -387,9 +388,9 @@ def clip_grad_norm_(
         if not local_grads:
             return total_norm
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([local_grads]).items():
-            if (foreach is None and _has_foreach_support(device_grads, device)) or (
-                    foreach and _device_has_foreach_support(device)):
+        for (device, _), ([device_grads], _) in group_tensors_by_device_and_dtype([local_grads]).items():
+            if (foreach is None and has_foreach_support(device_grads, device)) or (
+                    foreach and device_has_foreach_support(device)):
                 torch._foreach_mul_(device_grads, clip_coef.to(device))
             elif foreach:
                 raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")

@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
+from .._torch_private import assert_async, dtensor_local, legacy_get_string
 from ..ops import chunk_range
 
 __all__ = ["loss_parallel"]
@@ -115,7 +116,7 @@ def _class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
     num_classes = x.shape[dim]
     world, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     start, length = chunk_range(num_classes, world, rank)
-    local = x._local_tensor.size(dim)
+    local = dtensor_local(x).size(dim)
     if local != length:
         raise ValueError(_err(
             fn, f"{what}'s local shard holds {local} of {num_classes} classes on mesh rank {rank} "
@@ -166,7 +167,8 @@ def _check_target(target: Any, x: DTensor, class_dim: int, placements: Tuple[Pla
                 fn, f"target.shape={tuple(target.shape)} does not match input.shape={tuple(x.shape)} "
                 f"without the class dim {class_dim}: expected {tuple(expected)}"))
         target = target.to_local()
-        expected = x._local_tensor.shape[:class_dim] + x._local_tensor.shape[class_dim + 1:]
+        local_shape = dtensor_local(x).shape
+        expected = local_shape[:class_dim] + local_shape[class_dim + 1:]
     target = _replicated_local(target, mesh, fn, "target")
     if target.is_floating_point() or target.is_complex():
         raise NotImplementedError(_err(
@@ -199,7 +201,7 @@ def _check_weight(weight: Any, mesh: DeviceMesh, num_classes: int, fn: str) -> O
 
 def _check_reduction(size_average: Any, reduce: Any, reduction: str, fn: str) -> str:
     if size_average is not None or reduce is not None:
-        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+        reduction = legacy_get_string(size_average, reduce)
     if reduction not in _REDUCTIONS:
         raise ValueError(_err(fn, f"reduction={reduction!r} is not one of {_REDUCTIONS}"))
     return reduction
@@ -219,7 +221,7 @@ def _row_weights(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_in
     valid = target != ignore_index
     # F.cross_entropy raises "Target 12 is out of bounds."; on CUDA this is a
     # device-side assert, so the check costs no host synchronisation.
-    torch._assert_async(
+    assert_async(
         ((target >= 0) & (target < num_classes) | ~valid).all(),
         f"torch_tp.loss_parallel: a target is outside [0, {num_classes}) and not ignore_index={ignore_index}")
     if weight is None:
@@ -380,7 +382,7 @@ _RECORD = "_torch_tp_log_softmax"
 
 def _versions(dt: DTensor) -> Tuple[int, int]:
     # In-place ops on the DTensor bump its own counter; on a to_local() view, the local tensor's.
-    return dt._version, dt._local_tensor._version
+    return dt._version, dtensor_local(dt)._version
 
 
 def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
