@@ -32,8 +32,9 @@ NOTE [vocab-parallel cross entropy]
     mean divides by sum(w_t), as F.cross_entropy does.
 
 NOTE [log_softmax then nll_loss]
-    ``F.nll_loss(F.log_softmax(x, c), t)`` is cross entropy in two calls. The
-    log_softmax output remembers its input shard and the global m and S; when
+    ``F.nll_loss(F.log_softmax(x, c), t)`` is cross entropy in two calls. A
+    side table keyed by the log_softmax output (``_log_softmax_records``)
+    remembers its input shard and the global m and S; when
     nll_loss receives exactly that DTensor (same class dim, not modified in
     place), it computes the cross-entropy gradient straight into x, so the
     log_softmax node is not on the loss's backward path and backward needs no
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_private import assert_async, dtensor_local, legacy_get_string
 from ..ops import chunk_range
@@ -367,7 +369,7 @@ class _LogSoftmax(torch.autograd.Function):
 
 @dataclass
 class _LogSoftmaxRecord:
-    """Kept on a log_softmax output DTensor; see NOTE [log_softmax then nll_loss]."""
+    """What nll_loss needs of a log_softmax output DTensor; see NOTE [log_softmax then nll_loss]."""
 
     x: torch.Tensor  # the input's local shard, class dim last (on the autograd path of the input)
     m: torch.Tensor
@@ -377,7 +379,10 @@ class _LogSoftmaxRecord:
     versions: Tuple[int, int]
 
 
-_RECORD = "_torch_tp_log_softmax"
+# log_softmax output DTensor -> its record, for as long as that DTensor lives. A
+# side table, not an attribute: the output is the user's tensor. Keyed by identity
+# (torch.utils.weak), as a tensor's == compares values.
+_log_softmax_records: "WeakIdKeyDictionary[DTensor, _LogSoftmaxRecord]" = WeakIdKeyDictionary()
 
 
 def _versions(dt: DTensor) -> Tuple[int, int]:
@@ -409,7 +414,7 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
     dtype = _compute_dtype(input.dtype)
     w = _row_weights(target, weight, ignore_index, shard.num_classes, dtype)
 
-    record: Optional[_LogSoftmaxRecord] = getattr(input, _RECORD, None)
+    record: Optional[_LogSoftmaxRecord] = _log_softmax_records.get(input)
     if not cross_entropy and record is not None and record.dim == class_dim \
             and record.versions == _versions(input):
         # NOTE [log_softmax then nll_loss]: differentiate straight into the logits.
@@ -484,7 +489,7 @@ def _log_softmax_dt(x: DTensor, dim: Any, dtype: Optional[torch.dtype]) -> Any:
     out_local = logp.movedim(-1, dim).contiguous()
     out = DTensor.from_local(out_local, x.device_mesh, x.placements, run_check=False,
                              shape=x.shape, stride=_contiguous_stride(x.shape))
-    setattr(out, _RECORD, _LogSoftmaxRecord(local, m, sum_exp, logp.detach(), dim, _versions(out)))
+    _log_softmax_records[out] = _LogSoftmaxRecord(local, m, sum_exp, logp.detach(), dim, _versions(out))
     return out
 
 
