@@ -50,8 +50,10 @@ class Collectives {
   virtual Run barrier() = 0;
   virtual Run all_gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                          const c10d::AllgatherOptions& opts) = 0;
+  // `dim` (also of reduce_scatter_tensor): the ops' dim of a direct call,
+  // -1 from c10d (NOTE [the ops' dim in the call header] in shm_transport.h).
   virtual Run all_gather_into_tensor(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                     const c10d::AllgatherOptions& opts) = 0;
+                                     const c10d::AllgatherOptions& opts, int64_t dim) = 0;
   virtual Run gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                      const c10d::GatherOptions& opts) = 0;
   virtual Run scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -62,7 +64,7 @@ class Collectives {
   // targets[i] = the reduction over the ranks of this rank's piece of their
   // sources[i] (contiguous, every rank's piece in rank order).
   virtual Run reduce_scatter_tensor(std::vector<at::Tensor> sources, std::vector<Dense> targets,
-                                    std::vector<Reduction> kinds) = 0;
+                                    std::vector<Reduction> kinds, int64_t dim) = 0;
   // `in_rows` and `out_rows` are the split sizes as checked: the given ones,
   // or the even split where none were given.
   virtual Run all_to_all_single(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
@@ -84,6 +86,6 @@ std::unique_ptr<Collectives> multi_node_collectives(ShmTransport& transport, int
 
 // The header a call on `t` publishes in its first transport step.
 CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t numel, int64_t root = -1,
-                       int64_t reduce = -1);
+                       int64_t reduce = -1, int64_t dim = -1);
 
 } // namespace torch_tp::backend

@@ -155,7 +155,7 @@ class MultiNodeCollectives final : public Collectives {
   }
 
   Run reduce_scatter_tensor(std::vector<at::Tensor> sources, std::vector<Dense> targets,
-                            std::vector<Reduction> kinds) override {
+                            std::vector<Reduction> kinds, int64_t dim) override {
     auto* transport = &transport_;
     const int size = size_;
     // NOTE [reductions across nodes]: all-reduce a copy of the input, keep this rank's piece.
@@ -166,7 +166,7 @@ class MultiNodeCollectives final : public Collectives {
         const at::Tensor& out = targets[i].work;
         reduce_scatter_across_nodes(
             *transport, leaders.get(), size, rank,
-            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
+            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i]), dim),
             sources[i].reshape(-1).clone(), out, kinds[i]);
         targets[i].finish();
       }
@@ -191,8 +191,10 @@ class MultiNodeCollectives final : public Collectives {
     };
   }
 
+  // gloo has no header to carry the ops' dim in: a different dim per rank is
+  // found only by TORCH_DISTRIBUTED_DEBUG=DETAIL here, as on a gloo group.
   Run all_gather_into_tensor(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                             const c10d::AllgatherOptions& opts) override {
+                             const c10d::AllgatherOptions& opts, int64_t /*dim*/) override {
     auto gloo = gloo_all_;
     return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts](uint64_t) mutable {
       for (const auto i : c10::irange(inputs.size())) {

@@ -11,7 +11,8 @@
 
 namespace torch_tp::backend {
 
-CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t numel, int64_t root, int64_t reduce) {
+CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t numel, int64_t root, int64_t reduce,
+                       int64_t dim) {
   CallHeader header;
   header.seq = seq;
   header.op = static_cast<int32_t>(op);
@@ -19,6 +20,7 @@ CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t num
   header.numel = numel;
   header.root = root;
   header.reduce = reduce;
+  header.dim = dim;
   if (numel >= 0) {
     header.set_shape(t.sizes());
   }
@@ -112,7 +114,7 @@ class NodeCollectives final : public Collectives {
   }
 
   Run all_gather_into_tensor(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                             const c10d::AllgatherOptions&) override {
+                             const c10d::AllgatherOptions&, int64_t dim) override {
     std::vector<at::Tensor> dense_inputs;
     std::vector<Dense> dense_outputs;
     for (const auto i : c10::irange(inputs.size())) {
@@ -129,8 +131,8 @@ class NodeCollectives final : public Collectives {
         for (const auto r : c10::irange(size)) {
           targets.push_back(base == nullptr ? nullptr : base + r * in.nbytes());
         }
-        shm_all_gather(*transport, make_header(seq, OpCode::AllGather, in, in.numel()), in.data_ptr(), in.nbytes(),
-                       targets.data());
+        shm_all_gather(*transport, make_header(seq, OpCode::AllGather, in, in.numel(), -1, -1, dim), in.data_ptr(),
+                       in.nbytes(), targets.data());
         dense_outputs[i].finish();
       }
     };
@@ -210,7 +212,7 @@ class NodeCollectives final : public Collectives {
   }
 
   Run reduce_scatter_tensor(std::vector<at::Tensor> sources, std::vector<Dense> targets,
-                            std::vector<Reduction> kinds) override {
+                            std::vector<Reduction> kinds, int64_t dim) override {
     auto* transport = &transport_;
     const int size = size_;
     return [=](uint64_t seq) {
@@ -222,7 +224,8 @@ class NodeCollectives final : public Collectives {
           pointers.push_back(base == nullptr ? nullptr : base + r * out.nbytes());
         }
         shm_reduce_scatter(
-            *transport, make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i])),
+            *transport,
+            make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i]), dim),
             pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kinds[i], size);
         targets[i].finish();
       }

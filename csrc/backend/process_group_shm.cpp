@@ -41,6 +41,11 @@ void check_count(const char* op, const char* arg, size_t got, size_t expected) {
   TORCH_CHECK(got == expected, "torch_tp backend: ", op, ": ", arg, " must hold ", expected, " tensor(s), got ", got);
 }
 
+void check_root(const char* op, int64_t root, int size) {
+  TORCH_CHECK(root >= 0 && root < size, "torch_tp backend: ", op, ": root rank ", root, " is outside the group of ",
+              size);
+}
+
 void check_like(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& ref, int64_t numel) {
   check_tensor(op, arg, t);
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "torch_tp backend: ", op, ": ", arg, " has dtype ",
@@ -49,10 +54,39 @@ void check_like(const char* op, const char* arg, const at::Tensor& t, const at::
               t.numel(), " (sizes ", t.sizes(), ")");
 }
 
+// The tensor list of a rooted call (gather's outputs, scatter's inputs): on
+// the root one list of a tensor per rank, each like `ref`; elsewhere none.
+void check_root_list(const char* op, const char* arg, const std::vector<std::vector<at::Tensor>>& lists,
+                     const at::Tensor& ref, bool root, int rank, int size) {
+  if (!root) {
+    TORCH_CHECK(lists.empty() || (lists.size() == 1 && lists[0].empty()), "torch_tp backend: ", op, ": rank ", rank,
+                " is not the root and must pass no ", arg, ", got ", lists.size(), " list(s)");
+    return;
+  }
+  check_count(op, arg, lists.size(), 1);
+  const std::string each = c10::str(arg, "[0]");
+  check_count(op, each.c_str(), lists[0].size(), static_cast<size_t>(size));
+  const std::string element = c10::str(arg, "[0][i]");
+  for (const auto& t : lists[0]) {
+    check_like(op, element.c_str(), t, ref, ref.numel());
+  }
+}
+
 void check_reduction(const char* op, Reduction kind, at::ScalarType dtype) {
   const char* why = nullptr;
   TORCH_CHECK(reduction_supported(kind, dtype, &why), "torch_tp backend: ", op, ": reduce_op ",
               reduction_name(kind), " on dtype ", dtype, " is not supported: ", why);
+}
+
+// c10d's name of a reduce_op the backend does not fold.
+const char* unsupported_name(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::BAND: return "BAND";
+    case c10d::ReduceOp::BOR: return "BOR";
+    case c10d::ReduceOp::BXOR: return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "an unknown reduce_op";
+  }
 }
 
 Reduction from_c10d(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarType dtype) {
@@ -64,8 +98,8 @@ Reduction from_c10d(const char* op, const c10d::ReduceOp& reduce_op, at::ScalarT
     case c10d::ReduceOp::MIN: kind = Reduction::Min; break;
     case c10d::ReduceOp::MAX: kind = Reduction::Max; break;
     default:
-      TORCH_CHECK(false, "torch_tp backend: ", op, ": reduce_op ", static_cast<int>(reduce_op.op_),
-                  " is not supported (SUM, AVG, PRODUCT, MIN and MAX are)");
+      TORCH_CHECK(false, "torch_tp backend: ", op, ": reduce_op ", unsupported_name(reduce_op.op_), " (",
+                  static_cast<int>(reduce_op.op_), ") is not supported (SUM, AVG, PRODUCT, MIN and MAX are)");
   }
   check_reduction(op, kind, dtype);
   return kind;
@@ -270,13 +304,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(std::vector<
                     collectives_->all_reduce(std::move(dense), std::move(kinds)));
 }
 
-void ProcessGroupShm::all_reduce_now(const at::Tensor& input, const at::Tensor& output, Reduction kind) {
+void ProcessGroupShm::all_reduce_now(const at::Tensor& input, const at::Tensor& output,
+                                     const c10d::ReduceOp& reduce_op) {
   const char* op = "all_reduce";
   check_tensor(op, "input", input);
   check_like(op, "output", output, input, input.numel());
   TORCH_CHECK(output.is_contiguous(), "torch_tp backend: ", op, ": output must be contiguous, got strides ",
               output.strides());
-  check_reduction(op, kind, input.scalar_type());
+  const Reduction kind = from_c10d(op, reduce_op, input.scalar_type());
   call_now("torch_tp_backend::all_reduce", collectives_->all_reduce_into(input.contiguous(), output, kind));
 }
 
@@ -285,8 +320,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
   const char* op = "reduce";
   check_count(op, "tensors", tensors.size(), 1);
   check_tensor(op, "tensor", tensors[0]);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: reduce: root rank ", opts.rootRank,
-              " is outside the group of ", size_);
+  check_root(op, opts.rootRank, size_);
   const Reduction kind = from_c10d(op, opts.reduceOp, tensors[0].scalar_type());
   // Only the root's tensor changes: the others reduce into a scratch copy.
   const bool root = rank_ == opts.rootRank;
@@ -301,8 +335,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   const char* op = "broadcast";
   check_count(op, "tensors", tensors.size(), 1);
   check_tensor(op, "tensor", tensors[0]);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: broadcast: root rank ", opts.rootRank,
-              " is outside the group of ", size_);
+  check_root(op, opts.rootRank, size_);
   return collective(c10d::OpType::BROADCAST, tensors, opts.asyncOp, collectives_->broadcast(tensors, opts));
 }
 
@@ -338,18 +371,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
   return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
-                    all_gather_into_tensor_run(outputs, inputs, opts));
+                    all_gather_into_tensor_run(outputs, inputs, opts, -1));
 }
 
-void ProcessGroupShm::all_gather_now(const at::Tensor& input, const at::Tensor& output) {
+void ProcessGroupShm::all_gather_now(const at::Tensor& input, const at::Tensor& output, int64_t dim) {
   std::vector<at::Tensor> outputs{output};
   std::vector<at::Tensor> inputs{input};
   call_now("torch_tp_backend::all_gather_into_tensor",
-           all_gather_into_tensor_run(outputs, inputs, c10d::AllgatherOptions()));
+           all_gather_into_tensor_run(outputs, inputs, c10d::AllgatherOptions(), dim));
 }
 
 Run ProcessGroupShm::all_gather_into_tensor_run(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                                const c10d::AllgatherOptions& opts) {
+                                                const c10d::AllgatherOptions& opts, int64_t dim) {
   const char* op = "all_gather_into_tensor";
   check_count(op, "output_tensors", outputs.size(), inputs.size());
   for (const auto i : c10::irange(inputs.size())) {
@@ -369,7 +402,7 @@ Run ProcessGroupShm::all_gather_into_tensor_run(std::vector<at::Tensor>& outputs
                 " ranks needs an output of shape ", at::IntArrayRef(expected),
                 " (the inputs concatenated along dim 0)");
   }
-  return collectives_->all_gather_into_tensor(outputs, inputs, opts);
+  return collectives_->all_gather_into_tensor(outputs, inputs, opts, dim);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -406,19 +439,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(std::vector<std::vector<a
   const char* op = "gather";
   check_count(op, "input_tensors", inputs.size(), 1);
   check_tensor(op, "input", inputs[0]);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: gather: root rank ", opts.rootRank,
-              " is outside the group of ", size_);
+  check_root(op, opts.rootRank, size_);
   const bool root = rank_ == opts.rootRank;
-  if (root) {
-    check_count(op, "output_tensors", outputs.size(), 1);
-    check_count(op, "output_tensors[0]", outputs[0].size(), static_cast<size_t>(size_));
-    for (const auto& out : outputs[0]) {
-      check_like(op, "output_tensors[0][i]", out, inputs[0], inputs[0].numel());
-    }
-  } else {
-    TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "torch_tp backend: gather: rank ",
-                rank_, " is not the root and must pass no output tensors, got ", outputs.size(), " list(s)");
-  }
+  check_root_list(op, "output_tensors", outputs, inputs[0], root, rank_, size_);
   std::vector<at::Tensor> result = root ? outputs[0] : std::vector<at::Tensor>{};
   return collective(c10d::OpType::GATHER, result, opts.asyncOp, collectives_->gather(outputs, inputs, opts));
 }
@@ -429,18 +452,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(std::vector<at::Tensor>&
   const char* op = "scatter";
   check_count(op, "output_tensors", outputs.size(), 1);
   check_tensor(op, "output", outputs[0]);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "torch_tp backend: scatter: root rank ", opts.rootRank,
-              " is outside the group of ", size_);
-  if (rank_ == opts.rootRank) {
-    check_count(op, "input_tensors", inputs.size(), 1);
-    check_count(op, "input_tensors[0]", inputs[0].size(), static_cast<size_t>(size_));
-    for (const auto& in : inputs[0]) {
-      check_like(op, "input_tensors[0][i]", in, outputs[0], outputs[0].numel());
-    }
-  } else {
-    TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "torch_tp backend: scatter: rank ",
-                rank_, " is not the root and must pass no input tensors, got ", inputs.size(), " list(s)");
-  }
+  check_root(op, opts.rootRank, size_);
+  check_root_list(op, "input_tensors", inputs, outputs[0], rank_ == opts.rootRank, rank_, size_);
   return collective(c10d::OpType::SCATTER, outputs, opts.asyncOp, collectives_->scatter(outputs, inputs, opts));
 }
 
@@ -481,18 +494,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     kinds.push_back(from_c10d(op, opts.reduceOp, output.scalar_type()));
   }
   return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
-                    reduce_scatter_tensor_run(outputs, inputs, std::move(kinds)));
+                    reduce_scatter_tensor_run(outputs, inputs, std::move(kinds), -1));
 }
 
-void ProcessGroupShm::reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, Reduction kind) {
-  check_tensor("reduce_scatter_tensor", "output", output);
-  check_reduction("reduce_scatter_tensor", kind, output.scalar_type());
-  call_now("torch_tp_backend::reduce_scatter_tensor", reduce_scatter_tensor_run({output}, {input}, {kind}));
+void ProcessGroupShm::reduce_scatter_now(const at::Tensor& input, const at::Tensor& output,
+                                         const c10d::ReduceOp& reduce_op, int64_t dim) {
+  const char* op = "reduce_scatter_tensor";
+  check_tensor(op, "output", output);
+  const Reduction kind = from_c10d(op, reduce_op, output.scalar_type());
+  call_now("torch_tp_backend::reduce_scatter_tensor", reduce_scatter_tensor_run({output}, {input}, {kind}, dim));
 }
 
 // kinds[i] is checked against outputs[i]'s dtype.
 Run ProcessGroupShm::reduce_scatter_tensor_run(const std::vector<at::Tensor>& outputs,
-                                               const std::vector<at::Tensor>& inputs, std::vector<Reduction> kinds) {
+                                               const std::vector<at::Tensor>& inputs, std::vector<Reduction> kinds,
+                                               int64_t dim) {
   const char* op = "reduce_scatter_tensor";
   std::vector<at::Tensor> sources;
   std::vector<Dense> targets;
@@ -501,7 +517,7 @@ Run ProcessGroupShm::reduce_scatter_tensor_run(const std::vector<at::Tensor>& ou
     sources.push_back(inputs[i].contiguous());
     targets.emplace_back(outputs[i]);
   }
-  return collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds));
+  return collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds), dim);
 }
 
 // ---- all-to-all ---------------------------------------------------------------

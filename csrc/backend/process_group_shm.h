@@ -17,9 +17,12 @@
 // (NOTE [one worker thread] in work_queue.h). What a collective does is the
 // Collectives picked at construction (collectives.h): the single-node one
 // (node_collectives.cpp) or the multi-node one (multi_node_collectives.cpp).
-// send and recv are PointToPoint's (NOTE [send and recv] in p2p.cpp).
+// send and recv are PointToPoint's (NOTE [send and recv] in p2p.cpp). The
+// ops' synchronous calls enter through DirectCollectives, without c10d.
 
 #include "backend/reduction.h"
+
+#include <torch_tp/direct_collectives.h>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -51,7 +54,7 @@ size_t buffer_bytes_from_env();
 std::vector<std::string> exchange_host_keys(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                             std::chrono::milliseconds timeout);
 
-class ProcessGroupShm : public c10d::Backend {
+class ProcessGroupShm : public c10d::Backend, public DirectCollectives {
  public:
   struct Options {
     std::chrono::milliseconds timeout;
@@ -119,37 +122,32 @@ class ProcessGroupShm : public c10d::Backend {
   void shutdown() override;
   void abort() override;
 
-  // NOTE [direct calls from the ops]
-  // torch_tp's ops call these instead of c10d's ProcessGroup methods for the
-  // collectives they wait for at once, when the group's CPU backend is this
-  // one (ops/comm.cpp). They are the c10d calls with async_op=False: the
-  // same checks, sequence numbers, queue order (NOTE [synchronous calls run
-  // inline]) and algorithms, so the same results bitwise; but without
-  // c10d's dispatcher round trip and without a Work, and all_reduce_now
-  // writes a separate output, so the functional op needs no copy of its
-  // input first. At a few KiB those are a good part of what a call costs.
-  // They return once the collective is done and throw what it threw. In a
-  // profiler trace each shows as torch_tp_backend::<collective> where c10d's
-  // call would show as c10d::<collective>.
-  //   all_reduce_now:     output = input reduced over the group (output may be input)
-  //   all_gather_now:     output [p * n0, ...] = the ranks' inputs [n0, ...] concatenated
-  //   reduce_scatter_now: output = this rank's block of the reduced input [p * n0, ...]
-  void all_reduce_now(const at::Tensor& input, const at::Tensor& output, Reduction kind);
-  void all_gather_now(const at::Tensor& input, const at::Tensor& output);
-  void reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, Reduction kind);
+  // DirectCollectives: the c10d calls above with async_op=false, entered
+  // directly by the ops (NOTE [direct calls from the ops] in
+  // <torch_tp/direct_collectives.h>). They run on the caller's thread in
+  // queue order (NOTE [synchronous calls run inline]) and carry the ops' dim
+  // in the call header (NOTE [the ops' dim in the call header] in
+  // shm_transport.h). In a profiler trace each shows as
+  // torch_tp_backend::<collective> where c10d's call would show as
+  // c10d::<collective>.
+  void all_reduce_now(const at::Tensor& input, const at::Tensor& output, const c10d::ReduceOp& reduce_op) override;
+  void all_gather_now(const at::Tensor& input, const at::Tensor& output, int64_t dim) override;
+  void reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, const c10d::ReduceOp& reduce_op,
+                          int64_t dim) override;
 
  private:
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
                                             std::function<void(uint64_t seq)> run);
   // NOTE [direct calls from the ops]; `name` is the profiler's.
   void call_now(const char* name, const std::function<void(uint64_t seq)>& run);
-  // The checks of a call and the Run that does it, shared by the c10d method and the direct call.
+  // The checks of a call and the Run that does it, shared by the c10d method
+  // and the direct call; `dim` is the ops' (-1 from c10d).
   std::function<void(uint64_t seq)> all_gather_into_tensor_run(std::vector<at::Tensor>& outputs,
                                                                std::vector<at::Tensor>& inputs,
-                                                               const c10d::AllgatherOptions& opts);
+                                                               const c10d::AllgatherOptions& opts, int64_t dim);
   std::function<void(uint64_t seq)> reduce_scatter_tensor_run(const std::vector<at::Tensor>& outputs,
                                                               const std::vector<at::Tensor>& inputs,
-                                                              std::vector<Reduction> kinds);
+                                                              std::vector<Reduction> kinds, int64_t dim);
   void stop(const std::string& why);
 
   c10::intrusive_ptr<c10d::Store> store_;

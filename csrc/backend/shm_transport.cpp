@@ -97,6 +97,9 @@ std::string describe(const CallHeader& h) {
   if (h.reduce >= 0) {
     out += c10::str(", reduce_op=", reduction_name(static_cast<Reduction>(h.reduce)));
   }
+  if (h.dim >= 0) {
+    out += c10::str(", the op's dim=", h.dim);
+  }
   if (h.ndim >= 0) {
     const auto kept = std::min<int64_t>(h.ndim, CallHeader::kHeaderDims);
     out += c10::str(", shape=", c10::IntArrayRef(h.sizes, static_cast<size_t>(kept)));
@@ -110,7 +113,7 @@ bool same_shape(const CallHeader& a, const CallHeader& b) {
 
 bool same_call(const CallHeader& a, const CallHeader& b) {
   return a.seq == b.seq && a.op == b.op && a.dtype == b.dtype && a.numel == b.numel && a.root == b.root &&
-         a.reduce == b.reduce && same_shape(a, b);
+         a.reduce == b.reduce && a.dim == b.dim && same_shape(a, b);
 }
 
 // NOTE [header digests]
@@ -133,6 +136,7 @@ uint64_t digest_of(const CallHeader& h) {
   mix(static_cast<uint64_t>(h.numel));
   mix(static_cast<uint64_t>(h.root));
   mix(static_cast<uint64_t>(h.reduce));
+  mix(static_cast<uint64_t>(h.dim));
   mix(static_cast<uint64_t>(h.ndim));
   for (const int64_t size : h.sizes) {
     mix(static_cast<uint64_t>(size));

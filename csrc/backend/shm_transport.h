@@ -21,8 +21,8 @@
 //   spinning can pay off: the peer is not parked (below) and the node's ranks
 //   that are not parked fit its cores (sched_getaffinity), so the peer most
 //   likely holds a core of its own and is about to post. A peer on another
-//   core then answers in well under a microsecond, as DeepSpeed's spin-only
-//   wait does. Spinning stops after kSpinFor in one wait (the peer may be
+//   core then answers as soon as it posts, as with DeepSpeed's spin-only
+//   wait. Spinning stops after kSpinFor in one wait (the peer may be
 //   preempted by another process, or computing for a long time).
 // - Otherwise it parks: it sets the `parked` flag beside its `posted`
 //   counter (the line its peers poll anyway) and yields the core, and after
@@ -78,6 +78,7 @@ struct CallHeader {
   int64_t numel = 0;   // elements per rank, or -1 when ranks may differ
   int64_t root = -1;   // group rank of the root, or -1
   int64_t reduce = -1; // Reduction, or -1
+  int64_t dim = -1;    // the ops' dim of a direct call, or -1 (NOTE [the ops' dim in the call header])
   int64_t extra = 0;
   // The tensor's shape, so that [2, 3] on one rank and [3, 2] on another (the
   // same numel) is a mismatch too, as gloo's shape checks make it. ndim is -1
@@ -88,6 +89,16 @@ struct CallHeader {
   int64_t sizes[kHeaderDims] = {};
   void set_shape(c10::IntArrayRef shape);
 };
+
+// NOTE [the ops' dim in the call header]
+// torch_tp's all_gather and reduce_scatter along dim d move d to the front
+// and hand the backend [rows, rest]. On a square piece, all_gather(x,
+// dim=rank) gives every rank the same shape, and the shapes compared above
+// cannot tell that rank 1's rows are rank 0's columns. The ops' direct calls
+// (NOTE [direct calls from the ops]) pass d, which the header carries and
+// compares like a size, so the mismatch is an error in every mode, not only
+// under TORCH_DISTRIBUTED_DEBUG=DETAIL. Calls through c10d carry -1. Across
+// nodes only the node-local steps compare it (gloo carries no header).
 
 // The collectives, for headers and messages.
 enum class OpCode : int32_t {

@@ -1,13 +1,13 @@
 #include "ops/comm.h"
 
 #include "backend/dense.h"
-#include "backend/process_group_shm.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/distributed/c10d/debug.h>
 #include <torch/version.h>
+#include <torch_tp/direct_collectives.h>
 
 namespace torch_tp {
 namespace {
@@ -63,40 +63,6 @@ c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, const 
 #endif
 }
 
-// NOTE [reduce-scatter on gloo]
-// gloo's reduce_scatter is slow on CPU tensors: DTensor's profile shows it
-// running a whole all_reduce, and it measured 2-4x gloo's own all_to_all of
-// the same tensor at every size from 4 KiB to 16 MiB, at 2 and 4 ranks. So
-// on a gloo group a reduce-scatter is an all_to_all that hands every rank the
-// p blocks of its piece, [p*c, rest] -> [p, c, rest], and a local fold over
-// the p blocks in rank order. The sum is the same bitwise wherever the fold
-// order does not matter (2 ranks, integers, min, max); for more ranks it is a
-// different order of the same additions, within float roundoff of gloo's
-// (bfloat16 and float16 are folded in float32 by at::sum and rounded once,
-// more precisely than gloo does). It is faster than c10d's reduce_scatter
-// on gloo at every size benchmarks/bench_collectives.py measures (figures in
-// benchmarks/RESULTS.md).
-bool runs_on_gloo(c10d::Backend* backend) {
-  return backend != nullptr && backend->getBackendName() == "gloo";
-}
-
-// blocks [p, c, rest] -> [c, rest]: the fold of NOTE [reduce-scatter on gloo],
-// in x's dtype (integers wrap as gloo's do).
-at::Tensor fold_blocks(const at::Tensor& blocks, Reduction reduction) {
-  switch (reduction) {
-    case Reduction::Sum:
-    case Reduction::Avg:  // divided by the caller
-      return at::sum(blocks, {0}, false, blocks.scalar_type());
-    case Reduction::Product:
-      return at::prod(blocks, 0, false, blocks.scalar_type());
-    case Reduction::Min:
-      return at::amin(blocks, {0});
-    case Reduction::Max:
-      return at::amax(blocks, {0});
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown reduction");
-}
-
 // The first `rows` rows of `front` with dim 0 moved back to `dim`, contiguous.
 // The view ops are skipped where they would change nothing (dim 0, all
 // rows): each is a dispatcher round trip and a new TensorImpl, a good part of
@@ -130,29 +96,95 @@ c10d::Backend* backend_for(c10d::ProcessGroup& group, const at::Tensor& x) {
   }
 }
 
-// `backend` if it is the torch_tp backend and the caller waits at once (NOTE
-// [direct calls from the ops] in backend/process_group_shm.h), else null.
-backend::ProcessGroupShm* direct_backend(c10d::Backend* backend, bool async_op) {
-  return async_op ? nullptr : dynamic_cast<backend::ProcessGroupShm*>(backend);
+// The backend's direct calls if it offers them and the caller waits at once
+// (NOTE [direct calls from the ops] in <torch_tp/direct_collectives.h>), else
+// null: the call goes through c10d. Avg reaches them as SUM (to_c10d), and
+// the caller divides, as on every backend.
+DirectCollectives* direct_calls(c10d::Backend* backend, bool async_op) {
+  return async_op ? nullptr : dynamic_cast<DirectCollectives*>(backend);
 }
 
-// Avg is a sum and one division by the caller on every backend, so that
-// every backend gives the same result.
-Reduction summed(Reduction reduction) {
-  return reduction == Reduction::Avg ? Reduction::Sum : reduction;
+// The context a backend's failure is rethrown with: the op, the group, x, and
+// the dim argument where the op has one.
+std::string failure_context(const char* op, c10d::ProcessGroup& group, const at::Tensor& x,
+                            const char* dim_arg = nullptr, int64_t dim = 0) {
+  return c10::str(op, ": the ", group.getBackendName(), " backend of group '", group.getGroupName(),
+                  "' failed on x of dtype ", x.scalar_type(), " and shape ", x.sizes(),
+                  dim_arg == nullptr ? "" : c10::str(" with ", dim_arg, "=", dim));
 }
 
-// Wraps the start of a collective: a failure while launching is reported like one while waiting.
+// Wraps the start of a collective: a failure while launching is reported like
+// one while waiting, with the dim argument too where there is one.
 template <typename Launch>
-c10::intrusive_ptr<c10d::Work> launch(const char* op, c10d::ProcessGroup& group, const at::Tensor& x,
-                                      Launch&& start) {
+c10::intrusive_ptr<c10d::Work> launch(const char* op, c10d::ProcessGroup& group, const at::Tensor& x, Launch&& start,
+                                      const char* dim_arg = nullptr, int64_t dim = 0) {
   try {
     return start();
   } catch (c10::Error& e) {
-    e.add_context(c10::str(op, ": the ", group.getBackendName(), " backend of group '", group.getGroupName(),
-                           "' failed on x of dtype ", x.scalar_type(), " and shape ", x.sizes()));
+    e.add_context(failure_context(op, group, x, dim_arg, dim));
     throw;
   }
+}
+
+// NOTE [reduce-scatter on gloo]
+// gloo's reduce_scatter on CPU tensors runs a whole all_reduce (DTensor's
+// profile shows it), so it costs more than gloo's own all_to_all of the same
+// tensor. On gloo a reduce-scatter is therefore reduce_scatter_by_all_to_all:
+// an all_to_all that hands every rank the p blocks of its piece, [p*c, rest]
+// -> [p, c, rest], and a local fold over the p blocks in rank order. The sum
+// is the same bitwise wherever the fold order does not matter (2 ranks,
+// integers, min, max); for more ranks it is a different order of the same
+// additions, within float roundoff of gloo's (bfloat16 and float16 are
+// folded in float32 by at::sum and rounded once, more precisely than gloo
+// does). It is faster than c10d's reduce_scatter on gloo at every size
+// benchmarks/bench_collectives.py measures: the reduce_scatter rows of
+// benchmarks/RESULTS.md, "Collectives: torch_tp vs functional collectives vs
+// raw c10d" (measurements live there, where they are rerun, not here).
+// gloo is torch's backend and cannot implement an interface of ours (as
+// DirectCollectives does), so this is the one place in the ops that knows a
+// backend by the name c10d gives it.
+bool reduce_scatters_by_all_to_all(const c10d::Backend* backend) {
+  return backend != nullptr && backend->getBackendName() == "gloo";
+}
+
+// blocks [p, c, rest] -> [c, rest]: the fold of NOTE [reduce-scatter on gloo],
+// in x's dtype (integers wrap as gloo's do).
+at::Tensor fold_blocks(const at::Tensor& blocks, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::Sum:
+    case Reduction::Avg:  // divided by the caller
+      return at::sum(blocks, {0}, false, blocks.scalar_type());
+    case Reduction::Product:
+      return at::prod(blocks, 0, false, blocks.scalar_type());
+    case Reduction::Min:
+      return at::amin(blocks, {0});
+    case Reduction::Max:
+      return at::amax(blocks, {0});
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown reduction");
+}
+
+// NOTE [reduce-scatter on gloo]: front [p*c, rest] -> all_to_all -> blocks,
+// whose block r is rank r's front rows [me*c, (me+1)*c) -> fold -> [c, rest]
+// -> finish_piece.
+template <typename FinishPiece>
+PendingCollective reduce_scatter_by_all_to_all(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                               bool async_op, const at::Tensor& x, const at::Tensor& front,
+                                               Reduction reduction, FinishPiece finish_piece, const char* dim_arg,
+                                               int64_t dim) {
+  const int64_t world_size = group->getSize();
+  at::Tensor blocks = at::empty_like(front);
+  c10d::AllToAllOptions opts;
+  opts.asyncOp = async_op;
+  auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, blocks, front, opts); }, dim_arg, dim);
+  auto sizes = front.sizes().vec();
+  sizes[0] /= world_size;
+  sizes.insert(sizes.begin(), world_size);
+  // `front` is captured to outlive the collective.
+  auto finish = [blocks, front, sizes, reduction, finish_piece] {
+    return finish_piece(fold_blocks(blocks.view(sizes), reduction));
+  };
+  return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }
 
 // The value of a size, if it is known now (not a symbol of torch.compile).
@@ -277,8 +309,7 @@ at::Tensor PendingCollective::wait() {
       work->wait();
     } catch (c10::Error& e) {
       // Context, not a new error: a DistBackendError (timeout, dead peer) stays one.
-      e.add_context(c10::str(op_, ": the ", group_->getBackendName(), " backend of group '", group_->getGroupName(),
-                             "' failed on x of dtype ", input_.scalar_type(), " and shape ", input_.sizes()));
+      e.add_context(failure_context(op_, *group_, input_));
       throw;
     }
   }
@@ -293,9 +324,9 @@ PendingCollective start_all_reduce(const char* op, const c10::intrusive_ptr<c10d
     check_same_across_ranks(op, group, input, reduction, std::nullopt, std::nullopt, "dim");
   }
   c10::intrusive_ptr<c10d::Work> work;
-  if (auto* shm = world_size > 1 ? direct_backend(backend_for(*group, input), async_op) : nullptr) {
+  if (auto* direct = world_size > 1 ? direct_calls(backend_for(*group, input), async_op) : nullptr) {
     launch(op, *group, input, [&] {
-      shm->all_reduce_now(input, output, summed(reduction));
+      direct->all_reduce_now(input, output, to_c10d(reduction));
       return c10::intrusive_ptr<c10d::Work>();
     });
   } else {
@@ -339,13 +370,16 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
   at::Tensor gathered = at::empty(sizes, front.options());
   c10d::AllgatherOptions opts;
   opts.asyncOp = async_op;
-  auto work = launch(op, *group, x, [&] {
-    if (auto* shm = direct_backend(backend_for(*group, front), async_op)) {
-      shm->all_gather_now(front, gathered);
-      return c10::intrusive_ptr<c10d::Work>();
-    }
-    return all_gather_into(*group, gathered, front, opts);
-  });
+  auto work = launch(
+      op, *group, x,
+      [&] {
+        if (auto* direct = direct_calls(backend_for(*group, front), async_op)) {
+          direct->all_gather_now(front, gathered, dim);
+          return c10::intrusive_ptr<c10d::Work>();
+        }
+        return all_gather_into(*group, gathered, front, opts);
+      },
+      dim_arg, dim);
   auto finish = [gathered, front, n, dim] { return rows_back_to_dim(gathered, n, dim); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }
@@ -376,30 +410,24 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     return rows_back_to_dim(piece, length, dim);
   };
   c10d::Backend* const backend = backend_for(*group, x);
-  if (runs_on_gloo(backend)) {
-    // NOTE [reduce-scatter on gloo]: block r of `blocks` is rank r's front
-    // rows [me*c, (me+1)*c). `front` is captured to outlive the collective.
-    at::Tensor blocks = at::empty_like(front);
-    c10d::AllToAllOptions opts;
-    opts.asyncOp = async_op;
-    auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, blocks, front, opts); });
-    sizes.insert(sizes.begin(), world_size);
-    auto finish = [blocks, front, sizes, reduction, finish_piece] {
-      return finish_piece(fold_blocks(blocks.view(sizes), reduction));
-    };
-    return PendingCollective(std::move(work), std::move(finish), op, group, x);
+  if (reduce_scatters_by_all_to_all(backend)) {
+    return reduce_scatter_by_all_to_all(op, group, async_op, x, front, reduction, std::move(finish_piece), dim_arg,
+                                        dim);
   }
   at::Tensor piece = at::empty(sizes, front.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(reduction);
   opts.asyncOp = async_op;
-  auto work = launch(op, *group, x, [&] {
-    if (auto* shm = direct_backend(backend, async_op)) {
-      shm->reduce_scatter_now(front, piece, summed(reduction));
-      return c10::intrusive_ptr<c10d::Work>();
-    }
-    return reduce_scatter_into(*group, piece, front, opts);
-  });
+  auto work = launch(
+      op, *group, x,
+      [&] {
+        if (auto* direct = direct_calls(backend, async_op)) {
+          direct->reduce_scatter_now(front, piece, opts.reduceOp, dim);
+          return c10::intrusive_ptr<c10d::Work>();
+        }
+        return reduce_scatter_into(*group, piece, front, opts);
+      },
+      dim_arg, dim);
   auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }

@@ -123,8 +123,9 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
 // dim, full_size, x's shape; the size along dim is left out where the pieces
 // may differ) and raises on every rank, naming the op, the argument and each
 // rank's value, when they differ. One extra small all-gather per collective:
-// a debugging aid, off by default. The torch_tp backend compares shapes in
-// its per-call header always (NOTE in shm_transport.h).
+// a debugging aid, off by default. The torch_tp backend compares shapes, and
+// the dim of the ops' direct calls, in its per-call header always (NOTE [the
+// ops' dim in the call header] in shm_transport.h).
 bool cross_rank_checks_enabled();
 void check_same_across_ranks(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                              const at::Tensor& x, std::optional<Reduction> reduction, std::optional<int64_t> dim,

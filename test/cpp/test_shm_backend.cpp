@@ -407,6 +407,21 @@ TEST(ShmBackend, MismatchedCallsFailOnEveryRank) {
   EXPECT_TRUE(shm_files().empty());
 }
 
+// NOTE [the ops' dim in the call header]: equal shapes, different dims of
+// the ops' tensor, through the ops' door (DirectCollectives).
+TEST(ShmBackend, DirectCallsWithDifferentDimsFailOnEveryRank) {
+  auto results = run_ranks(2, kSmallBuffer, std::chrono::seconds(30), [&](int rank, ProcessGroupShm& pg) {
+    torch_tp::DirectCollectives& direct = pg;
+    direct.all_gather_now(at::ones({2, 2}), at::empty({4, 2}), /*dim=*/rank);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(contains(results[r].error, "mismatch") && contains(results[r].error, "the op's dim=0") &&
+                contains(results[r].error, "the op's dim=1"))
+        << results[r].error;
+  }
+  EXPECT_TRUE(shm_files().empty());
+}
+
 TEST(ShmBackend, BadInputIsRefusedWithTheOpAndValueNamed) {
   expect_no_errors(run_ranks(2, kSmallBuffer, std::chrono::seconds(30), [&](int, ProcessGroupShm& pg) {
     std::vector<at::Tensor> ints{at::ones({4}, at::kInt)};
@@ -420,6 +435,10 @@ TEST(ShmBackend, BadInputIsRefusedWithTheOpAndValueNamed) {
     at::Tensor out = at::empty({7});
     EXPECT_TRUE(torch_tp::testing::throws_with([&] { pg._allgather_base(out, in); },
                                                 {"all_gather_into_tensor", "8 elements, got 7"}));
+    c10d::AllreduceOptions band;
+    band.reduceOp = c10d::ReduceOp(c10d::ReduceOp::BAND);
+    EXPECT_TRUE(torch_tp::testing::throws_with([&] { pg.allreduce(ints, band); },
+                                                {"torch_tp backend: all_reduce", "reduce_op BAND", "not supported"}));
     // A refused call does not break the group.
     pg.barrier()->wait();
   }));

@@ -1,0 +1,54 @@
+#pragma once
+// DirectCollectives: the synchronous collectives that torch_tp's ops call on
+// a c10d::Backend which also implements this interface, instead of going
+// through c10d's ProcessGroup methods. torch_tp's own "torch_tp" backend
+// implements it; any backend may:
+//
+//   class MyBackend : public c10d::Backend, public torch_tp::DirectCollectives { ... };
+//
+// The ops find it with one dynamic_cast from the group's backend for the
+// tensor's device; a backend that does not implement it is called through
+// c10d as before.
+//
+// NOTE [direct calls from the ops]
+// For a collective the op waits for at once (c10d's async_op=false), the ops
+// call these instead of c10d's ProcessGroup methods. Each must be the
+// backend's c10d call with async_op=False: the same checks, sequence
+// numbers, order among the backend's other calls and algorithms, so the same
+// results bitwise. What it saves is c10d's dispatcher round trip and the
+// Work, and all_reduce_now writes a separate output, so the functional op
+// needs no copy of its input first; at a few KiB those are a good part of
+// what a call costs. Each returns once the collective is done and throws
+// what it threw. Inputs and outputs are contiguous, of one dtype, on the
+// device the backend serves the group on.
+//   all_reduce_now:     output = input reduced with reduce_op over the group
+//                       (output may be input). reduce_op is SUM, PRODUCT,
+//                       MIN or MAX: the ops divide for avg themselves.
+//   all_gather_now:     output [p * n0, ...] = the ranks' inputs [n0, ...]
+//                       concatenated in rank order
+//   reduce_scatter_now: output [n0, ...] = this rank's block of the inputs
+//                       [p * n0, ...] reduced with reduce_op
+// `dim` is the dim of the op's tensor that the ops moved to the front: the
+// calls of two ranks with equal shapes but different dims (all_gather(x,
+// dim=rank) on a square x) mean different layouts. A backend that compares
+// its calls across ranks should compare `dim` too, as it compares shapes;
+// the torch_tp backend does, in its per-call header.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstdint>
+
+namespace torch_tp {
+
+class DirectCollectives {
+ public:
+  virtual ~DirectCollectives() = default;
+
+  virtual void all_reduce_now(const at::Tensor& input, const at::Tensor& output, const c10d::ReduceOp& reduce_op) = 0;
+  virtual void all_gather_now(const at::Tensor& input, const at::Tensor& output, int64_t dim) = 0;
+  virtual void reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, const c10d::ReduceOp& reduce_op,
+                                  int64_t dim) = 0;
+};
+
+} // namespace torch_tp
