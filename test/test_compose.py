@@ -752,7 +752,7 @@ def _check_bad_input(path):
                                          r"Shard\(dim=1\)"):
         torch_tp.parallelize_module(model, tp, {"up": torch_tp.RowwiseParallel()})
     # Refused before anything changed: the module is as torch's style left it.
-    assert type(model.up) is nn.Linear and not hasattr(model.up, "_tp_style")
+    assert type(model.up) is nn.Linear and not hasattr(model.up, "_tp_state")
     assert model.up.weight.placements == (Shard(0),) and model.up.bias.placements == (Shard(0),)
     # A plan that gives one module two styles.
     with pytest.raises(ValueError, match=r"'up' \(ColwiseParallelLinear\) was already parallelized by "

@@ -11,13 +11,14 @@ from ``Replicate`` by gathering the pieces; neither sums.
 """
 
 import weakref
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops import chunk_range
 
@@ -95,40 +96,46 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # DTensor would sum with one reduce-scatter. torch_tp gets the same without
 # DTensor's redistribute in either direction: it all-gathers the local shard
 # with torch_tp's all_gather (backward: sum reduce-scatter of partial
-# gradients) and wraps the result; the wrapper carries the gathered local
-# tensor, and torch_tp's column-parallel layers take it from there with
+# gradients) and wraps the result; the root's ForwardRecords pair the wrapper
+# with the gathered local tensor while the prepared module's forward runs, and
+# torch_tp's column-parallel layers take it from there with
 # partial_grad_input, so their gradients meet at the all_gather as partial
 # sums. Any other consumer uses the DTensor as a DTensor; its (complete)
 # gradient reaches the gathered tensor as partial sums through
-# _CompleteGradAsPartial, so both kinds of consumer can be mixed.
-PARTIAL_LOCAL_ATTR = "_torch_tp_partial_grad_local"
+# _CompleteGradAsPartial, so both kinds of consumer can be mixed. The pairs
+# are a plain list that lives only as long as the prepared module's forward
+# (its forward hook drops them): torch.compile traces the appends and the
+# removal within one graph, and the list is empty again, as its guard expects,
+# when the next block starts.
 
 # NOTE [DTensors torch_tp hands back]
 # Where torch returns a DTensor, torch_tp wraps its local result
-# (to_dtensor) and keeps the local tensor on the wrapper, so that the next
-# torch_tp module (a PrepareModuleInput after a SequenceParallel norm, a
-# column-parallel linear on a sequence shard) takes it back without DTensor's
-# to_local and the backward that goes with it. Both routes carry the same
-# gradient: a shard's gradient is its piece and a replicated tensor's is
-# complete (the module docstring's convention), which is what DTensor's
-# from_local hands back to the local tensor too.
-LOCAL_ATTR = "_torch_tp_local"
+# (to_dtensor), and the root's ForwardRecords keep the local tensor for as long
+# as the wrapper lives, so that the next torch_tp module (a PrepareModuleInput
+# after a SequenceParallel norm, a column-parallel linear on a sequence shard)
+# takes it back without DTensor's to_local and the backward that goes with it.
+# Both routes carry the same gradient: a shard's gradient is its piece and a
+# replicated tensor's is complete (the module docstring's convention), which is
+# what DTensor's from_local hands back to the local tensor too. Under
+# torch.compile the wrapper and to_local compile away, so the side table (which
+# dynamo does not trace) is neither written nor read there.
 
 
 def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh, group: TPGroup,
-                                 full_size: Optional[int]) -> DTensor:
-    """Shard(dim) -> a Replicate DTensor (NOTE [replicated DTensor inputs without DTensor])."""
+                                 full_size: Optional[int], records: "ForwardRecords") -> DTensor:
+    """Shard(dim) -> a Replicate DTensor (NOTE [replicated DTensor inputs without DTensor]);
+    the caller drops the pair with ``records.forget_gathered`` when its module's forward ends."""
     full = torch.ops.torch_tp.all_gather(local, dim, group.name, full_size)
-    dt = to_dtensor(_CompleteGradAsPartial.apply(full, group.rank), mesh, Replicate(), full.shape)
-    setattr(dt, PARTIAL_LOCAL_ATTR, full)
+    dt = to_dtensor(_CompleteGradAsPartial.apply(full, group.rank), mesh, Replicate(), full.shape, records)
+    records.gathered.append((dt, full))
     return dt
 
 
-def partial_grad_local(x: DTensor) -> torch.Tensor:
+def partial_grad_local(x: DTensor, records: "ForwardRecords") -> torch.Tensor:
     """A Replicate DTensor's local tensor, for a consumer whose input gradient is a partial sum."""
-    local = getattr(x, PARTIAL_LOCAL_ATTR, None)
-    if local is not None:
-        return local
+    for made, full in records.gathered:
+        if made is x:
+            return full
     return x.to_local(grad_placements=(Partial(),))
 
 
@@ -136,9 +143,9 @@ def gather_replicated(x: torch.Tensor, dim: int, group: TPGroup, full_size: Opti
     return _GatherReplicated.apply(x, dim, group.name, group.rank, group.size, full_size)
 
 
-def split_replicated(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
+def split_replicated(x: torch.Tensor, dim: int, group: TPGroup, records: "ForwardRecords") -> torch.Tensor:
     piece = _SplitReplicated.apply(x, dim, group.name, group.rank, group.size)
-    record_shard(piece, Shard(dim), group, x.shape)
+    records.record_shard(piece, Shard(dim), group, x.shape)
     return piece
 
 
@@ -177,38 +184,84 @@ def split_replicated(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
 # rank cannot see another rank's misfit). So the forward of every module
 # handed to parallelize_module that no other such module contains (the
 # model, under torchtitan's calls on the model and then on each block) starts
-# with no records, on every rank alike. Only the outermost modules get the
-# hook: an activation-checkpointed block recomputed in backward keeps the
-# records of the forward it repeats, and a per-block torch.compile traces
-# no hook.
-_shard_sizes: Dict[Tuple[str, int, int], Optional[int]] = {}
-_record_scopes: "weakref.WeakKeyDictionary[nn.Module, RemovableHandle]" = weakref.WeakKeyDictionary()
+# with no records, on every rank alike. The records belong to that outermost
+# module (ForwardRecords, shared by every torch_tp module below it, whichever
+# parallelize_module call parallelized them), so two models in one process
+# never read each other's. Only the outermost modules get the hook: an
+# activation-checkpointed block recomputed in backward keeps the records of
+# the forward it repeats, and a per-block torch.compile traces no hook.
 
 
-def _forget_records(module: nn.Module, args) -> None:
-    # Emptied in place and never shrunk: torch.compile guards on the records'
-    # keys, so a compiled block traced once stays valid from step to step.
-    for key in _shard_sizes:
-        _shard_sizes[key] = None
+# Shards of up to this many dims find their keys in the records from the start
+# (ForwardRecords.expect_group): a record then only changes a value, so
+# torch.compile, which guards on a dict's keys, finds the same keys at every
+# block from the first step on, and the blocks share one graph.
+_PRESET_NDIM = 8
 
 
-def scope_records_to_forward(module: nn.Module) -> None:
-    """NOTE [global sizes of plain shards]: ``module``'s forward starts with no records,
-    unless it sits inside a module whose forward already does."""
-    if any(module is inner for outer in _record_scopes for inner in outer.modules()):
-        return
-    for inner in [m for m in module.modules() if m in _record_scopes]:
-        _record_scopes.pop(inner).remove()
-    _record_scopes[module] = module.register_forward_pre_hook(_forget_records)
+class ForwardRecords:
+    """What the torch_tp modules below one parallelized root (the outermost module handed
+    to :func:`parallelize_module`) tell each other during its forward."""
+
+    def __init__(self) -> None:
+        # (group name, ndim, sharded dim) -> global size (NOTE [global sizes of plain shards]).
+        self.shard_sizes: Dict[Tuple[str, int, int], Optional[int]] = {}
+        # (Replicate DTensor, the gathered tensor it wraps), while the prepared module's
+        # forward runs (NOTE [replicated DTensor inputs without DTensor]).
+        self.gathered: List[Tuple[DTensor, torch.Tensor]] = []
+        # DTensor torch_tp handed back -> its local tensor (NOTE [DTensors torch_tp hands back]);
+        # keyed by identity (torch.utils.weak), as a tensor's == compares values.
+        self.locals: "WeakIdKeyDictionary[DTensor, torch.Tensor]" = WeakIdKeyDictionary()
+
+    def __reduce__(self):
+        # Records hold this forward's tensors: a copy or an unpickled model starts with none.
+        return (ForwardRecords, ())
+
+    def expect_group(self, group: TPGroup) -> None:
+        """Make the size keys of ``group``'s shards of up to _PRESET_NDIM dims, with no record."""
+        for ndim in range(1, _PRESET_NDIM + 1):
+            for dim in range(ndim):
+                self.shard_sizes.setdefault((group.name, ndim, dim), None)
+
+    def forget(self, _module: nn.Module, _args) -> None:
+        """Forward pre-hook of the root: its forward starts with no records. The sizes are
+        emptied in place and never shrunk: torch.compile guards on their keys, so a compiled
+        block traced once stays valid from step to step."""
+        for key in self.shard_sizes:
+            self.shard_sizes[key] = None
+        self.gathered.clear()  # left only by a forward that raised
+
+    def record_shard(self, local: torch.Tensor, placement: Placement, group: TPGroup, global_shape) -> None:
+        """``local`` is this rank's ``placement`` piece of ``global_shape``."""
+        if isinstance(placement, Shard):
+            self.shard_sizes[(group.name, local.dim(), placement.dim)] = global_shape[placement.dim]
+
+    def forget_gathered(self, values) -> None:
+        """Forward hook of a prepared module: drop the pairs of the DTensors among its inputs."""
+        self.gathered[:] = [pair for pair in self.gathered if not any(pair[0] is value for value in values)]
 
 
-def record_shard(local: torch.Tensor, placement: Placement, group: TPGroup, global_shape) -> None:
-    """NOTE [global sizes of plain shards]: ``local`` is this rank's ``placement`` piece of ``global_shape``."""
-    if isinstance(placement, Shard):
-        _shard_sizes[(group.name, local.dim(), placement.dim)] = global_shape[placement.dim]
+# Parallelized root -> (its records, its forget hook).
+_roots: "weakref.WeakKeyDictionary[nn.Module, Tuple[ForwardRecords, RemovableHandle]]" = weakref.WeakKeyDictionary()
 
 
-def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
+def records_root(module: nn.Module) -> Tuple[nn.Module, ForwardRecords]:
+    """The parallelized root whose records ``module``'s torch_tp modules share, and those
+    records: the root that contains ``module``, or else ``module`` itself, which becomes a
+    root (its forward starts with no records) and takes over the roots inside it. The caller
+    gives every torch_tp module below the root these records."""
+    for root, (records, _) in _roots.items():
+        if any(module is inner for inner in root.modules()):
+            return root, records
+    for inner in [m for m in module.modules() if m in _roots]:
+        _roots.pop(inner)[1].remove()
+    records = ForwardRecords()
+    _roots[module] = (records, module.register_forward_pre_hook(records.forget))
+    return module, records
+
+
+def from_dtensor(x, declared: Placement, group: TPGroup,
+                 records: ForwardRecords) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
     """``(local tensor, its placement, global shape or None)``.
 
     A DTensor brings its own placement and global shape; a plain tensor is
@@ -219,7 +272,7 @@ def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, 
     if isinstance(x, DTensor):
         if x.device_mesh.ndim != 1:
             raise ValueError(f"torch_tp: expected a DTensor on a 1-D mesh, got one on {x.device_mesh}")
-        local = getattr(x, LOCAL_ATTR, None)
+        local = None if torch.compiler.is_compiling() else records.locals.get(x)
         if local is None:
             local = x.to_local()
         placement, global_shape = normalize(x.placements[0], x.ndim), x.shape
@@ -232,7 +285,7 @@ def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, 
 
 
 def global_shape_of(local: torch.Tensor, placement: Placement, global_shape: Optional[torch.Size],
-                    group: TPGroup) -> torch.Size:
+                    group: TPGroup, records: ForwardRecords) -> torch.Size:
     """The global shape of ``local`` in layout ``placement``: ``global_shape`` when
     ``from_dtensor`` knew it, else NOTE [global sizes of plain shards]."""
     if global_shape is not None:
@@ -240,7 +293,7 @@ def global_shape_of(local: torch.Tensor, placement: Placement, global_shape: Opt
     if not isinstance(placement, Shard):
         return local.shape
     dim = placement.dim
-    size = _shard_sizes.get((group.name, local.dim(), dim))
+    size = records.shard_sizes.get((group.name, local.dim(), dim))
     if size is None:
         size = _exchanged_global_size(local, dim, group)
     elif chunk_range(size, group.size, group.rank)[1] != local.size(dim):
@@ -286,18 +339,19 @@ def _refuse_empty_pieces_under_compile(global_shape: torch.Size, dim: int, group
             "that gives every rank at least one row, or run this model eagerly, where empty pieces work.")
 
 
-def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape) -> DTensor:
+def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape, records: ForwardRecords) -> DTensor:
     """Wrap ``local`` as the DTensor torch would hand back, with the global shape
     given explicitly so that uneven shards are described correctly."""
     global_shape = torch.Size(global_shape)
     stride = torch.empty(global_shape, device="meta").stride()
     dt = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
-    setattr(dt, LOCAL_ATTR, local)
+    if not torch.compiler.is_compiling():
+        records.locals[dt] = local
     return dt
 
 
 def convert(local: torch.Tensor, src: Placement, dst: Placement, group: TPGroup,
-            global_shape: Optional[torch.Size]) -> torch.Tensor:
+            global_shape: Optional[torch.Size], records: ForwardRecords) -> torch.Tensor:
     """Move ``local`` from layout ``src`` to ``dst`` (both normalized)."""
     if src == dst:
         return local
@@ -305,5 +359,5 @@ def convert(local: torch.Tensor, src: Placement, dst: Placement, group: TPGroup,
         full = None if global_shape is None else global_shape[src.dim]
         return gather_replicated(local, src.dim, group, full)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return split_replicated(local, dst.dim, group)
+        return split_replicated(local, dst.dim, group, records)
     raise NotImplementedError(f"torch_tp: redistributing a tensor from {src} to {dst} is not supported")

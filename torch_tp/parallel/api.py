@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import style as _torch_style
 
 from .._torch_private import current_mesh
 from . import style as _style
-from ._layout import scope_records_to_forward
+from ._layout import records_root
 from ._params import naming_module
 
 __all__ = ["parallelize_module"]
@@ -115,11 +115,22 @@ def parallelize_module(
         return module
 
     _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
-    scope_records_to_forward(module)
+    _share_records(module)
     if not getattr(module, "_tp_checks_loads", False):
         module.register_load_state_dict_pre_hook(_check_load)
         module._tp_checks_loads = True
     return module
+
+
+def _share_records(module: nn.Module) -> None:
+    """Every torch_tp module below ``module``'s parallelized root reads and writes that root's
+    records (NOTE [global sizes of plain shards] in _layout.py), whichever call parallelized it."""
+    root, records = records_root(module)
+    for inner in root.modules():
+        state = getattr(inner, "_tp_state", None)
+        if state is not None:
+            state.records = records
+            records.expect_group(state.group)
 
 
 def _check_load(module: nn.Module, state_dict, prefix: str, *_args) -> None:

@@ -46,7 +46,8 @@ would compile anew and a deep model would hit the recompile limit.
 """
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -55,6 +56,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import style as _torch_style
 
 from ._layout import (
+    ForwardRecords,
     TPGroup,
     convert,
     from_dtensor,
@@ -63,7 +65,6 @@ from ._layout import (
     gather_to_replicated_dtensor,
     normalize,
     partial_grad_local,
-    record_shard,
     split_replicated,
     to_dtensor,
     tp_group,
@@ -82,58 +83,298 @@ __all__ = [
 ]
 
 
+# ---------------------------------------------------------------- what a parallelized module keeps
+
+
+@dataclass(eq=False)
+class TPState:
+    """``module._tp_state``: what torch_tp keeps on a module a style was applied to, for
+    its forward and hooks. One object, so that a module's torch_tp state is in one place."""
+
+    style: Optional[str]  # repr of the parameter style applied (None: only PrepareModule*)
+    mesh: DeviceMesh
+    group: TPGroup  # read once, when the style is applied (TPGroup's docstring says why)
+    records: ForwardRecords  # the parallelized root's; parallelize_module shares them
+
+
+@dataclass(eq=False)
+class ShardedState(TPState):
+    """A ColwiseParallel or RowwiseParallel ``nn.Linear``/``nn.Embedding``."""
+
+    input_layout: Placement
+    output_layout: Placement
+    use_local_output: bool
+
+
+@dataclass(eq=False)
+class SequenceState(TPState):
+    """A SequenceParallel module."""
+
+    parameter_names: Tuple[str, ...]  # the parameters its forward runs on local tensors
+    partial_grad: bool  # False on one rank, whose gradient is already the whole sum
+    sequence_sharding: Shard
+    use_local_output: bool
+
+
+def _module_state(module: nn.Module, device_mesh: DeviceMesh) -> TPState:
+    """``module``'s state, made (with no parameter style) when it has none yet; its records
+    are its own until parallelize_module gives it its root's."""
+    state = getattr(module, "_tp_state", None)
+    if state is None:
+        state = module._tp_state = TPState(None, device_mesh, tp_group(device_mesh), ForwardRecords())
+    return state
+
+
 def _refuse_second_style(module: nn.Module, style: "ParallelStyle") -> None:
-    """A module takes one parameter style (its parallelizing style sets ``_tp_style``)."""
-    previous = getattr(module, "_tp_style", None)
-    if previous is not None:
+    """A module takes one parameter style (its state names it)."""
+    previous = getattr(module, "_tp_state", None)
+    if previous is not None and previous.style is not None:
         where = f"'{module_path()}'" if module_path() else "the root module"
         raise ValueError(
             f"torch_tp.{type(style).__name__}: {where} ({type(module).__name__}) was already parallelized by "
-            f"{previous}; the plan applies {style!r} to it too. Give each module one of ColwiseParallel, "
+            f"{previous.style}; the plan applies {style!r} to it too. Give each module one of ColwiseParallel, "
             "RowwiseParallel and SequenceParallel (PrepareModuleInput/Output may be added to any).")
 
 
-def _describe(module: nn.Module) -> str:
-    """``tp=ColwiseParallel[weight (32, 16) of (64, 16) Shard(0), bias ...] over 2 ranks``."""
-    parts = []
-    for name, param in module.named_parameters(recurse=False):
-        if isinstance(param, DTensor):
-            parts.append(f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)} {param.placements[0]!r}")
-        else:
-            parts.append(f"{name} local")
-    return f"tp={type(module)._tp_kind}[{', '.join(parts) or 'no parameters'}] over {module._tp_mesh.size()} ranks"
+# ---------------------------------------------------------------- the classes a style swaps in
+# NOTE [torch_tp forwards without replacing module.forward]: a parallelized module's
+# class becomes ``type(f"{kind}{cls.__name__}", (mixin, cls), ...)``, where the
+# mixin below brings the forward; the mixin comes first, so its ``super()`` is the
+# module's own class.
 
 
 _PARALLEL_CLASSES: Dict[Tuple[type, type], type] = {}
 
 
-def _parallel_class(cls: type, style: type) -> type:
-    """``cls`` with the ``forward`` the style class ``style`` gives it (NOTE [torch_tp
-    forwards without replacing module.forward]), one class per (class, style)."""
-    made = _PARALLEL_CLASSES.get((cls, style))
+def _parallel_class(cls: type, mixin: type) -> type:
+    """``cls`` with ``mixin``'s forward, one class per (class, mixin)."""
+    made = _PARALLEL_CLASSES.get((cls, mixin))
     if made is None:
-        forward = next(forward for base, (_, forward) in style._layouts.items() if issubclass(cls, base))
-
-        def extra_repr(self) -> str:
-            base = cls.extra_repr(self)
-            return f"{base}, {_describe(self)}" if base else _describe(self)
-
-        def __reduce_ex__(self, protocol):
-            # Pickle (torch.save(model)) names the class by import path, which a made
-            # class lacks: rebuild it from (cls, style) instead; the state is nn.Module's.
-            _, _, *rest = object.__reduce_ex__(self, protocol)
-            return (_new_parallel_module, (cls, style), *rest)
-
-        made = type(f"{style.__name__}{cls.__name__}", (cls,), {
-            "forward": forward, "extra_repr": extra_repr, "__reduce_ex__": __reduce_ex__,
-            "_tp_kind": style.__name__, "_tp_base_forward": cls.forward})
-        _PARALLEL_CLASSES[(cls, style)] = made
+        made = type(f"{mixin._tp_kind}{cls.__name__}", (mixin, cls), {"_tp_base_class": cls})
+        _PARALLEL_CLASSES[(cls, mixin)] = made
     return made
 
 
-def _new_parallel_module(cls: type, style: type) -> nn.Module:
-    """An empty instance of ``_parallel_class(cls, style)``, for unpickling."""
-    return object.__new__(_parallel_class(cls, style))
+def _new_parallel_module(cls: type, mixin: type) -> nn.Module:
+    """An empty instance of ``_parallel_class(cls, mixin)``, for unpickling."""
+    return object.__new__(_parallel_class(cls, mixin))
+
+
+class _ParallelModule:
+    """What every class a style swaps in shares: its state, its repr and its pickling."""
+
+    _tp_kind: str  # the style's name, for the class name and the repr
+    _tp_base_class: type  # the module's own class
+    _tp_state: TPState
+
+    def extra_repr(self) -> str:
+        """``..., tp=ColwiseParallel[weight (32, 16) of (64, 16) Shard(0), bias ...] over 2 ranks``."""
+        parts = []
+        for name, param in self.named_parameters(recurse=False):
+            if isinstance(param, DTensor):
+                parts.append(f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)} {param.placements[0]!r}")
+            else:
+                parts.append(f"{name} local")
+        ranks = self._tp_state.mesh.size()
+        described = f"tp={self._tp_kind}[{', '.join(parts) or 'no parameters'}] over {ranks} ranks"
+        base = super().extra_repr()
+        return f"{base}, {described}" if base else described
+
+    def __reduce_ex__(self, protocol):
+        # Pickle (torch.save(model)) names the class by import path, which a made
+        # class lacks: rebuild it from (class, mixin) instead; the state is nn.Module's.
+        _, _, *rest = object.__reduce_ex__(self, protocol)
+        return (_new_parallel_module, (self._tp_base_class, type(self).__bases__[0]), *rest)
+
+
+# Each forward reads its input (a plain tensor in the declared layout, or a
+# DTensor) and its parameters' local tensors, runs one torch_tp op, and hands
+# back the output in the requested layout.
+
+
+class _ShardedModule(_ParallelModule):
+    _tp_state: ShardedState
+
+    def _tp_finish(self, local: torch.Tensor, placement: Placement, global_shape) -> Any:
+        state = self._tp_state
+        state.records.record_shard(local, placement, state.group, global_shape)
+        if state.use_local_output:
+            return local
+        return to_dtensor(local, state.mesh, placement, global_shape, state.records)
+
+
+class _ColwiseModule(_ShardedModule):
+    _tp_kind = "ColwiseParallel"
+
+    def _tp_gathered_input(self, x, added_dims: int) -> Tuple[torch.Tensor, Optional[int], Optional[int]]:
+        """``(local tensor, the dim the op gathers it along, that dim's global size)``: no gather
+        (None, None) for a replicated input, d for Shard(d) (sequence parallel). ``added_dims``:
+        how many dims the op's output has beyond the input's (an embedding adds its features)."""
+        state = self._tp_state
+        local, layout, global_shape = from_dtensor(x, state.input_layout, state.group, state.records)
+        if isinstance(layout, Replicate):
+            return local, None, None
+        if isinstance(layout, Shard) and layout.dim != local.dim() + added_dims - 1:
+            return local, layout.dim, global_shape_of(local, layout, global_shape, state.group,
+                                                      state.records)[layout.dim]
+        raise NotImplementedError(f"torch_tp: {type(self).__name__} with input layout {layout} is not supported")
+
+    def _tp_output_sharded_on_last(self, out: torch.Tensor, features: int):
+        """out [.., features/p] (Shard(-1)) -> the requested output layout."""
+        state = self._tp_state
+        wanted = normalize(state.output_layout, out.dim())
+        global_shape = out.shape[:-1] + (features,)
+        if wanted == Shard(out.dim() - 1):
+            return self._tp_finish(out, wanted, global_shape)
+        if isinstance(wanted, Replicate):
+            return self._tp_finish(gather_replicated(out, out.dim() - 1, state.group, features), wanted,
+                                   global_shape)
+        raise NotImplementedError(f"torch_tp: ColwiseParallel output_layouts={wanted} is not supported "
+                                  "(use Shard(-1) or Replicate())")
+
+
+class _ColwiseLinear(_ColwiseModule):
+    def forward(self, x):
+        group_name = self._tp_state.group.name
+        if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], Replicate):
+            # The input's gradient may stay partial: the sum of its consumers'
+            # partial gradients is reduced once, where it meets the gather that
+            # made x replicated (NOTE [partial grad_x] in linear.cpp; NOTE
+            # [replicated DTensor inputs without DTensor] in _layout.py).
+            local = partial_grad_local(x, self._tp_state.records)
+            out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
+                                                             group_name, partial_grad_input=True)
+            return self._tp_output_sharded_on_last(out, self.out_features)
+        local, dim, full = self._tp_gathered_input(x, 0)
+        out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
+                                                         group_name, dim, full)
+        return self._tp_output_sharded_on_last(out, self.out_features)
+
+
+class _ColwiseEmbedding(_ColwiseModule):
+    def forward(self, ids):
+        local, dim, full = self._tp_gathered_input(ids, 1)
+        out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_state.group.name,
+                                                            self.padding_idx, dim, full)
+        return self._tp_output_sharded_on_last(out, self.embedding_dim)
+
+
+class _RowwiseModule(_ShardedModule):
+    _tp_kind = "RowwiseParallel"
+
+    def _tp_scatter_dim(self, ndim: int) -> Optional[int]:
+        layout = self._tp_state.output_layout
+        wanted = normalize(layout, ndim)
+        if isinstance(wanted, Replicate):
+            return None
+        if isinstance(wanted, Shard) and wanted.dim != ndim - 1:
+            return wanted.dim
+        raise NotImplementedError(f"torch_tp: RowwiseParallel output_layouts={layout} is not supported "
+                                  "(use Replicate() or Shard(d) on a non-feature dim)")
+
+
+class _RowwiseLinear(_RowwiseModule):
+    def forward(self, x):
+        state = self._tp_state
+        group = state.group
+        local, layout, _ = from_dtensor(x, state.input_layout, group, state.records)
+        last = Shard(local.dim() - 1)
+        if layout != last:
+            local = convert(local, layout, last, group, None, state.records)
+        dim = self._tp_scatter_dim(local.dim())
+        out = torch.ops.torch_tp.row_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
+                                                      group.name, dim)
+        global_shape = local.shape[:-1] + (self.out_features,)
+        return self._tp_finish(out, Replicate() if dim is None else Shard(dim), global_shape)
+
+
+class _RowwiseEmbedding(_RowwiseModule):
+    def forward(self, ids):
+        state = self._tp_state
+        group = state.group
+        local, layout, global_shape = from_dtensor(ids, state.input_layout, group, state.records)
+        if isinstance(layout, Shard):
+            full = global_shape_of(local, layout, global_shape, group, state.records)[layout.dim]
+            local = torch.ops.torch_tp.all_gather(local, layout.dim, group.name, full)
+        global_shape = local.shape + (self.embedding_dim,)
+        features = Shard(local.dim())
+        if normalize(state.output_layout, local.dim() + 1) == features:
+            # Sharded on the embedding dim: the op reduce-scatters along the others only, so
+            # reduce to replicated and keep this rank's piece (its backward gathers the pieces).
+            out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), group.name,
+                                                               self.num_embeddings, self.padding_idx)
+            return self._tp_finish(split_replicated(out, local.dim(), group, state.records), features, global_shape)
+        dim = self._tp_scatter_dim(local.dim() + 1)
+        out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), group.name,
+                                                           self.num_embeddings, self.padding_idx, dim)
+        return self._tp_finish(out, Replicate() if dim is None else Shard(dim), global_shape)
+
+
+def _parameter_slot(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The tensor ``module.<name>`` reads: a registered parameter, or an attribute that
+    stands in for it (torch's DDP sets DTensor views of its local parameters as attributes)."""
+    if name in module._parameters:
+        return module._parameters[name]
+    return module.__dict__.get(name)
+
+
+def _set_parameter_slot(module: nn.Module, name: str, value: Optional[torch.Tensor]) -> None:
+    if name in module._parameters:
+        module._parameters[name] = value
+    else:
+        module.__dict__[name] = value
+
+
+class _SequenceParallelModule(_ParallelModule):
+    _tp_kind = "SequenceParallel"
+    _tp_state: SequenceState
+
+    def forward(self, *args, **kwargs):
+        """The module's own forward on this rank's sequence shard, its parameters' local tensors
+        in place of the DTensors while it runs (put back even when it raises); the output is a
+        ``Shard(sequence_dim)`` DTensor unless ``use_local_output``."""
+        state = self._tp_state
+        group, records, sharding = state.group, state.records, state.sequence_sharding
+        global_shape = None
+        if args:
+            x = args[0]
+            if isinstance(x, DTensor) and isinstance(x.placements[0], Shard) \
+                    and normalize(x.placements[0], x.ndim) != normalize(sharding, x.ndim):
+                # Sharded on another dim (a batch-sharded Shard(0) input): DTensor moves it, as in torch.
+                x = x.redistribute(state.mesh, (sharding,))
+            local, layout, global_shape = from_dtensor(x, sharding, group, records)
+            global_shape = global_shape_of(local, layout, global_shape, group, records)
+            wanted = normalize(sharding, local.dim())
+            if layout != wanted:
+                local = convert(local, layout, wanted, group, global_shape, records)
+            args = (local,) + args[1:]
+        set_aside: Dict[str, DTensor] = {}
+        for name in state.parameter_names:
+            value = _parameter_slot(self, name)
+            if isinstance(value, DTensor):
+                set_aside[name] = value
+                _set_parameter_slot(self, name, local_tensor(value, state.partial_grad))
+        try:
+            output = super().forward(*args, **kwargs)
+        finally:
+            for name, value in set_aside.items():
+                _set_parameter_slot(self, name, value)
+        if not isinstance(output, torch.Tensor):
+            return output
+        wanted = normalize(sharding, output.dim())
+        if global_shape is None or len(global_shape) != output.dim():
+            global_shape = list(output.shape)
+            global_shape[wanted.dim] *= group.size
+        else:  # the input's global size along the sequence, the output's other sizes
+            global_shape = output.shape[:wanted.dim] + global_shape[wanted.dim:wanted.dim + 1] \
+                + output.shape[wanted.dim + 1:]
+        records.record_shard(output, wanted, group, global_shape)
+        if state.use_local_output:
+            return output
+        return to_dtensor(output, state.mesh, wanted, global_shape, records)
+
+
+# ---------------------------------------------------------------- the styles
 
 
 class ParallelStyle(_torch_style.ParallelStyle, ABC):
@@ -151,18 +392,42 @@ def _placement_tuple(layout) -> Tuple[Placement, ...]:
     return (layout,) if isinstance(layout, Placement) else tuple(layout)
 
 
+# The arguments ColwiseParallel and RowwiseParallel share, for their docstrings.
+_SHARDED_STYLE_ARGS = """
+
+    Keyword Args:
+        input_layouts (Placement, optional): layout of the module input;
+            {input} by default.
+        output_layouts (Placement, optional): layout of the module output;
+            {output} by default.{output_note}
+        use_local_output (bool, optional): return the local tensor (default)
+            instead of a DTensor.
+
+    Returns:
+        A :class:`ParallelStyle` for :func:`parallelize_module`.
+
+    Example::
+
+        >>> from torch_tp import parallelize_module, {style}
+        >>> m = parallelize_module(Model(), tp_mesh, {{"{key}": {style}()}})
+"""
+
+
 class _ShardedModuleStyle(ParallelStyle):
     """What ColwiseParallel and RowwiseParallel share: shard the parameters of an
-    ``nn.Linear``/``nn.Embedding`` and give it torch_tp's forward for that module type."""
+    ``nn.Linear``/``nn.Embedding`` and swap in the class with torch_tp's forward for it."""
 
-    # module type -> ({parameter name: placement}, forward); each subclass sets its own.
-    _layouts: Dict[type, Tuple[Dict[str, Placement], Callable]]
+    # module type -> ({parameter name: placement}, the mixin with its forward); each subclass sets its own.
+    _layouts: Dict[type, Tuple[Dict[str, Placement], type]]
+    # The layouts an unset input_layouts/output_layouts stand for.
+    _default_input_layout: Placement
+    _default_output_layout: Placement
 
-    def __init__(self, *, input_layouts: Optional[Placement], output_layouts: Optional[Placement],
-                 use_local_output: bool):
+    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
+                 use_local_output: bool = True):
         super().__init__()
-        self.input_layouts = (input_layouts,)
-        self.output_layouts = (output_layouts,)
+        self.input_layouts = (input_layouts or self._default_input_layout,)
+        self.output_layouts = (output_layouts or self._default_output_layout,)
         self.use_local_output = use_local_output
 
     def _torch_equivalent(self) -> _torch_style.ParallelStyle:
@@ -183,17 +448,14 @@ class _ShardedModuleStyle(ParallelStyle):
             # Its own computation: torch's style runs it on DTensors (NOTE [torch_tp
             # forwards without replacing module.forward]).
             self._torch_equivalent()._apply(module, device_mesh)
-            module._tp_style = repr(self)
+            _module_state(module, device_mesh).style = repr(self)
             return module
-        placements, _ = self._layouts[base]
+        placements, mixin = self._layouts[base]
         distribute_parameters(module, placements, device_mesh, self.src_data_rank, name)
-        module._tp_style = repr(self)
-        module._tp_mesh = device_mesh
-        module._tp_group = tp_group(device_mesh)
-        module._tp_input_layout = self.input_layouts[0]
-        module._tp_output_layout = self.output_layouts[0]
-        module._tp_use_local_output = self.use_local_output
-        module.__class__ = _parallel_class(type(module), type(self))
+        records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
+        module._tp_state = ShardedState(repr(self), device_mesh, tp_group(device_mesh), records,
+                                        self.input_layouts[0], self.output_layouts[0], self.use_local_output)
+        module.__class__ = _parallel_class(type(module), mixin)
         return module
 
     def __repr__(self) -> str:
@@ -202,40 +464,25 @@ class _ShardedModuleStyle(ParallelStyle):
 
 
 class ColwiseParallel(_ShardedModuleStyle):
-    r"""Partition an ``nn.Linear`` or ``nn.Embedding`` column-wise.
+    __doc__ = r"""Partition an ``nn.Linear`` or ``nn.Embedding`` column-wise.
 
     ``nn.Linear``: weight and bias sharded on dim 0 (output features);
     ``nn.Embedding``: weight sharded on dim 1 (embedding dim). The input is
     replicated (with ``input_layouts=Shard(d)`` it is gathered along ``d``
     first, and its gradient reduce-scattered); the output is sharded on the
-    last dim. The parameters become ``DTensor``\ s with those placements.
+    last dim. The parameters become ``DTensor``\ s with those placements.""" + _SHARDED_STYLE_ARGS.format(
+        input="``Replicate()``", output="``Shard(-1)``", output_note=" ``Replicate()`` all-gathers it.",
+        style="ColwiseParallel", key="w1")
 
-    Keyword Args:
-        input_layouts (Placement, optional): layout of the module input;
-            ``Replicate()`` by default.
-        output_layouts (Placement, optional): layout of the module output;
-            ``Shard(-1)`` by default. ``Replicate()`` all-gathers it.
-        use_local_output (bool, optional): return the local tensor (default)
-            instead of a DTensor.
-
-    Returns:
-        A :class:`ParallelStyle` for :func:`parallelize_module`.
-
-    Example::
-
-        >>> from torch_tp import parallelize_module, ColwiseParallel
-        >>> m = parallelize_module(Model(), tp_mesh, {"w1": ColwiseParallel()})
-    """
-
-    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
-                 use_local_output: bool = True):
-        super().__init__(input_layouts=input_layouts or Replicate(), output_layouts=output_layouts or Shard(-1),
-                         use_local_output=use_local_output)
-        self.desired_input_layouts = (Replicate(),)
-
-
+    _layouts = {
+        nn.Linear: ({"weight": Shard(0), "bias": Shard(0)}, _ColwiseLinear),
+        nn.Embedding: ({"weight": Shard(1)}, _ColwiseEmbedding),
+    }
+    _default_input_layout = Replicate()
+    _default_output_layout = Shard(-1)
+    desired_input_layouts = (Replicate(),)  # as torch's: the layout the computation takes its input in
 class RowwiseParallel(_ShardedModuleStyle):
-    r"""Partition an ``nn.Linear`` or ``nn.Embedding`` row-wise.
+    __doc__ = r"""Partition an ``nn.Linear`` or ``nn.Embedding`` row-wise.
 
     ``nn.Linear``: weight sharded on dim 1 (input features), bias replicated and
     added once after the reduction; the input is sharded on the last dim.
@@ -243,165 +490,21 @@ class RowwiseParallel(_ShardedModuleStyle):
     rank's rows are masked, their rows zeroed, then summed over the ranks); the
     input is replicated. The output is replicated (all-reduce) or, with
     ``output_layouts=Shard(d)``, sharded along ``d`` (reduce-scatter). The
-    parameters become ``DTensor``\ s with those placements.
+    parameters become ``DTensor``\ s with those placements.""" + _SHARDED_STYLE_ARGS.format(
+        input="``Shard(-1)`` (nn.Embedding: ``Replicate()``)", output="``Replicate()``", output_note="",
+        style="RowwiseParallel", key="w2")
 
-    Keyword Args:
-        input_layouts (Placement, optional): layout of the module input;
-            ``Shard(-1)`` by default (nn.Embedding: ``Replicate()``).
-        output_layouts (Placement, optional): layout of the module output;
-            ``Replicate()`` by default.
-        use_local_output (bool, optional): return the local tensor (default)
-            instead of a DTensor.
-
-    Returns:
-        A :class:`ParallelStyle` for :func:`parallelize_module`.
-
-    Example::
-
-        >>> from torch_tp import parallelize_module, RowwiseParallel
-        >>> m = parallelize_module(Model(), tp_mesh, {"w2": RowwiseParallel()})
-    """
-
-    def __init__(self, *, input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
-                 use_local_output: bool = True):
-        super().__init__(input_layouts=input_layouts or Shard(-1), output_layouts=output_layouts or Replicate(),
-                         use_local_output=use_local_output)
+    _layouts = {
+        nn.Linear: ({"weight": Shard(1), "bias": Replicate()}, _RowwiseLinear),
+        nn.Embedding: ({"weight": Shard(0)}, _RowwiseEmbedding),
+    }
+    _default_input_layout = Shard(-1)
+    _default_output_layout = Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # As torch: the layout the module's computation wants its input in.
         self.desired_input_layouts = (Replicate(),) if isinstance(module, nn.Embedding) else (Shard(-1),)
         return super()._apply(module, device_mesh)
-
-
-# ---------------------------------------------------------------- forwards of the sharded modules
-# Each reads its input (a plain tensor in the declared layout, or a DTensor)
-# and its parameters' local tensors, runs one torch_tp op, and hands back the
-# output in the requested layout.
-
-
-def _finish(self, local: torch.Tensor, placement: Placement, global_shape) -> Any:
-    record_shard(local, placement, self._tp_group, global_shape)
-    if self._tp_use_local_output:
-        return local
-    return to_dtensor(local, self._tp_mesh, placement, global_shape)
-
-
-def _output_sharded_on_last(self, out: torch.Tensor, features: int):
-    """out [.., features/p] (Shard(-1)) -> the requested output layout."""
-    wanted = normalize(self._tp_output_layout, out.dim())
-    global_shape = out.shape[:-1] + (features,)
-    if wanted == Shard(out.dim() - 1):
-        return _finish(self, out, wanted, global_shape)
-    if isinstance(wanted, Replicate):
-        return _finish(self, gather_replicated(out, out.dim() - 1, self._tp_group, features), wanted, global_shape)
-    raise NotImplementedError(f"torch_tp: ColwiseParallel output_layouts={wanted} is not supported "
-                              "(use Shard(-1) or Replicate())")
-
-
-def _gather_dim(self, x_layout: Placement, ndim: int) -> Optional[int]:
-    """None for a replicated input; d for Shard(d) (sequence parallel)."""
-    if isinstance(x_layout, Replicate):
-        return None
-    if isinstance(x_layout, Shard) and x_layout.dim != ndim - 1:
-        return x_layout.dim
-    raise NotImplementedError(f"torch_tp: {type(self).__name__} with input layout {x_layout} is not supported")
-
-
-def _colwise_linear_forward(self, x):
-    if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], Replicate):
-        # The input's gradient may stay partial: the sum of its consumers'
-        # partial gradients is reduced once, where it meets the gather that
-        # made x replicated (NOTE [partial grad_x] in linear.cpp; NOTE
-        # [replicated DTensor inputs without DTensor] in _layout.py).
-        local = partial_grad_local(x)
-        out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                         self._tp_group.name, partial_grad_input=True)
-        return _output_sharded_on_last(self, out, self.out_features)
-    local, layout, global_shape = from_dtensor(x, self._tp_input_layout, self._tp_group)
-    dim = _gather_dim(self, layout, local.dim())
-    full = None if dim is None else global_shape_of(local, layout, global_shape, self._tp_group)[dim]
-    out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                     self._tp_group.name, dim, full)
-    return _output_sharded_on_last(self, out, self.out_features)
-
-
-def _colwise_embedding_forward(self, ids):
-    local, layout, global_shape = from_dtensor(ids, self._tp_input_layout, self._tp_group)
-    dim = _gather_dim(self, layout, local.dim() + 1)
-    full = None if dim is None else global_shape_of(local, layout, global_shape, self._tp_group)[dim]
-    out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
-                                                        self.padding_idx, dim, full)
-    return _output_sharded_on_last(self, out, self.embedding_dim)
-
-
-def _rowwise_scatter_dim(self, ndim: int) -> Optional[int]:
-    wanted = normalize(self._tp_output_layout, ndim)
-    if isinstance(wanted, Replicate):
-        return None
-    if isinstance(wanted, Shard) and wanted.dim != ndim - 1:
-        return wanted.dim
-    raise NotImplementedError(f"torch_tp: RowwiseParallel output_layouts={self._tp_output_layout} is not supported "
-                              "(use Replicate() or Shard(d) on a non-feature dim)")
-
-
-def _rowwise_linear_forward(self, x):
-    local, layout, _ = from_dtensor(x, self._tp_input_layout, self._tp_group)
-    last = Shard(local.dim() - 1)
-    if layout != last:
-        local = convert(local, layout, last, self._tp_group, None)
-    out_ndim = local.dim()
-    dim = _rowwise_scatter_dim(self, out_ndim)
-    out = torch.ops.torch_tp.row_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                  self._tp_group.name, dim)
-    global_shape = local.shape[:-1] + (self.out_features,)
-    return _finish(self, out, Replicate() if dim is None else Shard(dim), global_shape)
-
-
-def _rowwise_embedding_forward(self, ids):
-    local, layout, global_shape = from_dtensor(ids, self._tp_input_layout, self._tp_group)
-    if isinstance(layout, Shard):
-        full = global_shape_of(local, layout, global_shape, self._tp_group)[layout.dim]
-        local = torch.ops.torch_tp.all_gather(local, layout.dim, self._tp_group.name, full)
-    global_shape = local.shape + (self.embedding_dim,)
-    features = Shard(local.dim())
-    if normalize(self._tp_output_layout, local.dim() + 1) == features:
-        # Sharded on the embedding dim: the op reduce-scatters along the others only, so
-        # reduce to replicated and keep this rank's piece (its backward gathers the pieces).
-        out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
-                                                           self.num_embeddings, self.padding_idx)
-        return _finish(self, split_replicated(out, local.dim(), self._tp_group), features, global_shape)
-    dim = _rowwise_scatter_dim(self, local.dim() + 1)
-    out = torch.ops.torch_tp.vocab_parallel_embedding(local, local_tensor(self.weight), self._tp_group.name,
-                                                       self.num_embeddings, self.padding_idx, dim)
-    return _finish(self, out, Replicate() if dim is None else Shard(dim), global_shape)
-
-
-ColwiseParallel._layouts = {
-    nn.Linear: ({"weight": Shard(0), "bias": Shard(0)}, _colwise_linear_forward),
-    nn.Embedding: ({"weight": Shard(1)}, _colwise_embedding_forward),
-}
-RowwiseParallel._layouts = {
-    nn.Linear: ({"weight": Shard(1), "bias": Replicate()}, _rowwise_linear_forward),
-    nn.Embedding: ({"weight": Shard(0)}, _rowwise_embedding_forward),
-}
-
-
-# ---------------------------------------------------------------- sequence parallel
-
-
-def _parameter_slot(module: nn.Module, name: str) -> Optional[torch.Tensor]:
-    """The tensor ``module.<name>`` reads: a registered parameter, or an attribute that
-    stands in for it (torch's DDP sets DTensor views of its local parameters as attributes)."""
-    if name in module._parameters:
-        return module._parameters[name]
-    return module.__dict__.get(name)
-
-
-def _set_parameter_slot(module: nn.Module, name: str, value: Optional[torch.Tensor]) -> None:
-    if name in module._parameters:
-        module._parameters[name] = value
-    else:
-        module.__dict__[name] = value
 
 
 class SequenceParallel(ParallelStyle):
@@ -447,14 +550,10 @@ class SequenceParallel(ParallelStyle):
                                        "SequenceParallel")
         if device_mesh.size() > 1:
             complete_partial_grads_after_backward([p for p in params if p.requires_grad])
-        module._tp_style = repr(self)
-        module._tp_mesh = device_mesh
-        module._tp_group = tp_group(device_mesh)
-        module._tp_parameter_names = tuple(names)
-        module._tp_partial_grad = device_mesh.size() > 1  # one rank's gradient is already the whole sum
-        module._tp_sequence_sharding = self.sequence_sharding[0]
-        module._tp_use_local_output = self.use_local_output
-        module.__class__ = _parallel_class(type(module), SequenceParallel)
+        records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
+        module._tp_state = SequenceState(repr(self), device_mesh, tp_group(device_mesh), records, tuple(names),
+                                         device_mesh.size() > 1, self.sequence_sharding[0], self.use_local_output)
+        module.__class__ = _parallel_class(type(module), _SequenceParallelModule)
         return module
 
     def __repr__(self) -> str:
@@ -462,73 +561,27 @@ class SequenceParallel(ParallelStyle):
                f"use_local_output={self.use_local_output})"
 
 
-def _sequence_parallel_forward(self, *args, **kwargs):
-    """The module's own forward on this rank's sequence shard, its parameters' local tensors
-    in place of the DTensors while it runs (put back even when it raises); the output is a
-    ``Shard(sequence_dim)`` DTensor unless ``use_local_output``."""
-    sharding = self._tp_sequence_sharding
-    global_shape = None
-    if args:
-        x = args[0]
-        if isinstance(x, DTensor) and isinstance(x.placements[0], Shard) \
-                and normalize(x.placements[0], x.ndim) != normalize(sharding, x.ndim):
-            # Sharded on another dim (a batch-sharded Shard(0) input): DTensor moves it, as in torch.
-            x = x.redistribute(self._tp_mesh, (sharding,))
-        local, layout, global_shape = from_dtensor(x, sharding, self._tp_group)
-        global_shape = global_shape_of(local, layout, global_shape, self._tp_group)
-        wanted = normalize(sharding, local.dim())
-        if layout != wanted:
-            local = convert(local, layout, wanted, self._tp_group, global_shape)
-        args = (local,) + args[1:]
-    set_aside: Dict[str, DTensor] = {}
-    for name in self._tp_parameter_names:
-        value = _parameter_slot(self, name)
-        if isinstance(value, DTensor):
-            set_aside[name] = value
-            _set_parameter_slot(self, name, local_tensor(value, self._tp_partial_grad))
-    try:
-        output = type(self)._tp_base_forward(self, *args, **kwargs)
-    finally:
-        for name, value in set_aside.items():
-            _set_parameter_slot(self, name, value)
-    if not isinstance(output, torch.Tensor):
-        return output
-    wanted = normalize(sharding, output.dim())
-    if global_shape is None or len(global_shape) != output.dim():
-        global_shape = list(output.shape)
-        global_shape[wanted.dim] *= self._tp_group.size
-    else:  # the input's global size along the sequence, the output's other sizes
-        global_shape = output.shape[:wanted.dim] + global_shape[wanted.dim:wanted.dim + 1] \
-            + output.shape[wanted.dim + 1:]
-    record_shard(output, wanted, self._tp_group, global_shape)
-    if self._tp_use_local_output:
-        return output
-    return to_dtensor(output, self._tp_mesh, wanted, global_shape)
-
-
-SequenceParallel._layouts = {nn.Module: ({}, _sequence_parallel_forward)}
-
 
 # ---------------------------------------------------------------- layout preparation
 
 
-def _prepare(value, mesh: DeviceMesh, group: TPGroup, layout: Optional[Placement], desired: Optional[Placement],
-             use_local_output: bool):
+def _prepare(value, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords, layout: Optional[Placement],
+             desired: Optional[Placement], use_local_output: bool):
     """One input or output: annotate it with ``layout``, move it to ``desired``."""
     if layout is None:
         return value
-    local, actual, global_shape = from_dtensor(value, layout, group)
+    local, actual, global_shape = from_dtensor(value, layout, group, records)
     target = actual if desired is None else normalize(desired, local.dim())
     if use_local_output and target == actual:
         return local
-    global_shape = global_shape_of(local, actual, global_shape, group)
+    global_shape = global_shape_of(local, actual, global_shape, group, records)
     if use_local_output:
-        return convert(local, actual, target, group, global_shape)
+        return convert(local, actual, target, group, global_shape, records)
     if isinstance(actual, Shard) and isinstance(target, Replicate):
-        return gather_to_replicated_dtensor(local, actual.dim, mesh, group, global_shape[actual.dim])
+        return gather_to_replicated_dtensor(local, actual.dim, mesh, group, global_shape[actual.dim], records)
     # Other moves of a DTensor: let DTensor make them, so that the gradients of
     # what consumes it (partial or not) are reduced as torch reduces them.
-    dt = value if isinstance(value, DTensor) else to_dtensor(local, mesh, actual, global_shape)
+    dt = value if isinstance(value, DTensor) else to_dtensor(local, mesh, actual, global_shape, records)
     return dt if target == actual else dt.redistribute(mesh, (target,))
 
 
@@ -573,29 +626,37 @@ class PrepareModuleInput(ParallelStyle):
         if self.with_kwargs and len(self.input_kwarg_layouts) != len(self.desired_input_kwarg_layouts):
             raise AssertionError("input_kwarg_layouts and desired_input_kwarg_layouts should have same length!")
 
-    def _prepare_inputs(self, inputs, mesh: DeviceMesh, group: TPGroup):
+    def _prepare_inputs(self, inputs, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords):
         if self.input_layouts is None:
             return inputs
         if not isinstance(inputs, tuple):
             inputs = (inputs,)
         if len(inputs) != len(self.input_layouts):
             raise ValueError("module inputs and input_layouts should have same length!")
-        return tuple(_prepare(value, mesh, group, layout, desired, self.use_local_output)
+        return tuple(_prepare(value, mesh, group, records, layout, desired, self.use_local_output)
                      for value, layout, desired in zip(inputs, self.input_layouts, self.desired_input_layouts))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = tp_group(device_mesh)
+        _module_state(module, device_mesh)  # holds the records the hooks read (shared by parallelize_module)
         if self.with_kwargs:
-            def hook(_module, inputs, kwargs):
-                prepared = {key: _prepare(value, device_mesh, group, self.input_kwarg_layouts.get(key),
+            def hook(module, inputs, kwargs):
+                records = module._tp_state.records
+                prepared = {key: _prepare(value, device_mesh, group, records, self.input_kwarg_layouts.get(key),
                                           self.desired_input_kwarg_layouts.get(key), self.use_local_output)
                             for key, value in kwargs.items()}
-                return self._prepare_inputs(inputs, device_mesh, group), prepared
+                return self._prepare_inputs(inputs, device_mesh, group, records), prepared
 
             module.register_forward_pre_hook(hook, with_kwargs=True)
         else:
             module.register_forward_pre_hook(
-                lambda _module, inputs: self._prepare_inputs(inputs, device_mesh, group))
+                lambda module, inputs: self._prepare_inputs(inputs, device_mesh, group, module._tp_state.records))
+        if not self.use_local_output:
+            # A gathered Replicate DTensor is paired with its local tensor only while the
+            # module runs (NOTE [replicated DTensor inputs without DTensor] in _layout.py).
+            module.register_forward_hook(
+                lambda module, inputs, kwargs, _output: module._tp_state.records.forget_gathered(
+                    inputs + tuple(kwargs.values())), with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
@@ -633,19 +694,21 @@ class PrepareModuleOutput(ParallelStyle):
         if len(self.output_layouts) != len(self.desired_output_layouts):
             raise AssertionError("output_layouts and desired_output_layouts should have same length!")
 
-    def _prepare_outputs(self, outputs, mesh: DeviceMesh, group: TPGroup):
+    def _prepare_outputs(self, outputs, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords):
         single = not isinstance(outputs, tuple)
         values = (outputs,) if single else outputs
         if len(values) != len(self.output_layouts):
             raise ValueError("module outputs and output_layouts should have same length!")
-        prepared = tuple(_prepare(value, mesh, group, layout, desired, self.use_local_output)
+        prepared = tuple(_prepare(value, mesh, group, records, layout, desired, self.use_local_output)
                          for value, layout, desired in zip(values, self.output_layouts, self.desired_output_layouts))
         return prepared[0] if single else prepared
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = tp_group(device_mesh)
+        _module_state(module, device_mesh)  # holds the records the hook reads (shared by parallelize_module)
         module.register_forward_hook(
-            lambda _module, _inputs, outputs: self._prepare_outputs(outputs, device_mesh, group))
+            lambda module, _inputs, outputs: self._prepare_outputs(outputs, device_mesh, group,
+                                                                   module._tp_state.records))
         return module
 
     def __repr__(self) -> str:
