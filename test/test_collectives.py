@@ -506,6 +506,15 @@ def _check_errors():
         message = str(info.value)
         for fragment in fragments:
             assert fragment in message, f"{fragment!r} not in error: {message}"
+    # No tensor at all: the wrappers name the op and the argument (the
+    # dispatcher, finding no tensor to dispatch on, would not).
+    for name, call in [("all_reduce", lambda: ops.all_reduce(None)), ("all_reduce_", lambda: ops.all_reduce_(None)),
+                       ("all_gather", lambda: ops.all_gather(None, 0)),
+                       ("reduce_scatter", lambda: ops.reduce_scatter(None, 0)),
+                       ("copy_to_tp_region", lambda: ops.copy_to_tp_region(None)),
+                       ("reduce_from_tp_region", lambda: ops.reduce_from_tp_region(None))]:
+        with pytest.raises(TypeError, match=rf"torch_tp.ops.{name}: x must be a Tensor, got None"):
+            call()
     # The Meta kernels check the same way (torch.compile sees the same errors).
     with pytest.raises(RuntimeError, match=r"torch_tp::all_gather: dim=7"):
         torch.ops.torch_tp.all_gather(torch.empty(2, 3, device="meta"), 7, group)
@@ -678,11 +687,11 @@ def test_nan_under_min_max(ranks, world_size):
 DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 
-def _check_cross_rank_mismatch(case):
+def _check_cross_rank_mismatch(case, name=None):
     """Each call moves the same number of elements on every rank but differs
     in a dim or a shape; it must raise on every rank naming op and argument."""
     rank = dist.get_rank()
-    name = dist.group.WORLD.group_name
+    name = name or dist.group.WORLD.group_name
     x = torch.randn(4, 4, dtype=torch.float64)
     w = torch.randn(3, 4, dtype=torch.float64)
     if case == "all_gather_dim":
@@ -716,6 +725,32 @@ def test_cross_rank_mismatch_is_an_error_in_debug_mode(ranks, case, fragments):
     assert "rank(s) [0, 1]" in message, message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message}"
+
+
+def _dim_mismatch_message(case):
+    """The message of `case` on a group of the torch_tp backend, in the default mode."""
+    group = dist.new_group(backend="torch_tp")
+    try:
+        with pytest.raises(RuntimeError) as info:
+            _check_cross_rank_mismatch(case, group.group_name)
+        return str(info.value)
+    finally:
+        dist.destroy_process_group(group)  # the mismatch left it unusable
+
+
+@pytest.mark.parametrize("case, op, arg", [
+    ("all_gather_dim", "torch_tp::all_gather", "dim"),
+    ("reduce_scatter_dim", "torch_tp::reduce_scatter", "dim"),
+    ("column_gather_dim", "torch_tp::column_parallel_linear", "gather_dim"),
+    ("row_scatter_dim", "torch_tp::row_parallel_linear", "scatter_dim"),
+])
+def test_dim_mismatch_is_an_error_on_the_torch_tp_backend(ranks, case, op, arg):
+    """The torch_tp backend's call header carries the ops' dim (NOTE [the
+    ops' dim in the call header]): without TORCH_DISTRIBUTED_DEBUG, every
+    rank's error names the op, the argument and both ranks' dims."""
+    for rank, message in enumerate(ranks(2).run(_dim_mismatch_message, case)):
+        for fragment in [op, "mismatch between ranks", f"{arg}={rank}", "dim=0", "dim=1"]:
+            assert fragment in message, f"{fragment!r} not in rank {rank}'s error: {message}"
 
 
 def _check_debug_mode_passes_matching_calls():

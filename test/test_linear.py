@@ -480,6 +480,10 @@ def _check_errors():
         (lambda: row(x, w, torch.randn(8), group), ["torch_tp::row_parallel_linear", "bias must have shape [6]"]),
         (lambda: row(x, w, None, group, -4), ["torch_tp::row_parallel_linear", "scatter_dim=-4"]),
         (lambda: row(x, w, None, group, 2), ["torch_tp::row_parallel_linear", "scatter_dim=2", "feature dimension"]),
+        # None where a tensor is required: named before autograd describes the inputs.
+        (lambda: ops.column_parallel_linear(x, None, None, group), ["torch_tp::column_parallel_linear", "weight", "None"]),
+        (lambda: ops.column_parallel_linear(None, w, None, group), ["torch_tp::column_parallel_linear", "x", "None"]),
+        (lambda: ops.row_parallel_linear(x, None, None, group), ["torch_tp::row_parallel_linear", "weight", "None"]),
     ]
     emb = torch.ops.torch_tp.vocab_parallel_embedding
     ids = torch.randint(0, 10, (2, 3))
@@ -493,6 +497,7 @@ def _check_errors():
          ["torch_tp::vocab_parallel_embedding", "scatter_dim=2", "embedding dimension"]),
         (lambda: torch.ops.torch_tp.column_parallel_embedding(ids, torch.randn(10, 4), group, None, 5),
          ["torch_tp::column_parallel_embedding", "gather_dim=5"]),
+        (lambda: emb(ids, None, group, 10), ["torch_tp::vocab_parallel_embedding", "weight", "None"]),
     ]
     if world_size > 1:
         cases.append((lambda: col(torch.randn(2, 3, 8), w, None, group, 1, 10),

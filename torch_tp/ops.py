@@ -104,6 +104,14 @@ def group_name(group: GroupLike) -> str:
     )
 
 
+def _check_tensor(op: str, arg: str, value) -> None:
+    # A call whose only tensor argument is missing finds no kernel, and the
+    # dispatcher's error names neither the op's argument nor what was passed.
+    if not isinstance(value, torch.Tensor):
+        got = "None" if value is None else type(value).__name__
+        raise TypeError(f"torch_tp.ops.{op}: {arg} must be a Tensor, got {got}")
+
+
 def all_reduce(x: torch.Tensor, reduce_op: str = "sum", group: GroupLike = None) -> torch.Tensor:
     r"""Reduce ``x`` over the ranks of ``group``; every rank gets the result.
 
@@ -127,6 +135,7 @@ def all_reduce(x: torch.Tensor, reduce_op: str = "sum", group: GroupLike = None)
         >>> y
         tensor([3., 3., 3.])
     """
+    _check_tensor("all_reduce", "x", x)
     return torch.ops.torch_tp.all_reduce(x, reduce_op, group_name(group))
 
 
@@ -140,6 +149,7 @@ def all_reduce_(x: torch.Tensor, reduce_op: str = "sum", group: GroupLike = None
     Returns:
         Tensor: ``x``, holding the reduction.
     """
+    _check_tensor("all_reduce_", "x", x)
     torch.ops.torch_tp.all_reduce_(x, reduce_op, group_name(group))
     return x
 
@@ -175,6 +185,7 @@ def all_gather(
         >>> torch_tp.ops.all_gather(shard(torch.arange(3.0), 0), 0, full_size=3)
         tensor([0., 1., 2.])
     """
+    _check_tensor("all_gather", "x", x)
     return torch.ops.torch_tp.all_gather(x, dim, group_name(group), full_size)
 
 
@@ -205,6 +216,7 @@ def reduce_scatter(
         >>> torch_tp.ops.reduce_scatter(torch.arange(4.0), 0)
         tensor([0., 2.])  # rank 0;  rank 1: tensor([4., 6.])
     """
+    _check_tensor("reduce_scatter", "x", x)
     return torch.ops.torch_tp.reduce_scatter(x, dim, reduce_op, group_name(group))
 
 
@@ -226,6 +238,7 @@ def copy_to_tp_region(x: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
         >>> x = torch_tp.ops.copy_to_tp_region(x, tp_group)
         >>> h = x @ w_column_shard.t()
     """
+    _check_tensor("copy_to_tp_region", "x", x)
     return torch.ops.torch_tp.copy_to_tp_region(x, group_name(group))
 
 
@@ -246,6 +259,7 @@ def reduce_from_tp_region(x: torch.Tensor, group: GroupLike = None) -> torch.Ten
 
         >>> y = torch_tp.ops.reduce_from_tp_region(h @ w_row_shard.t(), tp_group)
     """
+    _check_tensor("reduce_from_tp_region", "x", x)
     return torch.ops.torch_tp.reduce_from_tp_region(x, group_name(group))
 
 

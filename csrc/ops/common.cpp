@@ -51,6 +51,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const char* op, c10::string
   }
 }
 
+void check_defined(const char* op, const char* arg, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor (None); expected a tensor");
+}
+
 void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allow_bool) {
   switch (x.scalar_type()) {
     case at::kFloat:

@@ -32,6 +32,10 @@ c10d::ReduceOp to_c10d(Reduction reduction);
 // returns and torch's _c10d_functional ops take).
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const char* op, c10::string_view group_name);
 
+// Checks that the tensor argument `arg` was given: an undefined tensor (None
+// from Python) otherwise fails deep inside autograd or ATen without a name.
+void check_defined(const char* op, const char* arg, const at::Tensor& t);
+
 // Checks that the dtype is one the collectives support: float32/64, bfloat16,
 // float16 and the integer types; bool only where `allow_bool` (no reduction).
 void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allow_bool);

@@ -31,6 +31,8 @@ namespace torch_tp {
 namespace {
 
 void check_embedding_args(const char* op, const at::Tensor& ids, const at::Tensor& weight) {
+  check_defined(op, "ids", ids);
+  check_defined(op, "weight", weight);
   TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, op, ": ids has dtype ",
               ids.scalar_type(), "; expected int64 or int32");
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [rows, embedding_dim], got shape ", weight.sizes());

@@ -102,6 +102,8 @@ GemmResult linear_gemm_aten(const char* /*op*/, const at::Tensor& x2d, const at:
 std::optional<int64_t> check_linear_args(const char* op, const at::Tensor& x, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, std::optional<int64_t> dim,
                                          const char* dim_name) {
+  check_defined(op, "x", x);
+  check_defined(op, "weight", weight);
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), op, ": x has dtype ", x.scalar_type(),
               "; expected float32, float64, bfloat16 or float16");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight has dtype ", weight.scalar_type(),
@@ -460,6 +462,9 @@ at::Tensor column_parallel_linear_autograd(const at::Tensor& x, const at::Tensor
                                            const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                            std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
                                            c10::string_view activation, bool partial_grad_input) {
+  // Before apply(), which describes every input and fails on an undefined one without naming it.
+  check_defined("torch_tp::column_parallel_linear", "x", x);
+  check_defined("torch_tp::column_parallel_linear", "weight", weight);
   return ColumnParallelLinearFunction::apply(x, weight, bias, std::string(group_name), gather_dim, full_size,
                                              std::string(activation), partial_grad_input);
 }
@@ -467,6 +472,8 @@ at::Tensor column_parallel_linear_autograd(const at::Tensor& x, const at::Tensor
 at::Tensor row_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                                         const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                         std::optional<int64_t> scatter_dim) {
+  check_defined("torch_tp::row_parallel_linear", "x", x);  // before apply(), as above
+  check_defined("torch_tp::row_parallel_linear", "weight", weight);
   return RowParallelLinearFunction::apply(x, weight, bias, std::string(group_name),
                                           scatter_dim);
 }

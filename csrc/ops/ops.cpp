@@ -1,4 +1,6 @@
-// Typed dispatcher entry points behind csrc/include/torch_tp/ops.h.
+// Typed dispatcher entry points behind csrc/include/torch_tp/ops.h. The
+// collectives check that x is defined here: with no tensor to dispatch on,
+// the dispatcher's own error would not name the op's argument.
 
 #include <torch_tp/ops.h>
 
@@ -9,11 +11,13 @@ namespace torch_tp {
 at::Tensor all_reduce(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, c10::string_view, c10::string_view)>("torch_tp::all_reduce");
+  check_defined("torch_tp::all_reduce", "x", x);
   return op.call(x, reduce_op, group_name);
 }
 
 void all_reduce_(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
   static const auto op = find_op<void(const at::Tensor&, c10::string_view, c10::string_view)>("torch_tp::all_reduce_");
+  check_defined("torch_tp::all_reduce_", "x", x);
   op.call(x, reduce_op, group_name);
 }
 
@@ -22,6 +26,7 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, c10::string_view group_n
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, int64_t, c10::string_view, std::optional<int64_t>)>(
           "torch_tp::all_gather");
+  check_defined("torch_tp::all_gather", "x", x);
   return op.call(x, dim, group_name, full_size);
 }
 
@@ -30,18 +35,21 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, c10::string_view red
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, int64_t, c10::string_view, c10::string_view)>(
           "torch_tp::reduce_scatter");
+  check_defined("torch_tp::reduce_scatter", "x", x);
   return op.call(x, dim, reduce_op, group_name);
 }
 
 at::Tensor copy_to_tp_region(const at::Tensor& x, c10::string_view group_name) {
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, c10::string_view)>("torch_tp::copy_to_tp_region");
+  check_defined("torch_tp::copy_to_tp_region", "x", x);
   return op.call(x, group_name);
 }
 
 at::Tensor reduce_from_tp_region(const at::Tensor& x, c10::string_view group_name) {
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, c10::string_view)>("torch_tp::reduce_from_tp_region");
+  check_defined("torch_tp::reduce_from_tp_region", "x", x);
   return op.call(x, group_name);
 }
 
