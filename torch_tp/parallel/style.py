@@ -32,13 +32,16 @@ of its own class whose ``forward`` calls the op, which is how FSDP2's
 ``fully_shard`` adds its behaviour (``FSDPLinear``): ``isinstance``, the
 state-dict keys, hooks, further wrappers (``fully_shard``, DDP) and
 ``torch.compile`` all see an ordinary subclass, and its name says what it
-does (``ColwiseParallelLinear``; it pickles as its base class and style, so
-``torch.save(model)`` works). A class that overrides ``forward`` itself
-(a LoRA or quantized linear) keeps it: torch's own style parallelizes that
-module (DTensor parameters, its forward on DTensors), which runs its
-computation as written and composes with the torch_tp modules around it.
-SequenceParallel swaps the class the same way (``SequenceParallelRMSNorm``):
-its ``forward`` wraps the class's own. A class swap, not hooks, also keeps
+does (``ColwiseParallelLinear``, made from ``nn.Linear`` and the mixin
+``_ColwiseLinear`` that holds the forward; it pickles as that pair, so
+``torch.save(model)`` works). What the forward reads (mesh, group, layouts,
+the root's records) is one state object, ``module._tp_state``. A class that
+overrides ``forward`` itself (a LoRA or quantized linear) keeps it: torch's
+own style parallelizes that module (DTensor parameters, its forward on
+DTensors), which runs its computation as written and composes with the
+torch_tp modules around it. SequenceParallel swaps the class the same way
+(``SequenceParallelRMSNorm``): its ``forward`` wraps the class's own
+(``super().forward``). A class swap, not hooks, also keeps
 ``torch.compile`` to one graph for all blocks: an ``always_call`` forward hook
 (which a hook-based SequenceParallel needs to put the parameters back when the
 forward raises) is looked up by its id, which dynamo guards on, so each block
