@@ -26,7 +26,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__all__ = ["RankError", "RankPool", "RankTimeout", "get_pool", "close_pools"]
+__all__ = ["RankError", "RankPool", "RankTimeout", "close_pools", "get_pool", "rank_context"]
 
 # After one rank fails, how long the others get to finish or fail on their own
 # before the pool is declared stuck (they may be blocked in a collective with
@@ -49,15 +49,20 @@ class RankTimeout(AssertionError):
 
 def _worker_main(rank: int, world_size: int, backend: str, env: Dict[str, str], init_method: str,
                  scratch_dir: str, tasks: "mp.SimpleQueue", results: "mp.Queue") -> None:
+    # torch and torch_tp are already imported (the forkserver preloads them,
+    # see rank_context), so an environment variable that torch reads once at import
+    # must be applied by hand: c10d's debug level is the one the tests use.
     os.environ.update(env)
     # torch.compile's caches start empty for every pool: a graph compiled
-    # against an op schema from an earlier build must not be replayed.
+    # against an op schema from an earlier build must not be replayed
+    # (inductor reads this variable when it compiles, not at import).
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch_dir, "inductor")
     import torch
     import torch.distributed as dist
 
     import torch_tp  # noqa: F401  (registers the ops in the worker)
 
+    dist.set_debug_level_from_env()
     torch.set_num_threads(1)  # 4 ranks on 2 cores: avoid oversubscription
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=PG_TIMEOUT_S))
@@ -75,6 +80,17 @@ def _worker_main(rank: int, world_size: int, backend: str, env: Dict[str, str], 
     dist.destroy_process_group()
 
 
+def rank_context() -> "mp.context.BaseContext":
+    """Rank processes are forked from a forkserver that has imported torch and torch_tp
+    once, so a pool starts in well under a second instead of paying a fresh
+    interpreter's import of (CUDA) torch per rank. The forkserver is a clean
+    single-threaded process, so forking from it is as safe as spawning: no
+    OpenMP or c10d threads are inherited."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch_tp"])
+    return ctx
+
+
 class RankPool:
     """``world_size`` persistent ranks of one process group.
 
@@ -89,7 +105,7 @@ class RankPool:
         self.backend = backend
         self._tmpdir = tempfile.mkdtemp(prefix="torch_tp_pool_")
         init_method = "file://" + os.path.join(self._tmpdir, "store")
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self._procs = [

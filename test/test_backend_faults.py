@@ -18,7 +18,6 @@ the outside, what every rank reported and how long it took:
 """
 
 import json
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -31,10 +30,12 @@ from datetime import timedelta
 
 import pytest
 
+from multirank import rank_context
+
 TIMEOUT_S = 6.0
 # Scheduling slack on 2 busy cores: the error must come within TIMEOUT_S + SLACK_S.
 SLACK_S = 4.0
-# Start-up of a rank (spawn, import torch, rendezvous) on 2 busy cores.
+# Start-up of a rank (fork, rendezvous) on 2 busy cores.
 STARTUP_S = 90.0
 SMALL_BUFFER_ENV = {"TORCH_TP_SHM_BUFFER_BYTES": "65536"}
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,11 +143,11 @@ def _rank_main(rank, world_size, init_file, scenario, env, events):
 
 
 class Job:
-    """``world_size`` ranks of one scenario, each a spawned process reporting events."""
+    """``world_size`` ranks of one scenario, each a process of its own reporting events."""
 
     def __init__(self, world_size, scenario, env=None):
         self.tmp = tempfile.mkdtemp(prefix="torch_tp_faults_")
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.events = ctx.Queue()
         self.history = {}
         env = {**SMALL_BUFFER_ENV, **(env or {})}
