@@ -55,6 +55,21 @@ void check_defined(const char* op, const char* arg, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor (None); expected a tensor");
 }
 
+CollectiveArgs check_collective_args(const char* op, const at::Tensor& x, c10::string_view group_name,
+                                     std::optional<c10::string_view> reduce_op, std::optional<int64_t> dim,
+                                     bool allow_bool) {
+  check_dtype(op, "x", x, allow_bool);
+  CollectiveArgs args;
+  if (reduce_op) {
+    args.reduction = parse_reduction(op, *reduce_op, x.scalar_type());
+  }
+  if (dim) {
+    args.dim = wrap_dim(op, *dim, x.dim());
+  }
+  args.group = resolve_group(op, group_name);
+  return args;
+}
+
 void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allow_bool) {
   switch (x.scalar_type()) {
     case at::kFloat:

@@ -10,6 +10,7 @@
 #include <c10/util/string_view.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <optional>
 #include <string>
 
 namespace torch_tp {
@@ -39,6 +40,19 @@ void check_defined(const char* op, const char* arg, const at::Tensor& t);
 // Checks that the dtype is one the collectives support: float32/64, bfloat16,
 // float16 and the integer types; bool only where `allow_bool` (no reduction).
 void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allow_bool);
+
+// The checks a collective op's device and Meta kernels share, in one order,
+// so that a bad call fails at trace time with the same message: x's dtype
+// (bool only where `allow_bool`), reduce_op if the op has one, dim wrapped if
+// the op has one, then the group resolved.
+struct CollectiveArgs {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  Reduction reduction = Reduction::Sum;  // unused by an op without reduce_op
+  int64_t dim = 0;                       // wrapped; unused by an op without dim
+};
+CollectiveArgs check_collective_args(const char* op, const at::Tensor& x, c10::string_view group_name,
+                                     std::optional<c10::string_view> reduce_op, std::optional<int64_t> dim,
+                                     bool allow_bool);
 
 // Wraps a possibly negative `dim` (the argument `arg` of the op) into
 // [0, ndim) for the tensor called `tensor`, or throws.

@@ -58,23 +58,30 @@ void check_partial_grad_input(const char* op, bool partial_grad_input, std::opti
 
 // The forward kernels, one instantiation per device GEMM (linear.cpp: ATen,
 // linear_cuda.cpp: cuBLASLt).
-// partial_grad_input only changes the backward (see linear.cpp).
-template <LinearGemm Gemm>
-at::Tensor column_parallel_linear_kernel(const at::Tensor& x, const at::Tensor& weight,
-                                         const std::optional<at::Tensor>& bias, c10::string_view group_name,
-                                         std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                         c10::string_view activation, bool partial_grad_input) {
-  check_partial_grad_input("torch_tp::column_parallel_linear", partial_grad_input, gather_dim);
-  return std::get<0>(
-      column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, Gemm));
-}
-
 template <LinearGemm Gemm>
 std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_kernel(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, c10::string_view group_name,
     std::optional<int64_t> gather_dim, std::optional<int64_t> full_size, c10::string_view activation) {
   return column_parallel_linear_forward(x, weight, bias, group_name, gather_dim, full_size, activation, Gemm);
 }
+
+// column_parallel_linear is its forward op's output without the
+// pre-activation: one body for the device kernels (Forward =
+// column_parallel_linear_forward_kernel<Gemm>) and the Meta kernel (Forward =
+// column_parallel_linear_forward_meta). partial_grad_input only changes the
+// backward (see linear.cpp).
+template <auto Forward>
+at::Tensor column_parallel_linear_from_forward(const at::Tensor& x, const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& bias, c10::string_view group_name,
+                                               std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
+                                               c10::string_view activation, bool partial_grad_input) {
+  check_partial_grad_input("torch_tp::column_parallel_linear", partial_grad_input, gather_dim);
+  return std::get<0>(Forward(x, weight, bias, group_name, gather_dim, full_size, activation));
+}
+
+template <LinearGemm Gemm>
+constexpr auto column_parallel_linear_kernel =
+    column_parallel_linear_from_forward<column_parallel_linear_forward_kernel<Gemm>>;
 
 template <LinearGemm Gemm>
 at::Tensor row_parallel_linear_kernel(const at::Tensor& x, const at::Tensor& weight,

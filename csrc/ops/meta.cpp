@@ -16,47 +16,36 @@ namespace torch_tp {
 namespace {
 
 at::Tensor all_reduce_meta(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
-  constexpr const char* op = "torch_tp::all_reduce";
-  check_dtype(op, "x", x, /*allow_bool=*/false);
-  parse_reduction(op, reduce_op, x.scalar_type());
-  resolve_group(op, group_name);
+  check_collective_args("torch_tp::all_reduce", x, group_name, reduce_op, std::nullopt, /*allow_bool=*/false);
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
 void all_reduce_inplace_meta(const at::Tensor& x, c10::string_view reduce_op, c10::string_view group_name) {
-  constexpr const char* op = "torch_tp::all_reduce_";
-  check_dtype(op, "x", x, /*allow_bool=*/false);
-  parse_reduction(op, reduce_op, x.scalar_type());
-  resolve_group(op, group_name);
+  check_collective_args("torch_tp::all_reduce_", x, group_name, reduce_op, std::nullopt, /*allow_bool=*/false);
 }
 
 at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view group_name,
                            std::optional<int64_t> full_size) {
   constexpr const char* op = "torch_tp::all_gather";
-  check_dtype(op, "x", x, /*allow_bool=*/true);
-  dim = wrap_dim(op, dim, x.dim());
-  const auto group = resolve_group(op, group_name);
+  const auto args = check_collective_args(op, x, group_name, std::nullopt, dim, /*allow_bool=*/true);
   auto sizes = x.sym_sizes().vec();
-  sizes[dim] = gathered_size(op, sizes[dim], dim, full_size, group->getSize(), group->getRank());
+  sizes[args.dim] =
+      gathered_size(op, sizes[args.dim], args.dim, full_size, args.group->getSize(), args.group->getRank());
   return at::empty_symint(sizes, x.options());
 }
 
 at::Tensor reduce_scatter_meta(const at::Tensor& x, int64_t dim, c10::string_view reduce_op,
                                c10::string_view group_name) {
-  constexpr const char* op = "torch_tp::reduce_scatter";
-  check_dtype(op, "x", x, /*allow_bool=*/false);
-  parse_reduction(op, reduce_op, x.scalar_type());
-  dim = wrap_dim(op, dim, x.dim());
-  const auto group = resolve_group(op, group_name);
+  const auto args =
+      check_collective_args("torch_tp::reduce_scatter", x, group_name, reduce_op, dim, /*allow_bool=*/false);
   auto sizes = x.sym_sizes().vec();
-  sizes[dim] = chunk_range(sizes[dim], group->getSize(), group->getRank()).length;
+  sizes[args.dim] = chunk_range(sizes[args.dim], args.group->getSize(), args.group->getRank()).length;
   return at::empty_symint(sizes, x.options());
 }
 
 // Both region ops keep the shape of x.
 at::Tensor tp_region_meta(const char* op, const at::Tensor& x, c10::string_view group_name) {
-  check_dtype(op, "x", x, /*allow_bool=*/false);
-  resolve_group(op, group_name);
+  check_collective_args(op, x, group_name, std::nullopt, std::nullopt, /*allow_bool=*/false);
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
@@ -89,15 +78,6 @@ std::tuple<at::Tensor, at::Tensor> column_parallel_linear_forward_meta(
   at::Tensor out = at::empty_symint(sizes, x.options());
   at::Tensor pre = act == Activation::None ? at::empty({0}, x.options()) : at::empty_symint(sizes, x.options());
   return {out, pre};
-}
-
-at::Tensor column_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weight,
-                                       const std::optional<at::Tensor>& bias, c10::string_view group_name,
-                                       std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
-                                       c10::string_view activation, bool partial_grad_input) {
-  check_partial_grad_input("torch_tp::column_parallel_linear", partial_grad_input, gather_dim);
-  return std::get<0>(
-      column_parallel_linear_forward_meta(x, weight, bias, group_name, gather_dim, full_size, activation));
 }
 
 at::Tensor row_parallel_linear_meta(const at::Tensor& x, const at::Tensor& weight,
@@ -146,7 +126,7 @@ TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("reduce_scatter", reduce_scatter_meta);
   m.impl("copy_to_tp_region", copy_to_tp_region_meta);
   m.impl("reduce_from_tp_region", reduce_from_tp_region_meta);
-  m.impl("column_parallel_linear", column_parallel_linear_meta);
+  m.impl("column_parallel_linear", column_parallel_linear_from_forward<column_parallel_linear_forward_meta>);
   m.impl("_column_parallel_linear_forward", column_parallel_linear_forward_meta);
   m.impl("_column_parallel_linear_backward", column_parallel_linear_backward_meta);
   m.impl("row_parallel_linear", row_parallel_linear_meta);

@@ -37,12 +37,7 @@
 
 namespace {
 
-using torch_tp::testing::contains;
-using torch_tp::testing::equal_exactly;
-using torch_tp::testing::RankFailure;
-using torch_tp::testing::run_ranks;
-using torch_tp::testing::throws_with;
-using torch_tp::testing::try_run_ranks;
+using namespace torch_tp::testing;  // test_util.h's checks, thread_backend.h's ranks
 
 const std::vector<std::string> kFloatReductions{"sum", "avg", "min", "max", "product"};
 const std::vector<std::string> kIntReductions{"sum", "min", "max", "product"};
