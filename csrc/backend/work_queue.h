@@ -14,8 +14,9 @@
 // NOTE [synchronous calls run inline]
 // A call made with async_op=False (torch passes it as opts.asyncOp) is waited
 // for at once, so handing it to the worker only adds two thread wake-ups
-// (tens of microseconds on a busy machine, more than a small all-reduce
-// takes) and a second runnable thread per rank for the scheduler to place.
+// (on a busy machine more than a small all-reduce takes: docs/benchmark_log.md,
+// "The torch_tp backend at the latency limit") and a second runnable thread
+// per rank for the scheduler to place.
 // When nothing is queued or running, such a call runs on the caller's thread;
 // otherwise it queues behind the earlier calls, so the order stays the
 // issue order either way.
@@ -25,7 +26,7 @@
 // started yet runs it itself, and any calls queued before it, in order, as
 // the worker would: an async_op=True call waited for at once, or an
 // overlapped one whose compute was shorter than the worker's wake-up, then
-// costs no thread hand-off at all (tens of microseconds on a busy machine).
+// costs no thread hand-off at all.
 // The queue is one at a time either way (`busy_`), so the order stays the
 // issue order. A Work holds its queue (shared) only until it completes, so
 // the queue outlives every wait that may run its calls. A wait with a
