@@ -1,4 +1,5 @@
-"""The tests' one comparison of a result with its reference.
+"""The tests' one comparison of a result with its reference, and of an error
+with the words its message must hold (``assert_error_names``).
 
 Two rules, chosen by how the tolerance is given:
 
@@ -14,12 +15,13 @@ Two rules, chosen by how the tolerance is given:
 The files that call these keep their tolerances, and why each is what it is.
 """
 
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["assert_close", "mismatch"]
+__all__ = ["assert_close", "assert_error_names", "mismatch"]
 
 
 def mismatch(actual, expected, what, tol=None, *, floor=1e-30, rtol=None, atol=None, equal_nan=False) -> Optional[str]:
@@ -63,3 +65,19 @@ def assert_close(actual, expected, what, tol=None, **kwargs) -> None:
     """:func:`mismatch` as an assertion."""
     problem = mismatch(actual, expected, what, tol, **kwargs)
     assert problem is None, problem
+
+
+def assert_error_names(call: Callable[[], object], fragments: Iterable[str], error: type = RuntimeError,
+                       what: str = "error") -> str:
+    """``call()`` must raise ``error`` whose message holds every one of ``fragments``
+    (the op, the argument, the values); returns the message."""
+    with pytest.raises(error) as info:
+        call()
+    return assert_message_names(str(info.value), fragments, what)
+
+
+def assert_message_names(message: str, fragments: Iterable[str], what: str = "error") -> str:
+    """``message`` must hold every one of ``fragments``; returns it."""
+    missing = [fragment for fragment in fragments if fragment not in message]
+    assert not missing, f"{missing} not in {what}: {message}"
+    return message

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from torch_tp import ops
 
-from _compare import assert_close
+from _compare import assert_close, assert_error_names
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
@@ -47,22 +47,28 @@ def _param(t):
 # ---------------------------------------------------------------- linear
 
 
-def _check_column(dtype, in_features, out_features, seq, bias, sequence_parallel, activation):
-    """column_parallel_linear vs nn.Linear (+ GELU): output shard along the
-    features; grad_x all-reduced (or reduce-scattered along the sequence)."""
-    batch = 2
-    weight = _full((out_features, in_features), 1, dtype)
-    b = _full((out_features,), 2, dtype) if bias else None
-    x = _full((batch, seq, in_features), 3, dtype)
-    grad = _full((batch, seq, out_features), 4, dtype)
-
+def _unsharded_linear(dtype, in_features, out_features, seq, bias, activation, seed):
+    """The full inputs (weight, bias, x [2, seq, in], grad of y) drawn from seeds
+    ``seed`` .. ``seed + 3``, and the unsharded reference after its backward:
+    (ref_x, ref_w, ref_b) holding their gradients, and ref_y = act(x @ W^T + b)."""
+    weight = _full((out_features, in_features), seed, dtype)
+    b = _full((out_features,), seed + 1, dtype) if bias else None
+    x = _full((2, seq, in_features), seed + 2, dtype)
+    grad = _full((2, seq, out_features), seed + 3, dtype)
     ref_x, ref_w = _param(x), _param(weight)
     ref_b = _param(b) if bias else None
     ref_y = F.linear(ref_x, ref_w, ref_b)
     if activation == "gelu_tanh":
         ref_y = F.gelu(ref_y, approximate="tanh")
     ref_y.backward(grad)
+    return (weight, b, x, grad), (ref_x, ref_w, ref_b, ref_y)
 
+
+def _check_column(dtype, in_features, out_features, seq, bias, sequence_parallel, activation):
+    """column_parallel_linear vs nn.Linear (+ GELU): output shard along the
+    features; grad_x all-reduced (or reduce-scattered along the sequence)."""
+    (weight, b, x, grad), (ref_x, ref_w, ref_b, ref_y) = _unsharded_linear(
+        dtype, in_features, out_features, seq, bias, activation, seed=1)
     w_r = _param(ops.shard(weight, 0))
     b_r = _param(ops.shard(b, 0)) if bias else None
     x_r = _param(ops.shard(x, 1) if sequence_parallel else x)
@@ -79,17 +85,8 @@ def _check_column(dtype, in_features, out_features, seq, bias, sequence_parallel
 def _check_row(dtype, in_features, out_features, seq, bias, sequence_parallel):
     """row_parallel_linear vs nn.Linear: input shard along the features, output
     all-reduced (or reduce-scattered along the sequence), bias added once."""
-    batch = 2
-    weight = _full((out_features, in_features), 5, dtype)
-    b = _full((out_features,), 6, dtype) if bias else None
-    x = _full((batch, seq, in_features), 7, dtype)
-    grad = _full((batch, seq, out_features), 8, dtype)
-
-    ref_x, ref_w = _param(x), _param(weight)
-    ref_b = _param(b) if bias else None
-    ref_y = F.linear(ref_x, ref_w, ref_b)
-    ref_y.backward(grad)
-
+    (weight, b, x, grad), (ref_x, ref_w, ref_b, ref_y) = _unsharded_linear(
+        dtype, in_features, out_features, seq, bias, None, seed=5)
     w_r = _param(ops.shard(weight, 1))
     b_full = _param(b) if bias else None
     x_r = _param(ops.shard(x, -1))
@@ -503,11 +500,7 @@ def _check_errors():
         cases.append((lambda: col(torch.randn(2, 3, 8), w, None, group, 1, 10),
                       ["torch_tp::column_parallel_linear", "x.size(1)=3", "full_size=10"]))
     for call, fragments in cases:
-        with pytest.raises(RuntimeError) as info:
-            call()
-        message = str(info.value)
-        for fragment in fragments:
-            assert fragment in message, f"{fragment!r} not in error: {message}"
+        assert_error_names(call, fragments)
     # The Meta kernels check the same way.
     with pytest.raises(RuntimeError, match="weight.size.1.=7"):
         col(x.to("meta"), torch.randn(6, 7, device="meta"), None, group)
