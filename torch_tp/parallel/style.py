@@ -328,6 +328,25 @@ def _set_parameter_slot(module: nn.Module, name: str, value: Optional[torch.Tens
         module.__dict__[name] = value
 
 
+def swap_in_local_parameters(module: nn.Module, names: Tuple[str, ...], partial_grad: bool) -> Dict[str, DTensor]:
+    """Put the local tensor of each of ``module``'s DTensor parameters ``names`` in its place, for the
+    module's own forward (``partial_grad``: their gradients arrive as ``Partial()`` sums); returns the
+    DTensors set aside, which the caller puts back with :func:`restore_parameters` in a ``finally``
+    (the module must get its DTensors back even when its forward raises)."""
+    set_aside: Dict[str, DTensor] = {}
+    for name in names:
+        value = _parameter_slot(module, name)
+        if isinstance(value, DTensor):
+            set_aside[name] = value
+            _set_parameter_slot(module, name, local_tensor(value, partial_grad))
+    return set_aside
+
+
+def restore_parameters(module: nn.Module, set_aside: Dict[str, DTensor]) -> None:
+    for name, value in set_aside.items():
+        _set_parameter_slot(module, name, value)
+
+
 class _SequenceParallelModule(_ParallelModule):
     _tp_kind = "SequenceParallel"
     _tp_state: SequenceState
@@ -351,17 +370,11 @@ class _SequenceParallelModule(_ParallelModule):
             if layout != wanted:
                 local = convert(local, layout, wanted, group, global_shape, records)
             args = (local,) + args[1:]
-        set_aside: Dict[str, DTensor] = {}
-        for name in state.parameter_names:
-            value = _parameter_slot(self, name)
-            if isinstance(value, DTensor):
-                set_aside[name] = value
-                _set_parameter_slot(self, name, local_tensor(value, state.partial_grad))
+        set_aside = swap_in_local_parameters(self, state.parameter_names, state.partial_grad)
         try:
             output = super().forward(*args, **kwargs)
         finally:
-            for name, value in set_aside.items():
-                _set_parameter_slot(self, name, value)
+            restore_parameters(self, set_aside)
         if not isinstance(output, torch.Tensor):
             return output
         wanted = normalize(sharding, output.dim())
@@ -378,6 +391,25 @@ class _SequenceParallelModule(_ParallelModule):
 
 
 # ---------------------------------------------------------------- the styles
+
+
+def replicate_with_partial_grads(module: nn.Module, style: "ParallelStyle", device_mesh: DeviceMesh) -> Tuple[str, ...]:
+    """Make ``module``'s parameters ``Replicate()`` DTensors whose ``Partial`` gradients are
+    completed at the end of each backward (NOTE [partial gradients of sequence-parallel
+    parameters]); returns their names. For a leaf module whose forward runs on a shard of
+    its input with the parameters' local tensors (SequenceParallel; HF's
+    replicated_with_grad_allreduce in hf_plan.py)."""
+    name = type(style).__name__
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            raise NotImplementedError(f"torch_tp: {name} applies to leaf modules (norms, dropout); "
+                                      f"{type(module).__name__} has submodules with parameters")
+    _refuse_second_style(module, style)
+    names = [key for key, param in module._parameters.items() if param is not None]
+    params = distribute_parameters(module, dict.fromkeys(names, Replicate()), device_mesh, style.src_data_rank, name)
+    if device_mesh.size() > 1:
+        complete_partial_grads_after_backward([p for p in params if p.requires_grad])
+    return tuple(names)
 
 
 class ParallelStyle(_torch_style.ParallelStyle, ABC):
@@ -543,18 +575,9 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for child in module.children():
-            if any(True for _ in child.parameters()):
-                raise NotImplementedError("torch_tp: SequenceParallel applies to leaf modules (norms, dropout); "
-                                          f"{type(module).__name__} has submodules with parameters")
-        _refuse_second_style(module, self)
-        names = [name for name, param in module._parameters.items() if param is not None]
-        params = distribute_parameters(module, dict.fromkeys(names, Replicate()), device_mesh, self.src_data_rank,
-                                       "SequenceParallel")
-        if device_mesh.size() > 1:
-            complete_partial_grads_after_backward([p for p in params if p.requires_grad])
+        names = replicate_with_partial_grads(module, self, device_mesh)
         records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
-        module._tp_state = SequenceState(repr(self), device_mesh, tp_group(device_mesh), records, tuple(names),
+        module._tp_state = SequenceState(repr(self), device_mesh, tp_group(device_mesh), records, names,
                                          device_mesh.size() > 1, self.sequence_sharding[0], self.use_local_output)
         module.__class__ = _parallel_class(type(module), _SequenceParallelModule)
         return module
