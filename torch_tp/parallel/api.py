@@ -14,6 +14,7 @@ from .._torch_private import current_mesh
 from . import style as _style
 from ._layout import records_root
 from ._params import naming_module
+from .hf_plan import check_hf_parameter_entry, hf_style
 
 __all__ = ["parallelize_module"]
 
@@ -60,7 +61,8 @@ def _from_torch(style: _torch_style.ParallelStyle) -> _torch_style.ParallelStyle
 def parallelize_module(
     module: nn.Module,
     device_mesh: Optional[DeviceMesh] = None,
-    parallelize_plan: Union[_torch_style.ParallelStyle, Dict[str, _torch_style.ParallelStyle], None] = None,
+    parallelize_plan: Union[_torch_style.ParallelStyle, str, Dict[str, Union[_torch_style.ParallelStyle, str]],
+                            None] = None,
     *,
     src_data_rank: Optional[int] = 0,
 ) -> nn.Module:
@@ -80,11 +82,18 @@ def parallelize_module(
     Rowwise, SequenceParallel); a second one, or a parameter that is already a
     DTensor on another mesh or in another placement, is an error naming it.
 
+    A style may also be a Hugging Face plan string, with HF's meaning
+    (``"colwise"``, ``"rowwise"``, ``"embedding_rowwise"``,
+    ``"replicated_with_grad_allreduce"``, ...; NOTE [Hugging Face plan
+    strings] in ``hf_plan.py``), so a transformers model's own plan applies
+    as it is: ``parallelize_module(model, tp_mesh, model.tp_plan)``. A string
+    torch_tp does not implement is an error naming the module and the string.
+
     Args:
         module (nn.Module): the module to parallelize, in place.
         device_mesh (DeviceMesh, optional): a 1-D mesh (slice an N-D one, e.g.
             ``mesh["tp"]``); by default the mesh of an enclosing ``with mesh:``.
-        parallelize_plan (ParallelStyle or Dict[str, ParallelStyle], optional):
+        parallelize_plan (ParallelStyle, str, or a dict of them, optional):
             the plan; without one, nothing happens (with a warning).
 
     Keyword Args:
@@ -156,6 +165,10 @@ def _check_load(module: nn.Module, state_dict, prefix: str, *_args) -> None:
 
 def _parallelize(module: nn.Module, device_mesh: DeviceMesh, plan, src_data_rank: Optional[int], path: str):
     """``parallelize_module`` below the root; ``path`` is ``module``'s name from the root, for errors."""
+    if isinstance(plan, str):
+        plan = hf_style(plan, module, path)
+        if plan is None:  # "replicate": the module stays as it is
+            return module
     if isinstance(plan, _torch_style.ParallelStyle):
         style = _from_torch(plan)
         style.src_data_rank = src_data_rank
@@ -171,6 +184,13 @@ def _parallelize(module: nn.Module, device_mesh: DeviceMesh, plan, src_data_rank
             continue
         token, _, rest = module_path.partition(".")
         matched = [(name, child) for name, child in module.named_children() if fnmatch(name, token)]
+        if not matched and not rest and isinstance(style, str):
+            # An HF key may name a parameter, not a module (NOTE [Hugging Face plan strings]).
+            params = [name for name, _ in module.named_parameters(recurse=False) if fnmatch(name, token)]
+            for name in params:
+                check_hf_parameter_entry(style, f"{path}.{name}" if path else name)
+            if params:
+                continue
         if not matched:
             warnings.warn(f"Parallelize plan key '{module_path}' could not be resolved: no submodule matching "
                           f"token '{token}' in module {module}, skipping this plan entry.", stacklevel=3)

@@ -1,0 +1,196 @@
+"""Hugging Face transformers' tensor-parallel plan strings, on torch_tp's styles.
+
+NOTE [Hugging Face plan strings]
+A transformers model carries its plan as strings: ``model.tp_plan`` maps
+module paths from the top model (``"model.layers.*.self_attn.q_proj"``,
+``"lm_head"``) to style names. Its base model's plan comes from the config
+(``base_model_tp_plan``), prefixed with the base model's attribute name; the
+head's from the model class (``_tp_plan = {"lm_head": "colwise_gather_output"}``);
+and the input embedding is added as ``embedding_rowwise`` when the plan does
+not name it. ``parallelize_module(model, mesh, model.tp_plan)`` takes that dict
+as it is: torch_tp's key rules (each part matched with fnmatch) read HF's
+keys as HF does, whose ``*`` only ever stands for a layer number.
+
+Each string gets the torch_tp style with the placements and forward of the
+style transformers 5.24 registers under it
+(transformers/distributed/tensor_parallel.py):
+
+==============================  =================  ==========================================
+string                          module             torch_tp style
+==============================  =================  ==========================================
+colwise                         nn.Linear          ColwiseParallel()
+colwise_gather_output,          nn.Linear          ColwiseParallel(output_layouts=Replicate())
+colwise_rep
+rowwise                         nn.Linear          RowwiseParallel()
+rowwise_split_input,            nn.Linear          RowwiseParallel(input_layouts=Replicate())
+rowwise_rep
+embedding_rowwise               nn.Embedding       RowwiseParallel(input_layouts=Replicate())
+embedding_colwise               nn.Embedding       ColwiseParallel(output_layouts=Replicate())
+sequence_parallel               any leaf           SequenceParallel(use_local_output=True)
+replicated_with_grad_allreduce  any leaf           ReplicatedWithGradAllReduce (below)
+all_reduce                      any                AllReduceOutput (below)
+replicate                       any                nothing: the parameters stay as they are
+==============================  =================  ==========================================
+
+All outputs are local tensors, as HF's styles hand them back. HF's
+``packed_colwise``/``packed_rowwise`` shard fused weights (``gate_up_proj``)
+block by block; torch_tp does not do that yet, and the MoE, MLA and
+``local_params`` styles are model-specific: they are refused with an error
+naming the module and the string, as is a string HF does not know. So is a
+plan key that names a parameter rather than a module (HF shards such a
+parameter alone, e.g. GPT-OSS's attention ``sinks``), unless its string is
+``replicate``.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+
+from ._layout import tp_group
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    TPState,
+    _module_state,
+    _parallel_class,
+    _ParallelModule,
+    replicate_with_partial_grads,
+    restore_parameters,
+    swap_in_local_parameters,
+)
+
+
+@dataclass(eq=False)
+class ReplicatedGradState(TPState):
+    """A ReplicatedWithGradAllReduce module."""
+
+    parameter_names: Tuple[str, ...]  # the parameters its forward runs on local tensors
+    partial_grad: bool  # False on one rank, whose gradient is already the whole sum
+
+
+class _ReplicatedGradModule(_ParallelModule):
+    _tp_kind = "ReplicatedWithGradAllReduce"
+    _tp_state: ReplicatedGradState
+
+    def forward(self, *args, **kwargs):
+        """The module's own forward on its (local) inputs, with its parameters' local tensors."""
+        state = self._tp_state
+        set_aside = swap_in_local_parameters(self, state.parameter_names, state.partial_grad)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            restore_parameters(self, set_aside)
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """HF's ``replicated_with_grad_allreduce``: a module whose parameters every rank holds whole
+    but whose input is this rank's shard of something other than the parameters' axis: Qwen3's
+    per-head ``q_norm``/``k_norm`` normalize each of this rank's heads with one ``head_dim``
+    weight. The forward needs no communication; each rank's parameter gradient covers only its
+    heads, so the gradients are summed over the group.
+
+    The parameters become ``Replicate()`` DTensors; the forward runs on their local tensors
+    with gradients declared ``Partial()``, completed by one all-reduce at the end of the
+    backward, as SequenceParallel's are (NOTE [partial gradients of sequence-parallel
+    parameters] in ``_replicated_grad.py``). Inputs and outputs pass as they are."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        names = replicate_with_partial_grads(module, self, device_mesh)
+        records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
+        module._tp_state = ReplicatedGradState(repr(self), device_mesh, tp_group(device_mesh), records, names,
+                                               device_mesh.size() > 1)
+        module.__class__ = _parallel_class(type(module), _ReplicatedGradModule)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class AllReduceOutput(ParallelStyle):
+    """HF's ``all_reduce``: the module's output holds this rank's partial sums (its inner layers
+    left them unreduced); sum it over the group. Megatron's ``g``: an all-reduce forward and
+    the identity backward, since the gradient of a replicated tensor is complete on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group_name = tp_group(device_mesh).name
+        module.register_forward_hook(
+            lambda _module, _inputs, output: torch.ops.torch_tp.reduce_from_tp_region(output, group_name))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# string -> (the module type it applies to, the style). A fresh style per module:
+# parallelize_module sets src_data_rank on it.
+_STYLES: Dict[str, Tuple[type, Callable[[], ParallelStyle]]] = {
+    "colwise": (nn.Linear, lambda: ColwiseParallel()),
+    "colwise_gather_output": (nn.Linear, lambda: ColwiseParallel(output_layouts=Replicate())),
+    "colwise_rep": (nn.Linear, lambda: ColwiseParallel(output_layouts=Replicate())),
+    "rowwise": (nn.Linear, lambda: RowwiseParallel()),
+    "rowwise_split_input": (nn.Linear, lambda: RowwiseParallel(input_layouts=Replicate())),
+    "rowwise_rep": (nn.Linear, lambda: RowwiseParallel(input_layouts=Replicate())),
+    # The ids are replicated; RowwiseParallel's default input layout is a Linear's, Shard(-1).
+    "embedding_rowwise": (nn.Embedding, lambda: RowwiseParallel(input_layouts=Replicate())),
+    "embedding_colwise": (nn.Embedding, lambda: ColwiseParallel(output_layouts=Replicate())),
+    "sequence_parallel": (nn.Module, lambda: SequenceParallel(use_local_output=True)),
+    "replicated_with_grad_allreduce": (nn.Module, ReplicatedWithGradAllReduce),
+    "all_reduce": (nn.Module, AllReduceOutput),
+}
+
+# HF strings torch_tp knows and does not implement, and why.
+_NOT_IMPLEMENTED = {
+    "packed_colwise": "block-wise sharding of fused weights ([gate|up], [q|k|v]) is not implemented yet "
+                      "(issue 27, item 3); colwise_gather_output on the fused layer and rowwise_split_input "
+                      "on the one after it run (each rank computes the whole fused output)",
+    "packed_rowwise": "block-wise sharding of fused weights is not implemented yet (issue 27, item 3)",
+    "mla_kv_a_proj": "a model-specific style (DeepSeek-V2's MLA)",
+    "local_params": "a model-specific style (a module's bare parameters, GPT-OSS's attention sinks)",
+}
+
+
+def _refuse(string: str, where: str) -> None:
+    """Raise for a string torch_tp does not apply: model-specific, not implemented, or unknown."""
+    reason = _NOT_IMPLEMENTED.get(string)
+    if reason is None and string.startswith("moe_"):
+        reason = "a model-specific style (mixture of experts)"
+    if reason is not None:
+        raise NotImplementedError(f"torch_tp.parallelize_module: {where} has the Hugging Face plan string "
+                                  f"'{string}', which torch_tp does not implement: {reason}.")
+    raise ValueError(f"torch_tp.parallelize_module: {where} has the plan string '{string}', which is not a Hugging "
+                     f"Face tensor-parallel style torch_tp knows; use one of {', '.join(sorted(_STYLES))}, "
+                     "replicate, or a ParallelStyle.")
+
+
+def hf_style(string: str, module: nn.Module, path: str) -> Optional[ParallelStyle]:
+    """The torch_tp style for the HF plan string ``string`` on ``module`` (at ``path`` from the
+    root, for errors); None for ``replicate``, which leaves the module as it is."""
+    where = f"module '{path}' ({type(module).__name__})" if path else f"the root module ({type(module).__name__})"
+    if string == "replicate":
+        return None
+    if string not in _STYLES:
+        _refuse(string, where)
+    kind, make = _STYLES[string]
+    if not isinstance(module, kind):
+        raise ValueError(f"torch_tp.parallelize_module: {where} has the Hugging Face plan string '{string}', "
+                         f"which applies to {kind.__name__} modules.")
+    return make()
+
+
+def check_hf_parameter_entry(string: str, path: str) -> None:
+    """A plan key that names the parameter ``path``, not a module: only ``replicate`` (nothing to
+    do) is accepted; HF shards a lone parameter only for model-specific styles."""
+    if string == "replicate":
+        return
+    where = f"the plan key for parameter '{path}'"
+    if string in _STYLES:
+        raise NotImplementedError(f"torch_tp.parallelize_module: {where} has the Hugging Face plan string "
+                                  f"'{string}'; torch_tp applies plan strings to modules, not to single "
+                                  "parameters.")
+    _refuse(string, where)
