@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_private import assert_async, dtensor_local, legacy_get_string
+from .._torch_private import assert_async, dtensor_from_spec, dtensor_local, dtensor_spec, legacy_get_string
 from ..ops import chunk_range
 
 __all__ = ["loss_parallel"]
@@ -364,6 +364,37 @@ class _LogSoftmax(torch.autograd.Function):
         return (g - softmax * total.unsqueeze(-1)).to(x.dtype), None
 
 
+# NOTE [the input's gradient keeps its layout]
+# DTensor.to_local()'s backward wraps the local gradient in a spec whose global
+# strides it recomputes from the local strides as if every shard were as large
+# as this rank's: [10, 4] of [10, 10] split 4, 4, 2 gets strides (12, 1), not
+# (10, 1). AccumulateGrad then finds strides other than the leaf's and copies
+# the gradient into grad.new_empty_strided(leaf's sizes and strides), and torch
+# 2.11's DTensor rule for new_empty_strided allows only Replicate() on a shape
+# that does not split evenly (2.12 lifted that): the input's .grad came back
+# Replicate(), all-gathered. _LocalShard gives the gradient back with the
+# input's own spec instead, in the layout of the forward's local tensor, so
+# on every torch the strides are the leaf's and the gradient is taken as it is.
+
+
+class _LocalShard(torch.autograd.Function):
+    """A DTensor -> a view of its local tensor; the local gradient goes back as a DTensor
+    with the DTensor's own spec (NOTE [the input's gradient keeps its layout])."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: D102
+        local = dtensor_local(x)
+        ctx.spec, ctx.stride = dtensor_spec(x), local.stride()
+        return local.view_as(local)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: D102
+        if grad.stride() != ctx.stride:  # the spec's strides describe the forward's layout
+            grad = grad.new_empty_strided(grad.shape, ctx.stride).copy_(grad)
+        return dtensor_from_spec(grad, ctx.spec, requires_grad=False)
+
+
 # ---------------------------------------------------------------- handlers
 
 
@@ -421,7 +452,7 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
         loss = _CrossEntropy.apply(record.x, target, w, reduction, shard,
                                    (record.m, record.sum_exp, record.logp))
     else:
-        local = input.to_local().movedim(class_dim, -1)
+        local = _LocalShard.apply(input).movedim(class_dim, -1)
         if cross_entropy:
             loss = _CrossEntropy.apply(local, target, w, reduction, shard, None)
         else:
@@ -479,7 +510,7 @@ def _log_softmax_dt(x: DTensor, dim: Any, dtype: Optional[torch.dtype]) -> Any:
         raise ValueError(_err(fn, "input must have a class dim, got a 0-d DTensor"))
     dim = dim % x.ndim
     shard = _class_shard(x, dim, fn, "input")
-    local = x.to_local()
+    local = _LocalShard.apply(x)
     if dtype is not None:
         local = local.to(dtype)
     if not local.is_floating_point():
