@@ -23,7 +23,7 @@ if ! dpkg -s libgtest-dev >/dev/null 2>&1; then
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev >/dev/null
 fi
 source scripts/install_deps.sh
-"$PYTHON" -m pip install -q pytest numpy expecttest hypothesis build
+"$PYTHON" -m pip install -q pytest numpy expecttest hypothesis build transformers==5.24.0
 
 WORK="$PWD/build/installed"
 rm -rf "$WORK"

@@ -1,0 +1,198 @@
+"""Hugging Face transformers models parallelized with their own plans: ``parallelize_module(model, mesh,
+model.tp_plan)``.
+
+Small Llama (GQA) and Qwen3 (per-head q_norm/k_norm: replicated_with_grad_allreduce) models are
+built from config (no downloads) in float64. Three copies start from the same weights: the
+unsharded model, torch_tp's, and HF's own tensor parallelism (transformers'
+``apply_tensor_parallelism`` with the same plan: its DTensor styles, which run on CPU with gloo).
+All three take the same batch with labels; the logits, the loss, the gradients (gathered) and
+the parameters after one AdamW step must agree. The strings the models' plans do not use are
+compared with HF's style objects on single modules, and the strings torch_tp refuses must name
+the module and the string.
+
+Tolerance: float64, 1e-10 relative to each tensor's largest magnitude. The copies sum in
+different orders (sharded GEMMs, reductions over ranks), which costs ~1e-15; a sharding mistake
+costs O(1). AdamW (lr 1e-3, eps 1e-4) moves a weight by about lr * g / (|g| + eps), amplifying
+a gradient's roundoff by at most lr / eps = 10.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import transformers  # noqa: F401  (a test dependency, pinned in scripts/run_tests.sh; the ranks import from it)
+
+import torch_tp
+from _compare import assert_close, assert_error_names
+
+TOL = 1e-10
+# Parameters after a step are judged against at least this magnitude (an RMSNorm weight is 1,
+# a projection's entries ~0.02); gradients against this (only an all-zero one needs it).
+PARAM_FLOOR = 0.1
+GRAD_FLOOR = 1e-12
+
+
+def _model(kind: str, world_size: int, layers: int = 2):
+    """A small float64 *ForCausalLM with two query heads and one KV head per rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, vocab_size=128,
+                 num_attention_heads=2 * world_size, num_key_value_heads=world_size)
+    torch.manual_seed(0)  # the same weights on every rank and in every copy
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**sizes))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **sizes))
+    return model.double()
+
+
+def _hf_parallelize(model, mesh):
+    """HF's own tensor parallelism with the model's plan: what ``from_pretrained(tp_plan="auto")``
+    applies, with the plan's wildcards resolved to module and parameter names as it resolves them."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    return apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(model.tp_plan))
+
+
+def _full(tensor):
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+# The placements HF's plans give (torch_tp's must be the same), by the module's name.
+_PLACEMENTS = {"q_proj": Shard(0), "k_proj": Shard(0), "v_proj": Shard(0), "gate_proj": Shard(0), "up_proj": Shard(0),
+               "lm_head": Shard(0), "embed_tokens": Shard(0), "o_proj": Shard(1), "down_proj": Shard(1),
+               "q_norm": Replicate(), "k_norm": Replicate()}
+
+
+def _check_model(kind: str):
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    unsharded = _model(kind, world_size)
+    ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, unsharded.tp_plan)
+    theirs = _hf_parallelize(copy.deepcopy(unsharded), mesh)
+
+    for name, param in ours.named_parameters():
+        module_name = name.rsplit(".", 2)[-2]
+        wanted = _PLACEMENTS.get(module_name)
+        placements = param.placements if isinstance(param, DTensor) else None
+        assert placements == (None if wanted is None else (wanted,)), f"{kind}: {name} is {placements}"
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, unsharded.config.vocab_size, (2, 12))
+    copies = {"unsharded": unsharded, "torch_tp": ours, "hf": theirs}
+    outputs = {}
+    for name, model in copies.items():
+        outputs[name] = model(input_ids=ids, labels=ids)
+        outputs[name].loss.backward()
+    for name in ("torch_tp", "hf"):
+        what = f"{kind} at {world_size} ranks, {name}"
+        assert_close(outputs[name].logits, outputs["unsharded"].logits, f"{what}: logits", TOL)
+        assert_close(outputs[name].loss, outputs["unsharded"].loss, f"{what}: loss", TOL)
+        for (param_name, param), expected in zip(copies[name].named_parameters(), unsharded.parameters()):
+            assert_close(_full(param.grad), expected.grad, f"{what}: {param_name}.grad", TOL, floor=GRAD_FLOOR)
+
+    # replicated_with_grad_allreduce: complete (all-reduced) gradients, left Replicate.
+    for name, param in ours.named_parameters():
+        if name.endswith("_norm.weight") and "self_attn" in name:
+            assert param.grad.placements == (Replicate(),), f"{kind}: {name}.grad is {param.grad.placements}"
+
+    for model in copies.values():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+        optimizer.step()
+    for name in ("torch_tp", "hf"):
+        for (param_name, param), expected in zip(copies[name].named_parameters(), unsharded.parameters()):
+            assert_close(_full(param.detach()), expected.detach(), f"{kind} at {world_size} ranks, {name}: "
+                         f"{param_name} after AdamW", TOL, floor=PARAM_FLOOR)
+
+
+@pytest.mark.parametrize("kind, world_size", [("llama", 2), ("qwen3", 2), ("qwen3", 4)])
+def test_model_plan(ranks, kind, world_size):
+    ranks(world_size).run(_check_model, kind, timeout=300)
+
+
+def _against_hf_style(string: str, module: nn.Module, x: torch.Tensor):
+    """``module`` under the plan string ``string``, torch_tp's and HF's style object for it: the
+    same output, input gradient and parameter gradients (gathered). ``x`` is this rank's input."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours = torch_tp.parallelize_module(copy.deepcopy(module), mesh, string)
+    theirs = copy.deepcopy(module)
+    style = ALL_PARALLEL_STYLES[string]
+    for name, _ in list(theirs.named_parameters()):
+        style.shard_param(theirs, name, mesh)
+    style.install_forward(theirs, mesh)
+    results = []
+    for model in (ours, theirs):
+        x_ = x.detach().clone().requires_grad_(x.is_floating_point())
+        out = model(x_)
+        # A weight per output entry, so that each entry's gradient differs.
+        out.mul(torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        results.append((out, x_.grad, [_full(p.grad) for p in model.parameters()]))
+    (out, x_grad, grads), (out_hf, x_grad_hf, grads_hf) = results
+    assert_close(out, out_hf, f"{string}: output", TOL)
+    if x.is_floating_point():
+        assert_close(x_grad, x_grad_hf, f"{string}: input gradient", TOL)
+    for (name, _), grad, grad_hf in zip(module.named_parameters(), grads, grads_hf):
+        assert_close(grad, grad_hf, f"{string}: {name}.grad", TOL, floor=GRAD_FLOOR)
+
+
+def _check_single_modules():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    linear = nn.Linear(12, 8).double()
+    x = torch.randn(3, 5, 12, dtype=torch.float64)
+    for string in ("colwise", "colwise_gather_output", "rowwise_split_input"):
+        _against_hf_style(string, linear, x)
+    # rowwise takes this rank's slice of the input features; all_reduce sums per-rank outputs.
+    _against_hf_style("rowwise", linear, x.chunk(dist.get_world_size(), -1)[rank])
+    _against_hf_style("all_reduce", linear, x + rank)
+    embedding = nn.Embedding(20, 8).double()
+    ids = torch.randint(0, 20, (3, 5))
+    for string in ("embedding_rowwise", "embedding_colwise"):
+        _against_hf_style(string, embedding, ids)
+    # sequence_parallel: this rank's shard of the sequence through a norm with a weight.
+    norm = nn.LayerNorm(12).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    _against_hf_style("sequence_parallel", norm, x.chunk(dist.get_world_size(), 1)[rank])
+    # replicate: nothing changes.
+    kept = torch_tp.parallelize_module(copy.deepcopy(linear), init_device_mesh("cpu", (dist.get_world_size(),)),
+                                       "replicate")
+    assert type(kept) is nn.Linear and not isinstance(kept.weight, DTensor)
+
+
+def test_single_module_strings(ranks):
+    ranks(2).run(_check_single_modules, timeout=300)
+
+
+def _check_refused():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def parallelize(plan):
+        return lambda: torch_tp.parallelize_module(_model("llama", dist.get_world_size(), layers=1), mesh, plan)
+
+    assert_error_names(parallelize({"model.layers.*.mlp.up_proj": "colwsie"}),
+                       ["'model.layers.0.mlp.up_proj'", "'colwsie'"], ValueError)
+    assert_error_names(parallelize({"model.layers.*.mlp": "moe_tp_experts"}),
+                       ["'model.layers.0.mlp'", "'moe_tp_experts'", "does not implement"], NotImplementedError)
+    assert_error_names(parallelize({"model.layers.*.self_attn": "mla_kv_a_proj"}),
+                       ["'model.layers.0.self_attn'", "'mla_kv_a_proj'"], NotImplementedError)
+    assert_error_names(parallelize({"model.layers.*.mlp.gate_proj": "packed_colwise"}),
+                       ["'model.layers.0.mlp.gate_proj'", "'packed_colwise'", "item 3"], NotImplementedError)
+    assert_error_names(parallelize({"model.layers.*.mlp.down_proj": "packed_rowwise"}),
+                       ["'model.layers.0.mlp.down_proj'", "'packed_rowwise'"], NotImplementedError)
+    # A linear style on an embedding; a key naming a parameter, not a module.
+    assert_error_names(parallelize({"model.embed_tokens": "colwise"}),
+                       ["'model.embed_tokens'", "'colwise'", "Linear"], ValueError)
+    assert_error_names(parallelize({"model.layers.*.mlp.up_proj.weight": "colwise"}),
+                       ["'model.layers.0.mlp.up_proj.weight'", "'colwise'"], NotImplementedError)
+
+
+def test_refused_strings(ranks):
+    ranks(2).run(_check_refused)
