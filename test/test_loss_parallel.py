@@ -49,6 +49,12 @@ BATCH, SEQ, HIDDEN = 2, 5, 8
 
 _MESH = {}
 
+# torch's loss_parallel takes a multi-dimensional DeviceMesh from torch 2.13; 2.11 and 2.12 refuse
+# one ("only supports input on one-dimensional DeviceMesh"), so there is nothing to compare with.
+needs_torch_2d_loss_parallel = pytest.mark.skipif(
+    torch.__version__ < (2, 13),
+    reason=f"torch {torch.__version__}'s loss_parallel refuses a multi-dimensional DeviceMesh (torch 2.13 added it)")
+
 
 def _mesh():
     world = dist.get_world_size()
@@ -453,26 +459,30 @@ def _raised(ctx, fn):
     raise AssertionError("no exception")
 
 
-def _run_errors_like_torch():
+def _run_errors_like_torch(mesh_ndim):
     """Where torch's loss_parallel refuses an input, torch_tp's raises the same exception type, and
     its message holds the words torch's own tests match (test_tp_examples.py's assertRaisesRegex),
     so code written against torch's errors keeps working."""
     vocab = 16
-    mesh, mesh2d = _mesh(), init_device_mesh("cpu", (2, 2))
     x = torch.randn(8, vocab, generator=torch.Generator().manual_seed(4))
     labels = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(5))
-    x2d = distribute_tensor(x, mesh2d, [Shard(0), Shard(1)])
-    t2d = distribute_tensor(labels, mesh2d, [Shard(0), Replicate()])
-    partial_on_dp = DTensor.from_local(x2d.to_local(), mesh2d, [Partial(), Shard(1)], run_check=False)
-    cases = [
-        ("batch-sharded input on a 1-D mesh", "loss_parallel",
-         lambda: F.cross_entropy(distribute_tensor(x, mesh, [Shard(0)]), labels)),
-        ("Partial on the other mesh dim", "Shard or Replicate",
-         lambda: F.cross_entropy(partial_on_dp, t2d, reduction="sum")),
-        ("plain target with a batch-sharded mesh dim", "requires a DTensor",
-         lambda: F.cross_entropy(x2d, labels, reduction="sum")),
-        ("reduction='mean' on a 2-D mesh", "one-dimensional", lambda: F.cross_entropy(x2d, t2d)),
-    ]
+    if mesh_ndim == 1:
+        cases = [
+            ("batch-sharded input on a 1-D mesh", "loss_parallel",
+             lambda: F.cross_entropy(distribute_tensor(x, _mesh(), [Shard(0)]), labels)),
+        ]
+    else:
+        mesh2d = init_device_mesh("cpu", (2, 2))
+        x2d = distribute_tensor(x, mesh2d, [Shard(0), Shard(1)])
+        t2d = distribute_tensor(labels, mesh2d, [Shard(0), Replicate()])
+        partial_on_dp = DTensor.from_local(x2d.to_local(), mesh2d, [Partial(), Shard(1)], run_check=False)
+        cases = [
+            ("Partial on the other mesh dim", "Shard or Replicate",
+             lambda: F.cross_entropy(partial_on_dp, t2d, reduction="sum")),
+            ("plain target with a batch-sharded mesh dim", "requires a DTensor",
+             lambda: F.cross_entropy(x2d, labels, reduction="sum")),
+            ("reduction='mean' on a 2-D mesh", "one-dimensional", lambda: F.cross_entropy(x2d, t2d)),
+        ]
     for what, words, fn in cases:
         theirs, ours = _raised(torch_loss_parallel, fn), _raised(loss_parallel, fn)
         assert type(ours) is type(theirs), f"{what}: torch_tp raised {ours!r}, torch {theirs!r}"
@@ -480,8 +490,9 @@ def _run_errors_like_torch():
         assert re.search(words, str(ours)), f"{what}: torch_tp's message lacks {words!r}: {ours}"
 
 
-def test_errors_like_torch(ranks):
-    ranks(4).run(_run_errors_like_torch)
+@pytest.mark.parametrize("mesh_ndim", [1, pytest.param(2, marks=needs_torch_2d_loss_parallel)])
+def test_errors_like_torch(ranks, mesh_ndim):
+    ranks(4).run(_run_errors_like_torch, mesh_ndim)
 
 
 # ---------------------------------------------------------------- a 2-D mesh
@@ -498,10 +509,11 @@ CASES_2D = [
 ]
 
 
-def _run_2d():
+def _run_2d(against_torch):
     """NOTE [loss_parallel on a multi-dimensional mesh]: cross_entropy, log_softmax + nll_loss
-    with reduction "sum" and "none" give torch's loss_parallel's placements and values, and the
-    unsharded F.cross_entropy's values and input gradients (VS_UNSHARDED)."""
+    with reduction "sum" and "none" give the NOTE's placements and the unsharded
+    F.cross_entropy's values and input gradients (VS_UNSHARDED); with ``against_torch``, torch's
+    loss_parallel gives the same placements and values."""
     mesh = init_device_mesh("cpu", (2, 2))
     gen = torch.Generator().manual_seed(3)
     for shape, placements in CASES_2D:
@@ -525,7 +537,8 @@ def _run_2d():
                 expected = loss_of(ref_x, labels, torch.enable_grad)
                 expected.sum().backward()
                 results = {}
-                for name, ctx in (("torch_tp", loss_parallel), ("torch", torch_loss_parallel)):
+                contexts = [("torch_tp", loss_parallel)] + ([("torch", torch_loss_parallel)] if against_torch else [])
+                for name, ctx in contexts:
                     x = distribute_tensor(full, mesh, placements).requires_grad_()
                     t = distribute_tensor(labels, mesh, target_placements)
                     out = loss_of(x, t, ctx)
@@ -534,13 +547,29 @@ def _run_2d():
                     results[name] = out
                     assert_close(out, expected, f"{what}: {name} loss", VS_UNSHARDED, equal_nan=True)
                     assert_close(x.grad, ref_x.grad, f"{what}: {name} grad", VS_UNSHARDED, equal_nan=True)
-                ours, theirs = results["torch_tp"], results["torch"]
-                assert ours.placements == theirs.placements, f"{what}: {ours.placements} vs {theirs.placements}"
-                assert ours.shape == theirs.shape, f"{what}: {ours.shape} vs {theirs.shape}"
+                ours = results["torch_tp"]
+                if reduction == "none":  # sharded like the target
+                    expected_placements, expected_shape = target_placements, labels.shape
+                else:  # summed over the classes' mesh dim, each batch-sharded mesh dim summed its own rows
+                    expected_placements = tuple(
+                        Replicate() if i == class_mesh_dim else Partial() if isinstance(p, Shard) else Replicate()
+                        for i, p in enumerate(placements))
+                    expected_shape = torch.Size()
+                assert ours.placements == expected_placements, f"{what}: {ours.placements}"
+                assert ours.shape == expected_shape, f"{what}: {ours.shape}"
+                if against_torch:
+                    theirs = results["torch"]
+                    assert ours.placements == theirs.placements, f"{what}: {ours.placements} vs {theirs.placements}"
+                    assert ours.shape == theirs.shape, f"{what}: {ours.shape} vs {theirs.shape}"
 
 
+def test_2d_mesh(ranks):
+    ranks(4).run(_run_2d, False, timeout=300)
+
+
+@needs_torch_2d_loss_parallel
 def test_2d_mesh_matches_torch(ranks):
-    ranks(4).run(_run_2d, timeout=300)
+    ranks(4).run(_run_2d, True, timeout=300)
 
 
 # ---------------------------------------------------------------- plain tensors and the context
