@@ -1,10 +1,11 @@
 """Hugging Face transformers models parallelized with their own plans: ``parallelize_module(model, mesh,
 model.tp_plan)``.
 
-Small Llama (GQA) and Qwen3 (per-head q_norm/k_norm: replicated_with_grad_allreduce) models are
-built from config (no downloads) in float64. Three copies start from the same weights: the
-unsharded model, torch_tp's, and HF's own tensor parallelism (transformers'
-``apply_tensor_parallelism`` with the same plan: its DTensor styles, which run on CPU with gloo).
+Small Llama (GQA) and Qwen3 (per-head q_norm/k_norm: replicated_with_grad_allreduce; also with
+tied embeddings) models are built from config (no downloads) in float64. Three copies start from
+the same weights: the unsharded model, torch_tp's, and HF's own tensor parallelism
+(transformers' ``apply_tensor_parallelism`` with the same plan: its DTensor styles, which run on
+CPU with gloo; not for the tied model, which it cannot take).
 All three take the same batch with labels; the logits, the loss, the gradients (gathered) and
 the parameters after one AdamW step must agree. The strings the models' plans do not use are
 compared with HF's style objects on single modules, and the strings torch_tp refuses must name
@@ -38,7 +39,8 @@ GRAD_FLOOR = 1e-12
 
 
 def _model(kind: str, world_size: int, layers: int = 2):
-    """A small float64 *ForCausalLM with two query heads and one KV head per rank."""
+    """A small float64 *ForCausalLM with two query heads and one KV head per rank; ``qwen3_tied``
+    shares the input embedding with lm_head."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, vocab_size=128,
@@ -47,7 +49,7 @@ def _model(kind: str, world_size: int, layers: int = 2):
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**sizes))
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **sizes))
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=kind == "qwen3_tied", **sizes))
     return model.double()
 
 
@@ -74,7 +76,15 @@ def _check_model(kind: str):
     mesh = init_device_mesh("cpu", (world_size,))
     unsharded = _model(kind, world_size)
     ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, unsharded.tp_plan)
-    theirs = _hf_parallelize(copy.deepcopy(unsharded), mesh)
+    copies = {"unsharded": unsharded, "torch_tp": ours}
+    if unsharded.config.tie_word_embeddings:
+        # Each module's weight was sharded on its own (Shard(0) both): re-tie, as with torch's TP.
+        # HF's apply_tensor_parallelism looks the planned parameters up by name and fails on the
+        # tied lm_head.weight, which named_parameters() does not list: no HF copy here.
+        ours.lm_head.weight = ours.model.embed_tokens.weight
+    else:
+        copies["hf"] = _hf_parallelize(copy.deepcopy(unsharded), mesh)
+    sharded = [name for name in copies if name != "unsharded"]
 
     for name, param in ours.named_parameters():
         module_name = name.rsplit(".", 2)[-2]
@@ -84,12 +94,11 @@ def _check_model(kind: str):
 
     torch.manual_seed(1)
     ids = torch.randint(0, unsharded.config.vocab_size, (2, 12))
-    copies = {"unsharded": unsharded, "torch_tp": ours, "hf": theirs}
     outputs = {}
     for name, model in copies.items():
         outputs[name] = model(input_ids=ids, labels=ids)
         outputs[name].loss.backward()
-    for name in ("torch_tp", "hf"):
+    for name in sharded:
         what = f"{kind} at {world_size} ranks, {name}"
         assert_close(outputs[name].logits, outputs["unsharded"].logits, f"{what}: logits", TOL)
         assert_close(outputs[name].loss, outputs["unsharded"].loss, f"{what}: loss", TOL)
@@ -104,13 +113,13 @@ def _check_model(kind: str):
     for model in copies.values():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
         optimizer.step()
-    for name in ("torch_tp", "hf"):
+    for name in sharded:
         for (param_name, param), expected in zip(copies[name].named_parameters(), unsharded.parameters()):
             assert_close(_full(param.detach()), expected.detach(), f"{kind} at {world_size} ranks, {name}: "
                          f"{param_name} after AdamW", TOL, floor=PARAM_FLOOR)
 
 
-@pytest.mark.parametrize("kind, world_size", [("llama", 2), ("qwen3", 2), ("qwen3", 4)])
+@pytest.mark.parametrize("kind, world_size", [("llama", 2), ("qwen3", 2), ("qwen3_tied", 2), ("qwen3", 4)])
 def test_model_plan(ranks, kind, world_size):
     ranks(world_size).run(_check_model, kind, timeout=300)
 
