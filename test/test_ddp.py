@@ -50,6 +50,11 @@ PARAM_SCALE_FLOOR = 0.1
 SCALE_FLOOR = 1e-12
 TINY_BUCKET_MB = 0.002  # ~2 KB: several buckets even for the small test models
 
+# The arguments torch's DDP gained after torch 2.11, with the release that added each: torch_tp's
+# DDP has them all (torch 2.14's signature), an older torch's does not.
+DDP_ARGUMENTS_ADDED = {"batched_grad_copy": (2, 12), "forward_sync_buffers": (2, 13)}
+TORCH_DDP_HAS_FORWARD_SYNC_BUFFERS = torch.__version__ >= DDP_ARGUMENTS_ADDED["forward_sync_buffers"]
+
 
 # --- models -------------------------------------------------------------------------------------
 
@@ -316,22 +321,42 @@ def test_no_sync_accumulates(ranks, world_size):
 # --- buffers -------------------------------------------------------------------------------------
 
 
+def _wrap(ddp_class, model, **flags):
+    """``ddp_class(model, **flags)`` and the categories of the FutureWarnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = ddp_class(model, **flags)
+    return ddp, [w.category for w in caught if issubclass(w.category, FutureWarning)]
+
+
 def _check_buffer_flags(broadcast_buffers, forward_sync_buffers):
     """torch 2.13's broadcast_buffers (deprecated) and forward_sync_buffers, against torch's DDP: the
     warnings, the flags, the buffers after the wrap and after every forward (NOTE [buffer flags] in
-    torch_tp/ddp.py)."""
+    torch_tp/ddp.py). torch's DDP before 2.13 has only broadcast_buffers, which it does not deprecate:
+    there torch_tp's warnings and flags are checked against 2.13's rules, and its buffers against
+    torch's DDP given the broadcast_buffers that means the same forwards."""
     model = _build("conv_bn")
+    # torch 2.13's rules: forward_sync_buffers wins; only broadcast_buffers=False (without
+    # forward_sync_buffers) keeps the buffers out of the wrap; broadcast_buffers warns when given.
+    forward_sync = forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers is not False
+    synced_at_wrap = forward_sync_buffers is not None or broadcast_buffers is not False
     flags = dict(broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers)
-    ddps, warned = [], []
-    for ddp_class in (torch_tp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ddps.append(ddp_class(copy.deepcopy(model), **flags))
-        warned.append([w.category for w in caught if issubclass(w.category, FutureWarning)])
-    ours, theirs = ddps
-    assert warned[0] == warned[1], f"FutureWarnings {warned[0]} != torch's {warned[1]}"
-    assert (ours.broadcast_buffers, ours.forward_sync_buffers) == (theirs.broadcast_buffers,
-                                                                   theirs.forward_sync_buffers)
+    ours, warned = _wrap(torch_tp.DistributedDataParallel, copy.deepcopy(model), **flags)
+    if TORCH_DDP_HAS_FORWARD_SYNC_BUFFERS:
+        theirs, torch_warned = _wrap(torch.nn.parallel.DistributedDataParallel, copy.deepcopy(model), **flags)
+        assert warned == torch_warned, f"FutureWarnings {warned} != torch's {torch_warned}"
+        assert (ours.broadcast_buffers, ours.forward_sync_buffers) == (theirs.broadcast_buffers,
+                                                                       theirs.forward_sync_buffers)
+    else:
+        assert warned == ([FutureWarning] if broadcast_buffers is not None else []), warned
+        assert (ours.broadcast_buffers, ours.forward_sync_buffers) == (forward_sync, forward_sync)
+        copied = copy.deepcopy(model)
+        if synced_at_wrap and not forward_sync:
+            # Buffers synced at the wrap only: broadcast_buffers=False skips the wrap's sync too,
+            # so rank 0's buffers are broadcast here instead.
+            for buffer in copied.buffers():
+                dist.broadcast(buffer, 0)
+        theirs = torch.nn.parallel.DistributedDataParallel(copied, broadcast_buffers=forward_sync)
     world = dist.get_world_size()
 
     def gathered_mean(ddp):
@@ -339,8 +364,6 @@ def _check_buffer_flags(broadcast_buffers, forward_sync_buffers):
         dist.all_gather(out, ddp.module.bn.running_mean)
         return out
 
-    # Only broadcast_buffers=False (without forward_sync_buffers) keeps the buffers out of the wrap.
-    synced_at_wrap = forward_sync_buffers is not None or broadcast_buffers is not False
     assert all(torch.equal(m, gathered_mean(ours)[0]) for m in gathered_mean(ours)) == synced_at_wrap
     for step in range(2):
         x = _rank_input("conv_bn", step)  # rank-specific batch statistics
@@ -534,10 +557,18 @@ def test_2d_dp_tp_matches_unsharded(ranks, ddp_class):
 
 
 def test_signature_matches_torch_ddp():
-    ours = inspect.signature(torch_tp.DistributedDataParallel.__init__).parameters
-    theirs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
-        (p.name, p.kind, p.default) for p in theirs.values()]
+    """torch 2.14's signature (README), which is the running torch's with the arguments added since."""
+    ours = [(p.name, p.kind, p.default)
+            for p in inspect.signature(torch_tp.DistributedDataParallel.__init__).parameters.values()]
+    theirs = [(p.name, p.kind, p.default)
+              for p in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters.values()]
+    if not TORCH_DDP_HAS_FORWARD_SYNC_BUFFERS:
+        # Before torch 2.13, broadcast_buffers defaulted to True: what torch_tp's None means when
+        # forward_sync_buffers, which such a torch lacks, is not given.
+        ours = [(name, kind, True if name == "broadcast_buffers" else default) for name, kind, default in ours]
+    ours = [argument for argument in ours
+            if argument[0] not in DDP_ARGUMENTS_ADDED or torch.__version__ >= DDP_ARGUMENTS_ADDED[argument[0]]]
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("option,value", [
