@@ -49,15 +49,19 @@ class DistributedDataParallel(nn.Module, Joinable):
     r"""Data parallelism over a process group, gradients reduced in buckets by a C++ reducer.
 
     A drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`:
-    the same arguments in the same order with the same defaults, and the same
+    torch 2.14's arguments in the same order with the same defaults, and the same
     behaviour for those it implements (the others raise
-    ``NotImplementedError`` when set). At construction the parameter shapes
-    are checked across ranks and rank 0's parameters and buffers are
-    broadcast. In backward, each parameter's gradient is copied into a flat
-    bucket (divided by the world size) as soon as it is accumulated, and a
-    bucket's all-reduce starts as soon as its last gradient is in,
-    overlapping the rest of the backward. When backward returns, every
-    ``.grad`` holds the average over the group.
+    ``NotImplementedError`` when set), on every torch it supports: with torch
+    2.11 and 2.12, whose DDP lacks ``forward_sync_buffers`` (2.11 also
+    ``batched_grad_copy``) and does not deprecate ``broadcast_buffers``, this
+    one takes ``forward_sync_buffers`` and warns on ``broadcast_buffers`` as
+    2.13's does. At construction the parameter shapes are checked across
+    ranks and rank 0's parameters and buffers are broadcast. In backward,
+    each parameter's gradient is copied into a flat bucket (divided by the
+    world size) as soon as it is accumulated, and a bucket's all-reduce
+    starts as soon as its last gradient is in, overlapping the rest of the
+    backward. When backward returns, every ``.grad`` holds the average over
+    the group.
 
     Buckets hold parameters of one dtype and device. The first backward uses
     one bucket (or, with ``find_unused_parameters=True``, a 1 MiB bucket and
@@ -217,7 +221,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         # NOTE [buffer flags] torch 2.13 deprecated broadcast_buffers for
         # forward_sync_buffers; they differ at construction only:
         # broadcast_buffers=False also keeps the buffers out of the wrap-time
-        # broadcast, forward_sync_buffers=False does not.
+        # broadcast, forward_sync_buffers=False does not. These are the rules
+        # on torch 2.11 and 2.12 too (one signature for every torch supported),
+        # where broadcast_buffers alone behaves as in their DDP.
         if broadcast_buffers is not None:
             if forward_sync_buffers is not None:
                 warnings.warn(
