@@ -27,7 +27,9 @@ Guards: every symbol below was checked on torch 2.11.0, 2.12.0, 2.13.0 and
 side): none moved, so none needs a version guard today. When one moves, resolve
 it here by ``torch.__version__`` and say which releases take which path. A
 symbol missing from the running torch raises ImportError at ``import torch_tp``,
-naming it.
+naming it. (One difference of behaviour, in DTensor's public ops, is avoided on
+every torch rather than guarded: NOTE [the input's gradient keeps its layout]
+in parallel/loss.py.)
 
 Per-call cost: most accessors are torch's own objects bound once (functions,
 classes, bound methods), so routing through them adds no call layer. DTensor's
@@ -83,7 +85,8 @@ per parameter per step (NOTE [unwrapping a parameter] in parallel/_params.py).""
 dtensor_from_spec = _lookup("torch.distributed.tensor", "DTensor")
 """``DTensor(local_tensor, spec, *, requires_grad)``: DTensor's own constructor, whose
 signature is not public (``from_local`` is); it wraps a local tensor with a given
-:data:`DTensorSpec` and no autograd node, for the gradients of parameters."""
+:data:`DTensorSpec` and no autograd node, for the gradients of parameters and of
+loss_parallel's input (NOTE [the input's gradient keeps its layout] in parallel/loss.py)."""
 
 # DTensor declares both attributes in __slots__, so the class has them.
 _lookup("torch.distributed.tensor", "DTensor._local_tensor")
