@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import report
+import torch_tp  # noqa: F401  (registers the "torch_tp" backend that --backend torch_tp asks for)
 
 KiB = 1024
 MiB = 1024 * KiB
