@@ -241,9 +241,13 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.size(1) > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens.size(1)} exceeds max_seq_len={self.config.max_seq_len}")
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage's model (train_llama.py --pp) holds only its part: the parts it lacks are None
+        # and their steps are skipped, so a middle stage maps hidden states [b, s, d] to hidden states.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        if self.norm is None:
+            return h
         h = self.norm(h)
         logits = self.output(h)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits: the loss in float32

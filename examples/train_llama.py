@@ -8,6 +8,7 @@ Launch (2 ranks on CPU, about a minute):
     torchrun --nproc-per-node 4 examples/train_llama.py --resume        # ... at another TP degree
     torchrun --nproc-per-node 4 examples/train_llama.py --dp 2          # FSDP2 over 2 x TP over 2
     torchrun --nproc-per-node 2 examples/train_llama.py --check         # TP vs unsharded losses, then exit
+    torchrun --nproc-per-node 4 examples/train_llama.py --pp 2          # 2 pipeline stages x TP over 2
 
 The model and torchtitan's TP plan (sequence parallel, loss_parallel) are in
 llama_model.py; --impl picks whose parallelize_module and styles apply it:
@@ -17,14 +18,26 @@ llama_model.py; --impl picks whose parallelize_module and styles apply it:
 FSDP2's ``fully_shard`` of every block and of the model over "dp", each dp rank
 taking its slice of the batch. All ranks start from the same seed. Tokens are
 bytes (vocab 256) or, with --tokenizer char, the corpus's distinct characters
-(a vocabulary the TP degree need not divide). On CPU the ranks talk through
+(a vocabulary the TP degree need not divide).
+
+--pp N adds pipeline parallelism (torch.distributed.pipelining) on a
+("pp", "dp", "tp") mesh: the model is cut into stages, the embedding in the
+first, the norm and output in the last, the blocks spread evenly between (the
+embedding and the norm + output weigh one block each, as in torchtitan); each
+stage's model keeps the full model's parameter names and gets the TP plan and
+FSDP2 as above. --pp-schedule picks GPipe, 1F1B (one stage per rank),
+Interleaved1F1B or ZBVZeroBubble (2 stages per rank unless
+--pp-stages-per-rank says otherwise); the batch runs as --microbatches
+micro-batches. The validation loss comes from the last stage (skipped under
+ZBVZeroBubble: torch 2.14's schedule runs backward actions in its eval()); the
+sample at the end (--sample) is skipped under --pp > 1. On CPU the ranks talk through
 torch_tp's shared-memory backend (``--backend gloo``: torch's).
 
 Rank 0 shows a progress bar (loss, tokens/s) on stderr, and writes to --out-dir:
 loss_curve.png, metrics.json, and checkpoint/ (every --ckpt-every steps and at
 the end): a torch.distributed.checkpoint (DCP) of the model and optimizer
 state, and train_state.json (step, losses). --resume restores them at any
---dp and TP degree, and with either --impl (the parameters are DTensors, which
+--pp, --dp and TP degree, and with either --impl (the parameters are DTensors, which
 DCP reshards), and the resumed run sees the batches the uninterrupted one
 would have.
 """
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -57,6 +71,7 @@ from llama_model import (  # noqa: E402
     tp_plan,
 )
 
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
 
 
@@ -76,6 +91,17 @@ def parse_args(argv=None):
                    help="continue from the checkpoint in --out-dir (written at any --dp, TP degree or --impl)")
     g.add_argument("--dp", type=int, default=1,
                    help="data-parallel degree: FSDP2 over dp x tensor parallelism over world/dp ranks (default 1)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel degree: N groups of ranks, each running its stages with FSDP2 over --dp "
+                        "x TP over the rest (default 1: no pipelining)")
+    g.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1F1B",
+                   help="pipeline schedule under --pp > 1 (default 1F1B)")
+    g.add_argument("--pp-stages-per-rank", type=int, default=None,
+                   help="stages per pipeline rank (default: 1 for GPipe and 1F1B, 2 for Interleaved1F1B and "
+                        "ZBVZeroBubble)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step under --pp > 1 (default: the number of stages); "
+                        "must divide --batch / --dp")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every K steps, 0: only at the end")
     g.add_argument("--stop-after", type=int, default=None, metavar="K",
                    help="end this run after step K (checkpointed), keeping --steps' schedule: an interruption "
@@ -83,7 +109,9 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--check", action="store_true",
                    help="only compare a few steps of the TP model with the unsharded one, then exit")
-    g.add_argument("--sample", type=int, default=120, help="characters to generate at the end (0: none)")
+    g.add_argument("--sample", type=int, default=120,
+                   help="characters to generate at the end (0: none; skipped under --pp > 1, which would have to "
+                        "run generation through the pipeline)")
     g.add_argument("--amp", action="store_true", help="bf16 autocast (cuda)")
     g = p.add_argument_group("data")
     g.add_argument("--corpus", default=DEFAULT_CORPUS)
@@ -158,28 +186,48 @@ CKPT_SUBDIR = "checkpoint"
 TRAIN_STATE = "train_state.json"
 
 
-def save_checkpoint(out_dir: str, model, optimizer, step: int, meta: Dict[str, Any]) -> str:
+def _state_dict_options():
+    # Flattened optimizer state: keys per parameter FQN ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr")
+    # rather than lists of parameter groups, so the state of pipeline stages, each with its own
+    # optimizer, adds up to the same keys as one optimizer of the whole model (any --pp loads it).
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _get_state(parts):
+    """Per (model, optimizer) part: its model and optimizer state dicts, keyed by full-model FQNs."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return [get_state_dict(model, optimizer, options=_state_dict_options()) for model, optimizer in parts]
+
+
+def save_checkpoint(out_dir: str, parts, step: int, meta: Dict[str, Any]) -> str:
     """Write the model and optimizer state with torch.distributed.checkpoint into
     ``checkpoint/``, and the rest (step, losses, configuration) into its
     ``train_state.json``.
 
     Every parameter is a DTensor (torch_tp's and torch's TP, FSDP2), so DCP
     records each one's global shape and which piece every rank holds, and a
-    checkpoint loads at another TP or data-parallel degree. It goes to
+    checkpoint loads at another TP or data-parallel degree. ``parts`` are this rank's
+    (model, optimizer) pairs, one per pipeline stage; their state dicts use the full
+    model's FQNs, so the merged dicts are the same keys at any --pp. It goes to
     ``checkpoint.tmp/`` first and replaces ``checkpoint/`` once complete: a crash
     mid-write leaves the previous checkpoint intact.
     """
     import shutil
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     ckpt_dir = os.path.join(out_dir, CKPT_SUBDIR)
     tmp_dir = ckpt_dir + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = {}, {}
+    for part_model, part_optim in _get_state(parts):
+        model_state.update(part_model)
+        optim_state.update(part_optim)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_dir)
     if dist.get_rank() == 0:
         with open(os.path.join(tmp_dir, TRAIN_STATE), "w") as f:
@@ -190,12 +238,12 @@ def save_checkpoint(out_dir: str, model, optimizer, step: int, meta: Dict[str, A
     return ckpt_dir
 
 
-def load_checkpoint(out_dir: str, model, optimizer, expect: Dict[str, Any]) -> Dict[str, Any]:
-    """Restore what :func:`save_checkpoint` wrote into ``model`` and ``optimizer``, resharded
+def load_checkpoint(out_dir: str, parts, expect: Dict[str, Any]) -> Dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote into the (model, optimizer) ``parts``, resharded
     to this run's layout; return train_state.json. Refuses a checkpoint of another model
     configuration or tokenizer."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     ckpt_dir = os.path.join(out_dir, CKPT_SUBDIR)
     path = os.path.join(ckpt_dir, TRAIN_STATE)
@@ -206,9 +254,14 @@ def load_checkpoint(out_dir: str, model, optimizer, expect: Dict[str, Any]) -> D
     for key, want in expect.items():
         if state.get(key) != want:
             raise RuntimeError(f"--resume: {ckpt_dir} has {key}={state.get(key)!r}, this run {want!r}")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    states = _get_state(parts)
+    model_state = {k: v for part_model, _ in states for k, v in part_model.items()}
+    optim_state = {k: v for _, part_optim in states for k, v in part_optim.items()}
+    # dcp.load fills the tensors in place and replaces the other values (the step, the lr) in these dicts.
     dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=ckpt_dir)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    for (model, optimizer), (part_model, part_optim) in zip(parts, states):
+        set_state_dict(model, optimizer, model_state_dict={k: model_state[k] for k in part_model},
+                       optim_state_dict={k: optim_state[k] for k in part_optim}, options=_state_dict_options())
     return state
 
 
@@ -304,13 +357,94 @@ def dp_mean(value: float, dp_mesh, device) -> float:
     return t.item() / dp_mesh.size()
 
 
+# ----------------------------------------------------------------------------- pipeline
+
+
+def pipeline_stage_ids(schedule: str, pp_rank: int, pp: int, per_rank: int) -> List[int]:
+    """The stages a pipeline rank runs: ZBV's V (rank and 2 pp - 1 - rank, so rank 0 holds the
+    first and the last), the others looped (rank, rank + pp, ...), as torchtitan places them."""
+    if schedule == "ZBVZeroBubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def cut_stage(model: Llama, stage: int, n_stages: int) -> Llama:
+    """A copy of ``model`` that holds only stage ``stage`` of ``n_stages``: the units (embedding,
+    each block, norm + output, which torchtitan weighs as one block each) split evenly in order;
+    the parts it lacks are None (Llama.forward skips them), the blocks it lacks are deleted, and
+    the rest keep their names, so state dicts and checkpoints see the full model's FQNs."""
+    units = ["tok_embeddings", *(f"layers.{name}" for name in model.layers), "norm+output"]
+    mine = units[stage * len(units) // n_stages: (stage + 1) * len(units) // n_stages]
+    part = copy.deepcopy(model)
+    if "tok_embeddings" not in mine:
+        part.tok_embeddings = None
+    for name in list(part.layers):
+        if f"layers.{name}" not in mine:
+            del part.layers[name]
+    if "norm+output" not in mine:
+        part.norm, part.output = None, None
+    return part
+
+
+def stage_plan(plan: Dict[str, Any], part: Llama) -> Dict[str, Any]:
+    """The entries of the TP plan for the modules a stage's model holds (parallelize_module
+    warns about a key that matches nothing)."""
+    def held(key: str) -> bool:
+        top = key.split(".")[0]
+        return getattr(part, top) is not None and (top != "layers" or len(part.layers) > 0)
+
+    return {key: style for key, style in plan.items() if held(key)}
+
+
+def build_schedule(parts, stage_ids: List[int], n_stages: int, args, pp_mesh, device, microbatches: int):
+    """torch.distributed.pipelining's stages of this rank's parts and the --pp-schedule that runs them;
+    its loss is the example's cross entropy (vocab-parallel under loss_parallel, entered around step)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
+
+    stages = [PipelineStage(part, i, n_stages, device, group=pp_mesh.get_group())
+              for part, i in zip(parts, stage_ids)]
+    single = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+    multi = {"Interleaved1F1B": ScheduleInterleaved1F1B, "ZBVZeroBubble": ScheduleZBVZeroBubble}
+    # The loss is each micro-batch's mean and the schedule divides the summed gradients by the
+    # number of micro-batches (scale_grads), so the gradients are the whole batch's mean's.
+    if args.pp_schedule in single:
+        return single[args.pp_schedule](stages[0], n_microbatches=microbatches, loss_fn=cross_entropy_loss)
+    return multi[args.pp_schedule](stages, n_microbatches=microbatches, loss_fn=cross_entropy_loss)
+
+
+def pipeline_loss(schedule, pipe, inputs, targets, pp_mesh, device, train: bool) -> float:
+    """One step (train: forward and backward; else forward only) of the schedule over the batch;
+    the batch's loss, the mean of the micro-batches' losses on the last stage, on every rank.
+    ``pipe["has_first"]``, ``pipe["has_last"]``: whether this rank runs the first, the last stage."""
+    losses: List[torch.Tensor] = []
+    run = schedule.step if train else schedule.eval
+    if pipe["has_first"]:
+        run(inputs, target=targets, losses=losses)
+    else:
+        run(target=targets, losses=losses)
+    value = sum(scalar(loss) for loss in losses) / len(losses) if pipe["has_last"] else 0.0
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=pp_mesh.get_group())  # only the last stage's ranks add a nonzero value
+    return t.item()
+
+
 @torch.no_grad()
-def evaluate(model, corpus: Corpus, args, device, tp, batches: int = 4) -> float:
+def evaluate(model, corpus: Corpus, args, device, tp, schedule, pipe, pp_mesh, batches: int = 4) -> float:
     total = 0.0
     for i in range(batches):
         inputs, targets = corpus.batch("val", i, args.batch, args.seq, args.seed)
+        inputs, targets = inputs.to(device), targets.to(device)
         with loss_context(tp, not args.no_loss_parallel), autocast(args, device):
-            total += scalar(cross_entropy_loss(model(inputs.to(device)), targets.to(device)))
+            if schedule is None:
+                total += scalar(cross_entropy_loss(model(inputs), targets))
+            else:
+                total += pipeline_loss(schedule, pipe, inputs, targets, pp_mesh, device, train=False)
     return total / batches
 
 
@@ -376,14 +510,36 @@ def main(argv=None):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    if args.dp < 1 or world % args.dp or args.batch % args.dp:
+    def refuse(message: str):
         if is_main:
-            print(f"train_llama.py: --dp {args.dp} must divide the world size ({world}) and --batch ({args.batch})",
-                  file=sys.stderr)
+            print(f"train_llama.py: {message}", file=sys.stderr)
         dist.destroy_process_group()
         sys.exit(2)
-    mesh_2d = init_device_mesh(device.type, (args.dp, world // args.dp), mesh_dim_names=("dp", "tp"))
-    mesh, dp_mesh = mesh_2d["tp"], mesh_2d["dp"]
+
+    if args.pp < 1 or world % args.pp:
+        refuse(f"--pp {args.pp} must divide the world size ({world})")
+    pp_world = world // args.pp  # the ranks of one pipeline stage: dp x tp
+    if args.dp < 1 or pp_world % args.dp or args.batch % args.dp:
+        size = f"the world size ({world})" if args.pp == 1 else f"the world size / --pp ({pp_world})"
+        refuse(f"--dp {args.dp} must divide {size} and --batch ({args.batch})")
+    rows = args.batch // args.dp  # each dp rank's share of the batch
+    per_rank = args.pp_stages_per_rank or (1 if args.pp_schedule in ("GPipe", "1F1B") else 2)
+    n_stages = args.pp * per_rank
+    microbatches = args.microbatches or n_stages
+    if args.pp > 1:
+        fits = {"GPipe": per_rank == 1, "1F1B": per_rank == 1, "Interleaved1F1B": per_rank >= 2,
+                "ZBVZeroBubble": per_rank == 2}
+        if not fits[args.pp_schedule]:
+            refuse(f"--pp-schedule {args.pp_schedule} cannot run {per_rank} stages per rank "
+                   "(GPipe, 1F1B: 1; Interleaved1F1B: 2 or more; ZBVZeroBubble: 2)")
+        if n_stages > args.layers + 2:
+            refuse(f"--pp {args.pp} x {per_rank} stages per rank makes {n_stages} stages, more than the "
+                   f"{args.layers} layers + embedding + output that a stage can hold")
+        if microbatches < 1 or rows % microbatches:
+            refuse(f"--microbatches {microbatches} must divide --batch / --dp ({rows})")
+    mesh_3d = init_device_mesh(device.type, (args.pp, args.dp, pp_world // args.dp),
+                               mesh_dim_names=("pp", "dp", "tp"))
+    mesh, dp_mesh, pp_mesh = mesh_3d["tp"], mesh_3d["dp"], mesh_3d["pp"]
 
     if args.check:
         results = check_tp_against_reference(mesh, tp, device=device.type, loss_parallel=not args.no_loss_parallel)
@@ -402,26 +558,42 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same init on every rank; parallelize_module keeps rank 0's
     model = Llama(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    tp.parallelize_module(model, mesh, tp_plan(tp, loss_parallel=not args.no_loss_parallel))
-    if args.dp > 1:
-        # torchtitan's 2-D recipe: FSDP2 over "dp" of every block, then of the root,
-        # on top of the TP DTensor parameters.
-        from torch.distributed.fsdp import fully_shard
+    # The models this rank trains: the whole model, or under --pp its stages, cut from the same
+    # initialised model, so every layout starts from the same weights.
+    schedule, pipe = None, {}
+    if args.pp > 1:
+        stage_ids = pipeline_stage_ids(args.pp_schedule, pp_mesh.get_local_rank(), args.pp, per_rank)
+        models = [cut_stage(model, i, n_stages) for i in stage_ids]
+        pipe = {"has_first": 0 in stage_ids, "has_last": n_stages - 1 in stage_ids}
+    else:
+        models = [model]
+    plan = tp_plan(tp, loss_parallel=not args.no_loss_parallel)
+    for part in models:
+        tp.parallelize_module(part, mesh, stage_plan(plan, part) if args.pp > 1 else plan)
+        if args.dp > 1:
+            # torchtitan's 2-D recipe: FSDP2 over "dp" of every block, then of the root,
+            # on top of the TP DTensor parameters.
+            from torch.distributed.fsdp import fully_shard
 
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
-    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+            for block in part.layers.values():
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(part, mesh=dp_mesh)
+    parts = [(part, make_optimizer(part, args.lr, args.weight_decay)) for part in models]
+    if args.pp > 1:
+        schedule = build_schedule(models, stage_ids, n_stages, args, pp_mesh, device, microbatches)
 
     # What a resumed run must share with the checkpoint; --impl, --dp and the TP degree may differ.
     meta = {"config": config.to_dict(), "tokenizer": args.tokenizer}
     start, losses, tok_rates = 0, [], []
     if args.resume:
-        state = load_checkpoint(args.out_dir, model, optimizer, meta)
+        state = load_checkpoint(args.out_dir, parts, meta)
         start, losses, tok_rates = state["step"], list(state["losses"]), list(state.get("tok_rates", []))
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
         layout = f"TP {mesh.size()}" + (f" x FSDP2 {args.dp}" if args.dp > 1 else "")
+        if args.pp > 1:
+            layout = (f"PP {args.pp} ({args.pp_schedule}, {n_stages} stages, {microbatches} micro-batches) x "
+                      + layout)
         print(f"train_llama: --impl {args.impl}, {world} ranks ({layout}) on {device.type} ({backend}), "
               f"torch {torch.__version__}; "
               f"model {n_params / 1e6:.2f}M params (dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads, "
@@ -429,23 +601,29 @@ def main(argv=None):
               f"train tokens" + (f"; resumed at step {start}" if args.resume else ""), flush=True)
 
     tokens_per_step = args.batch * args.seq  # the global batch; each dp rank takes args.batch // args.dp rows
-    rows = args.batch // args.dp
     dp_rows = slice(dp_mesh.get_local_rank() * rows, (dp_mesh.get_local_rank() + 1) * rows)
     end = args.steps if args.stop_after is None else max(start, min(args.steps, args.stop_after))
     progress = Progress(args.steps, start, is_main)
     for step in range(start, end):
         t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
+        for _, optimizer in parts:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, args)
         inputs, targets = corpus.batch("train", step, args.batch, args.seq, args.seed)
         inputs, targets = inputs[dp_rows].to(device), targets[dp_rows].to(device)
         with loss_context(tp, not args.no_loss_parallel):
-            with autocast(args, device):
-                loss = cross_entropy_loss(model(inputs), targets)
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = dp_mean(scalar(loss), dp_mesh, device)  # syncs the device, so the step time is real
+            if schedule is None:
+                with autocast(args, device):
+                    loss = cross_entropy_loss(model(inputs), targets)
+                loss.backward()
+                value = scalar(loss)
+            else:
+                with autocast(args, device):
+                    value = pipeline_loss(schedule, pipe, inputs, targets, pp_mesh, device, train=True)
+        for _, optimizer in parts:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        value = dp_mean(value, dp_mesh, device)  # syncs the device, so the step time is real
         dt = time.perf_counter() - t0
         if not math.isfinite(value):
             raise FloatingPointError(f"step {step + 1}: loss is {value}")
@@ -454,14 +632,16 @@ def main(argv=None):
         progress.update(step + 1, value, tok_rates[-1])
         done = step + 1
         if args.ckpt_every and done % args.ckpt_every == 0 and done < end:
-            save_checkpoint(args.out_dir, model, optimizer, done,
+            save_checkpoint(args.out_dir, parts, done,
                             {**meta, "impl": args.impl, "losses": losses, "tok_rates": tok_rates})
     progress.close()
 
-    ckpt_dir = save_checkpoint(args.out_dir, model, optimizer, end,
+    ckpt_dir = save_checkpoint(args.out_dir, parts, end,
                                {**meta, "impl": args.impl, "losses": losses, "tok_rates": tok_rates})
-    val = evaluate(model, corpus, args, device, tp)
-    text = sample(model, corpus, args, device, args.sample) if args.sample > 0 else None
+    # torch 2.14's ZBV schedule runs its backward actions in eval() too (and fails): no validation loss there.
+    zbv = args.pp > 1 and args.pp_schedule == "ZBVZeroBubble"
+    val = None if zbv else evaluate(model, corpus, args, device, tp, schedule, pipe, pp_mesh)
+    text = sample(model, corpus, args, device, args.sample) if args.sample > 0 and args.pp == 1 else None
 
     if is_main:
         # Step 1 pays one-time costs (allocations, first collectives): leave it out of the mean,
@@ -472,21 +652,28 @@ def main(argv=None):
                  f"{mean_rate:,.0f} tokens/s")
         plotted = plot_losses(os.path.join(args.out_dir, "loss_curve.png"), losses, val, title)
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-            json.dump({"impl": args.impl, "world_size": world, "dp": args.dp, "tp": mesh.size(),
+            json.dump({"impl": args.impl, "world_size": world, "pp": args.pp,
+                       "pp_schedule": args.pp_schedule if args.pp > 1 else None, "dp": args.dp, "tp": mesh.size(),
                        "device": device.type, "backend": backend,
                        "torch": torch.__version__, "config": config.to_dict(), "batch": args.batch,
                        "seq": args.seq, "steps": end, "losses": losses, "tokens_per_s": tok_rates,
                        "mean_tokens_per_s": mean_rate, "val_loss": val}, f, indent=1)
         if text is not None:
             print("sample: " + repr(text[:400]))
+        elif args.sample > 0 and args.pp > 1:
+            print("sample: skipped under --pp > 1 (generation would have to run through the pipeline)")
         elif args.sample > 0:
             print("sample: skipped (the model's logits are not gatherable to the full vocabulary)")
         written = ([f"{args.out_dir}/loss_curve.png"] if plotted else []) + [f"{args.out_dir}/metrics.json",
                                                                           f"{ckpt_dir}/ (DCP)"]
         print("wrote " + ", ".join(written))
+        if zbv:
+            print("validation loss: skipped under --pp-schedule ZBVZeroBubble (torch's schedule cannot run "
+                  "forward only)")
         first = losses[0] if losses else float("nan")
+        val_text = "n/a" if val is None else f"{val:.4f}"
         print(f"final: step {end}  loss {losses[-1] if losses else float('nan'):.4f} (step 1: {first:.4f})  "
-              f"val loss {val:.4f}  mean {mean_rate:,.0f} tokens/s  (--impl {args.impl}, {layout}, {device.type})",
+              f"val loss {val_text}  mean {mean_rate:,.0f} tokens/s  (--impl {args.impl}, {layout}, {device.type})",
               flush=True)
     dist.destroy_process_group()
 

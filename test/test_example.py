@@ -1,10 +1,13 @@
 """The main job, examples/train_llama.py, as a user launches it: torchrun processes on gloo.
 
 A run stopped after 3 of 6 steps resumes from its DCP checkpoint at other
-layouts (TP 4; FSDP2 2 x TP 2; TP 1 with torch's own TP) and must reach the
-losses of the run that never stopped. Tolerance: LOSS_RTOL = 1e-5 relative. The
-layouts sum the same float32 products in other orders (sharded GEMMs,
-reductions over ranks), which moves a loss by ~1e-7 relative per step; a
+layouts (TP 4; 2 pipeline stages on 2 ranks under ZBVZeroBubble; TP 1 with
+torch's own TP) and must reach the losses of the run that never stopped; so
+must a run started at 2 pipeline stages x TP 2 (1F1B), stopped after 3 steps
+and resumed at FSDP2 2 x TP 2 without pipelining. Tolerance: LOSS_RTOL = 1e-5
+relative. The layouts sum the same float32 products in other orders (sharded
+GEMMs, reductions over ranks, a mean of micro-batch means under pipelining),
+which moves a loss by ~1e-7 relative per step; a
 checkpoint that lost or misplaced a piece of a parameter or of the optimizer
 state moves it by far more (a missing AdamW state alone changes the next
 update by a factor of ~3).
@@ -44,16 +47,38 @@ def test_resume_at_other_layouts(tmp_path):
     straight = _train(tmp_path / "straight", 2)
     stopped = _train(tmp_path / "stopped", 2, "--stop-after", "3")
     assert stopped == straight[:3]
-    for name, nproc, extra in [("tp4", 4, ()), ("fsdp2x2_tp2", 4, ("--dp", "2")), ("tp1_torch", 1, ("--impl", "torch"))]:
+    # From scratch on 2 pipeline stages x TP 2; its checkpoint resumes below without pipelining.
+    pp_stopped = _train(tmp_path / "pp2_tp2_stopped", 4, "--pp", "2", "--pp-schedule", "1F1B", "--stop-after", "3")
+    _assert_losses_close(pp_stopped, straight[:3], "pp 2 x tp 2 from scratch")
+    for name, source, nproc, extra in [
+        ("tp4", "stopped", 4, ()),
+        ("pp2_zbv", "stopped", 2, ("--pp", "2", "--pp-schedule", "ZBVZeroBubble")),
+        ("fsdp2x2_tp2_from_pp", "pp2_tp2_stopped", 4, ("--dp", "2")),
+        ("tp1_torch", "stopped", 1, ("--impl", "torch")),
+    ]:
         out = tmp_path / name
-        shutil.copytree(tmp_path / "stopped", out)
+        shutil.copytree(tmp_path / source, out)
         resumed = _train(out, nproc, "--resume", *extra)
-        _assert_losses_close(resumed, straight, f"resumed at {name}")
+        _assert_losses_close(resumed, straight, f"resumed at {name} from {source}")
+
+
+def _refused(tmp_path, *extra):
+    """A 2-rank job of the example that must fail; its stderr."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", EXAMPLE, *SMALL,
+           "--out-dir", str(tmp_path), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    return done.stderr
 
 
 def test_bad_dp_degree_is_refused(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", EXAMPLE, *SMALL,
-           "--out-dir", str(tmp_path), "--dp", "3"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    assert "--dp 3 must divide the world size (2)" in done.stderr, done.stderr[-2000:]
+    err = _refused(tmp_path, "--dp", "3")
+    assert "--dp 3 must divide the world size (2)" in err, err[-2000:]
+
+
+def test_bad_pipeline_is_refused(tmp_path):
+    err = _refused(tmp_path, "--pp", "3")
+    assert "--pp 3 must divide the world size (2)" in err, err[-2000:]
+    # 2 ranks x 3 stages each: 6 stages for 2 layers + embedding + output.
+    err = _refused(tmp_path, "--pp", "2", "--pp-schedule", "Interleaved1F1B", "--pp-stages-per-rank", "3")
+    assert "makes 6 stages, more than the 2 layers + embedding + output" in err, err[-2000:]
