@@ -212,6 +212,9 @@ class ForwardRecords:
         # DTensor torch_tp handed back -> its local tensor (NOTE [DTensors torch_tp hands back]);
         # keyed by identity (torch.utils.weak), as a tensor's == compares values.
         self.locals: "WeakIdKeyDictionary[DTensor, torch.Tensor]" = WeakIdKeyDictionary()
+        # Inside generation_layouts(): sequence shards are replicated and the loss_parallel
+        # logits gathered (NOTE [generating under a sequence-parallel or loss_parallel plan]).
+        self.replicate_sequence = False
 
     def __reduce__(self):
         # Records hold this forward's tensors: a copy or an unpickled model starts with none.
@@ -258,6 +261,15 @@ def records_root(module: nn.Module) -> Tuple[nn.Module, ForwardRecords]:
     records = ForwardRecords()
     _roots[module] = (records, module.register_forward_pre_hook(records.forget))
     return module, records
+
+
+def generation_layout(placement: Placement, ndim: int, records: ForwardRecords) -> Placement:
+    """``placement`` of an activation of ``ndim`` dims (features last), as the plan has it; inside
+    ``generation_layouts()`` a shard of a dim other than the features (the sequence) is ``Replicate()``
+    (NOTE [generating under a sequence-parallel or loss_parallel plan] in generation.py)."""
+    if records.replicate_sequence and isinstance(placement, Shard) and normalize(placement, ndim).dim != ndim - 1:
+        return Replicate()
+    return placement
 
 
 def from_dtensor(x, declared: Placement, group: TPGroup,

@@ -63,6 +63,7 @@ from ._layout import (
     TPGroup,
     convert,
     from_dtensor,
+    generation_layout,
     global_shape_of,
     gather_replicated,
     gather_to_replicated_dtensor,
@@ -214,7 +215,8 @@ class _ColwiseModule(_ShardedModule):
         (None, None) for a replicated input, d for Shard(d) (sequence parallel). ``added_dims``:
         how many dims the op's output has beyond the input's (an embedding adds its features)."""
         state = self._tp_state
-        local, layout, global_shape = from_dtensor(x, state.input_layout, state.group, state.records)
+        declared = generation_layout(state.input_layout, x.dim() + added_dims, state.records)
+        local, layout, global_shape = from_dtensor(x, declared, state.group, state.records)
         if isinstance(layout, Replicate):
             return local, None, None
         if isinstance(layout, Shard) and layout.dim != local.dim() + added_dims - 1:
@@ -228,6 +230,10 @@ class _ColwiseModule(_ShardedModule):
         wanted = normalize(state.output_layout, out.dim())
         global_shape = out.shape[:-1] + (features,)
         if wanted == Shard(out.dim() - 1):
+            if state.records.replicate_sequence and not state.use_local_output:
+                # loss_parallel's logits, for generate(): whole and plain (NOTE [generating
+                # under a sequence-parallel or loss_parallel plan] in generation.py).
+                return gather_replicated(out, out.dim() - 1, state.group, features)
             return self._tp_finish(out, wanted, global_shape)
         if isinstance(wanted, Replicate):
             return self._tp_finish(gather_replicated(out, out.dim() - 1, state.group, features), wanted,
@@ -267,7 +273,7 @@ class _RowwiseModule(_ShardedModule):
 
     def _tp_scatter_dim(self, ndim: int) -> Optional[int]:
         layout = self._tp_state.output_layout
-        wanted = normalize(layout, ndim)
+        wanted = normalize(generation_layout(layout, ndim, self._tp_state.records), ndim)
         if isinstance(wanted, Replicate):
             return None
         if isinstance(wanted, Shard) and wanted.dim != ndim - 1:
@@ -295,7 +301,8 @@ class _RowwiseEmbedding(_RowwiseModule):
     def forward(self, ids):
         state = self._tp_state
         group = state.group
-        local, layout, global_shape = from_dtensor(ids, state.input_layout, group, state.records)
+        declared = generation_layout(state.input_layout, ids.dim() + 1, state.records)
+        local, layout, global_shape = from_dtensor(ids, declared, group, state.records)
         if isinstance(layout, Shard):
             full = global_shape_of(local, layout, global_shape, group, state.records)[layout.dim]
             local = torch.ops.torch_tp.all_gather(local, layout.dim, group.name, full)
@@ -356,7 +363,16 @@ class _SequenceParallelModule(_ParallelModule):
         in place of the DTensors while it runs (put back even when it raises); the output is a
         ``Shard(sequence_dim)`` DTensor unless ``use_local_output``."""
         state = self._tp_state
-        group, records, sharding = state.group, state.records, state.sequence_sharding
+        group, records = state.group, state.records
+        # Replicate() inside generation_layouts() (NOTE [generating under a sequence-parallel or
+        # loss_parallel plan] in generation.py): the whole sequence, as a plain module would run it.
+        sharding = Replicate() if records.replicate_sequence else state.sequence_sharding
+        if records.replicate_sequence and state.partial_grad and torch.is_grad_enabled():
+            # Each rank's parameter gradient would cover the whole sequence, and the
+            # end-of-backward all-reduce would sum it once per rank.
+            raise RuntimeError(f"torch_tp: {type(self).__name__} ran with gradients enabled inside "
+                               "generation_layouts(), which is for inference; run it under torch.no_grad() "
+                               "(generate() does) or train outside it")
         global_shape = None
         if args:
             x = args[0]
@@ -377,6 +393,9 @@ class _SequenceParallelModule(_ParallelModule):
             restore_parameters(self, set_aside)
         if not isinstance(output, torch.Tensor):
             return output
+        if isinstance(sharding, Replicate):
+            return output if state.use_local_output else to_dtensor(output, state.mesh, sharding, output.shape,
+                                                                    records)
         wanted = normalize(sharding, output.dim())
         if global_shape is None or len(global_shape) != output.dim():
             global_shape = list(output.shape)
@@ -596,6 +615,9 @@ def _prepare(value, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords, l
     """One input or output: annotate it with ``layout``, move it to ``desired``."""
     if layout is None:
         return value
+    if isinstance(value, torch.Tensor):  # NOTE [generating under a sequence-parallel or loss_parallel plan]
+        layout = generation_layout(layout, value.dim(), records)
+        desired = None if desired is None else generation_layout(desired, value.dim(), records)
     local, actual, global_shape = from_dtensor(value, layout, group, records)
     target = actual if desired is None else normalize(desired, local.dim())
     if use_local_output and target == actual:
