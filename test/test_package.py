@@ -19,6 +19,7 @@ PARALLEL = [
     "RowwiseParallel",
     "SequenceParallel",
     "clip_grad_norm_",
+    "generation_layouts",
     "get_full_state_dict",
     "load_full_state_dict",
     "loss_parallel",

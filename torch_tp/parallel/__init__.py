@@ -4,13 +4,11 @@ Each submodule's ``__all__`` names its public API; the package re-exports
 them and builds its own ``__all__`` from theirs.
 """
 
-from . import api, checkpoint, loss, style
+from . import api, checkpoint, generation, loss, style
 from .api import *  # noqa: F403
 from .checkpoint import *  # noqa: F403
-# Public, but not yet in __all__: test/test_package.py writes the public names out, and adding
-# this one there is pending (issue 27, item 4).
-from .generation import generation_layouts  # noqa: F401
+from .generation import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .style import *  # noqa: F403
 
-__all__ = [*api.__all__, *checkpoint.__all__, *loss.__all__, *style.__all__]
+__all__ = [*api.__all__, *checkpoint.__all__, *generation.__all__, *loss.__all__, *style.__all__]
