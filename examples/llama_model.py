@@ -138,7 +138,6 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
-        self.n_rep = self.n_heads // self.n_kv_heads  # the same on every rank under TP
         self.head_dim = config.head_dim
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
@@ -158,8 +157,11 @@ class Attention(nn.Module):
         xk = xk.view(bs, seqlen, -1, self.head_dim)
         xv = xv.view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, rope)
-        keys = repeat_kv(xk, self.n_rep)
-        values = repeat_kv(xv, self.n_rep)
+        # Local query heads per local KV head: n_heads // n_kv_heads, except where a TP plan keeps
+        # one KV head per rank for fewer KV heads than ranks (torch_tp's KVHeadColwiseParallel).
+        n_rep = xq.size(2) // xk.size(2)
+        keys = repeat_kv(xk, n_rep)
+        values = repeat_kv(xv, n_rep)
         out = F.scaled_dot_product_attention(
             xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
         )  # [b, local heads, s, head_dim]
@@ -289,7 +291,8 @@ def load_tp_api(impl: Any = "torch") -> Any:
     raise ValueError(f"unknown TP implementation {impl!r}: expected 'torch' or 'torch_tp'")
 
 
-def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel: bool = True) -> Dict[str, Any]:
+def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel: bool = True,
+            n_kv_heads: Optional[int] = None) -> Dict[str, Any]:
     """torchtitan's Llama plan as one ``parallelize_module`` plan.
 
     Keys use ``*`` for the layer index (each dotted part is matched with fnmatch).
@@ -297,7 +300,10 @@ def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel
     (``Shard(-1)``) for :func:`cross_entropy_loss`; with False they are
     all-gathered to a replicated plain tensor. With ``sequence_parallel=False``
     the norms stay unsharded modules and activations between the layers are
-    replicated (torchtitan's plan without sequence parallelism).
+    replicated (torchtitan's plan without sequence parallelism). With
+    ``n_kv_heads`` and an API that has ``KVHeadColwiseParallel`` (torch_tp),
+    ``wk``/``wv`` take it, so fewer KV heads than ranks work (each KV head on
+    the ranks whose query heads read it); otherwise they are ColwiseParallel.
 
     Args:
         api: ``"torch"``, ``"torch_tp"`` or a module with the style classes (see :func:`load_tp_api`).
@@ -306,6 +312,11 @@ def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel
 
     tp = load_tp_api(api)
     between = Shard(1) if sequence_parallel else Replicate()  # the layout between the layers
+    if n_kv_heads is not None and hasattr(tp, "KVHeadColwiseParallel"):
+        def kv_style():
+            return tp.KVHeadColwiseParallel(n_kv_heads)
+    else:
+        kv_style = tp.ColwiseParallel
     plan = {
         "tok_embeddings": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "output": tp.ColwiseParallel(
@@ -314,8 +325,8 @@ def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel
             use_local_output=not loss_parallel,
         ),
         "layers.*.attention.wq": tp.ColwiseParallel(),
-        "layers.*.attention.wk": tp.ColwiseParallel(),
-        "layers.*.attention.wv": tp.ColwiseParallel(),
+        "layers.*.attention.wk": kv_style(),
+        "layers.*.attention.wv": kv_style(),
         "layers.*.attention.wo": tp.RowwiseParallel(output_layouts=between),
         "layers.*.feed_forward.w1": tp.ColwiseParallel(),
         "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=between),
@@ -343,12 +354,15 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1) -> to
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
 
 
-def check_tp_degree(config: LlamaConfig, tp: int) -> None:
-    """Heads are split whole over the ranks; everything else may be uneven (torch.chunk)."""
-    if config.n_heads % tp or config.n_kv_heads % tp:
-        raise ValueError(
-            f"n_heads={config.n_heads} and n_kv_heads={config.n_kv_heads} must be divisible by the TP degree {tp}"
-        )
+def check_tp_degree(config: LlamaConfig, tp: int, api: Any = "torch") -> None:
+    """Heads are split whole over the ranks; everything else may be uneven (torch.chunk). With
+    torch_tp's KVHeadColwiseParallel the TP degree may also be a multiple of n_kv_heads."""
+    replicates_kv = hasattr(load_tp_api(api), "KVHeadColwiseParallel")
+    kv_heads_fit = config.n_kv_heads % tp == 0 or (replicates_kv and tp % config.n_kv_heads == 0)
+    if config.n_heads % tp or not kv_heads_fit:
+        rule = "divide it or be divisible by it" if replicates_kv else "be divisible by it"
+        raise ValueError(f"n_heads={config.n_heads} must be divisible by the TP degree {tp}, and "
+                         f"n_kv_heads={config.n_kv_heads} must {rule}")
 
 
 # ----------------------------------------------------------------------------- loss and helpers
@@ -428,13 +442,13 @@ def check_tp_against_reference(
         config = LlamaConfig(vocab_size=67, dim=64, n_layers=2, n_heads=4, max_seq_len=seq)
     tp = load_tp_api(api)
     mesh = mesh if mesh is not None else _default_mesh(device)
-    check_tp_degree(config, mesh.size())
+    check_tp_degree(config, mesh.size(), tp)
 
     torch.manual_seed(seed)
     reference = Llama(config).to(device)
     torch.manual_seed(seed)
     model = Llama(config).to(device)
-    tp.parallelize_module(model, mesh, tp_plan(tp, loss_parallel=loss_parallel))
+    tp.parallelize_module(model, mesh, tp_plan(tp, loss_parallel=loss_parallel, n_kv_heads=config.n_kv_heads))
 
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

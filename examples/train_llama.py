@@ -9,6 +9,7 @@ Launch (2 ranks on CPU, about a minute):
     torchrun --nproc-per-node 4 examples/train_llama.py --dp 2          # FSDP2 over 2 x TP over 2
     torchrun --nproc-per-node 2 examples/train_llama.py --check         # TP vs unsharded losses, then exit
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2          # 2 pipeline stages x TP over 2
+    torchrun --nproc-per-node 4 examples/train_llama.py --kv-heads 1    # MQA: one KV head over 4 TP ranks
 
 The model and torchtitan's TP plan (sequence parallel, loss_parallel) are in
 llama_model.py; --impl picks whose parallelize_module and styles apply it:
@@ -123,7 +124,9 @@ def parse_args(argv=None):
     g.add_argument("--dim", type=int, default=128)
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--kv-heads", type=int, default=None)
+    g.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads (default --heads); under --impl torch_tp fewer than the TP degree "
+                        "work too (KVHeadColwiseParallel: each KV head on the ranks whose query heads read it)")
     g.add_argument("--no-loss-parallel", action="store_true",
                    help="all-gather the logits and use the plain cross entropy")
     g = p.add_argument_group("optimizer")
@@ -553,7 +556,7 @@ def main(argv=None):
     corpus = Corpus(args.corpus, args.tokenizer)
     config = LlamaConfig(vocab_size=corpus.vocab_size, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                          n_kv_heads=args.kv_heads, max_seq_len=args.seq)
-    check_tp_degree(config, mesh.size())
+    check_tp_degree(config, mesh.size(), tp)
 
     torch.manual_seed(args.seed)  # the same init on every rank; parallelize_module keeps rank 0's
     model = Llama(config).to(device)
@@ -567,7 +570,7 @@ def main(argv=None):
         pipe = {"has_first": 0 in stage_ids, "has_last": n_stages - 1 in stage_ids}
     else:
         models = [model]
-    plan = tp_plan(tp, loss_parallel=not args.no_loss_parallel)
+    plan = tp_plan(tp, loss_parallel=not args.no_loss_parallel, n_kv_heads=config.n_kv_heads)
     for part in models:
         tp.parallelize_module(part, mesh, stage_plan(plan, part) if args.pp > 1 else plan)
         if args.dp > 1:

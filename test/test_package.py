@@ -12,6 +12,7 @@ import torch_tp.parallel
 
 PARALLEL = [
     "ColwiseParallel",
+    "KVHeadColwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",

@@ -14,7 +14,7 @@ from .._torch_private import current_mesh
 from . import style as _style
 from ._layout import records_root
 from ._params import naming_module
-from .hf_plan import check_hf_parameter_entry, hf_style
+from .hf_plan import check_hf_parameter_entry, hf_style, localize_attention, reading_config
 
 __all__ = ["parallelize_module"]
 
@@ -123,8 +123,10 @@ def parallelize_module(
                       "so this parallelize_module call will do nothing.", stacklevel=2)
         return module
 
-    _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
+    with reading_config(module):
+        _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
     _share_records(module)
+    localize_attention(module)
     if not getattr(module, "_tp_checks_loads", False):
         module.register_load_state_dict_pre_hook(_check_load)
         module._tp_checks_loads = True
@@ -166,7 +168,7 @@ def _check_load(module: nn.Module, state_dict, prefix: str, *_args) -> None:
 def _parallelize(module: nn.Module, device_mesh: DeviceMesh, plan, src_data_rank: Optional[int], path: str):
     """``parallelize_module`` below the root; ``path`` is ``module``'s name from the root, for errors."""
     if isinstance(plan, str):
-        plan = hf_style(plan, module, path)
+        plan = hf_style(plan, module, path, device_mesh.size())
         if plan is None:  # "replicate": the module stays as it is
             return module
     if isinstance(plan, _torch_style.ParallelStyle):

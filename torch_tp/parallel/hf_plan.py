@@ -32,6 +32,15 @@ all_reduce                      any                AllReduceOutput (below)
 replicate                       any                nothing: the parameters stay as they are
 ==============================  =================  ==========================================
 
+One string gets more than HF's meaning: ``colwise`` on an attention's
+``k_proj``/``v_proj`` when the model's ``config.num_key_value_heads`` is not a
+multiple of the TP degree. HF's style would split single KV heads, and the
+attention fails; torch_tp applies KVHeadColwiseParallel instead (each KV
+head on the ranks whose query heads read it: NOTE [fewer KV heads than ranks]
+in ``kv_heads.py``), and sets each attention's ``num_key_value_groups`` (the
+``n_rep`` of its eager ``repeat_kv``) to its local query heads per local KV
+head (:func:`localize_attention`).
+
 All outputs are local tensors, as HF's styles hand them back. HF's
 ``packed_colwise``/``packed_rowwise`` shard fused weights (``gate_up_proj``)
 block by block; torch_tp does not do that yet, and the MoE, MLA and
@@ -42,8 +51,10 @@ parameter alone, e.g. GPT-OSS's attention ``sinks``), unless its string is
 ``replicate``.
 """
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -51,6 +62,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from ._layout import tp_group
+from ._params import local_tensor
+from .kv_heads import KVHeadColwiseParallel, KVHeadState
 from .style import (
     ColwiseParallel,
     ParallelStyle,
@@ -168,9 +181,42 @@ def _refuse(string: str, where: str) -> None:
                      "replicate, or a ParallelStyle.")
 
 
-def hf_style(string: str, module: nn.Module, path: str) -> Optional[ParallelStyle]:
+# The config of the model parallelize_module was given (a transformers model's
+# ``config``, None for other modules), for the strings whose style depends on it.
+_model_config: contextvars.ContextVar[Any] = contextvars.ContextVar("torch_tp_hf_config", default=None)
+
+
+@contextlib.contextmanager
+def reading_config(root: nn.Module) -> Iterator[None]:
+    """While parallelize_module applies a plan to ``root``: its ``config``, if it has one."""
+    token = _model_config.set(getattr(root, "config", None))
+    try:
+        yield
+    finally:
+        _model_config.reset(token)
+
+
+def _kv_heads_to_replicate(module: nn.Linear, path: str, ranks: int) -> Optional[int]:
+    """The model's KV head count when ``module`` is an attention's k_proj/v_proj whose heads
+    ColwiseParallel cannot split whole over ``ranks`` (NOTE [Hugging Face plan strings])."""
+    config = _model_config.get()
+    heads = getattr(config, "num_key_value_heads", None)
+    if not isinstance(heads, int) or heads % ranks == 0 or path.rpartition(".")[2] not in ("k_proj", "v_proj"):
+        return None
+    return heads if module.out_features % heads == 0 else None
+
+
+def _check_query_heads(path: str, ranks: int) -> None:
+    """An attention's q_proj must split into whole query heads (each rank's heads read whole KV heads)."""
+    heads = getattr(_model_config.get(), "num_attention_heads", None)
+    if path.rpartition(".")[2] == "q_proj" and isinstance(heads, int) and heads % ranks:
+        raise ValueError(f"torch_tp.parallelize_module: module '{path}' projects num_attention_heads={heads} "
+                         f"query heads, which do not split whole over the {ranks} ranks of the TP group")
+
+
+def hf_style(string: str, module: nn.Module, path: str, ranks: int) -> Optional[ParallelStyle]:
     """The torch_tp style for the HF plan string ``string`` on ``module`` (at ``path`` from the
-    root, for errors); None for ``replicate``, which leaves the module as it is."""
+    root, for errors) over ``ranks`` ranks; None for ``replicate``, which leaves the module as it is."""
     where = f"module '{path}' ({type(module).__name__})" if path else f"the root module ({type(module).__name__})"
     if string == "replicate":
         return None
@@ -180,7 +226,26 @@ def hf_style(string: str, module: nn.Module, path: str) -> Optional[ParallelStyl
     if not isinstance(module, kind):
         raise ValueError(f"torch_tp.parallelize_module: {where} has the Hugging Face plan string '{string}', "
                          f"which applies to {kind.__name__} modules.")
+    if string == "colwise":
+        _check_query_heads(path, ranks)
+        kv_heads = _kv_heads_to_replicate(module, path, ranks)
+        if kv_heads is not None:
+            return KVHeadColwiseParallel(kv_heads)
     return make()
+
+
+def localize_attention(root: nn.Module) -> None:
+    """Set ``num_key_value_groups`` (HF's ``n_rep``) of every attention below ``root`` whose
+    ``k_proj`` holds replicated KV heads to its local query heads per local KV head (one):
+    its eager attention repeats each KV head that many times."""
+    for attention in root.modules():
+        k_proj, q_proj = getattr(attention, "k_proj", None), getattr(attention, "q_proj", None)
+        if not isinstance(getattr(k_proj, "_tp_state", None), KVHeadState) or \
+                not isinstance(getattr(attention, "num_key_value_groups", None), int):
+            continue
+        rows = k_proj._tp_state.rows  # one KV head's rows: head_dim of them
+        local_q_rows = local_tensor(q_proj.weight).shape[0]
+        attention.num_key_value_groups = local_q_rows // (rows.stop - rows.start)
 
 
 def check_hf_parameter_entry(string: str, path: str) -> None:
