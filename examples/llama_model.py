@@ -16,6 +16,9 @@ size of ``wq``'s output (``view(bs, seqlen, -1, head_dim)``), so under tensor
 parallelism each rank computes its ``n_heads // tp`` local heads, as torchtitan does.
 The rotary table is a real tensor ``[max_seq_len, head_dim // 2, 2]`` (cos, sin)
 rather than torchtitan's complex ``freqs_cis``: same maths, no complex dtype.
+``forward(tokens, cache)`` with a :class:`KVCache` decodes incrementally: each
+layer keeps the keys and values of the tokens seen so far (under TP, of its own
+KV heads), and a step computes only the new tokens.
 
 Shapes under the plan of :func:`tp_plan` (b batch, s sequence, d dim, p ranks,
 h heads, v vocab; ``[.]`` a DTensor, otherwise a plain local tensor):
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "KVCache",
     "Llama",
     "LlamaConfig",
     "tp_plan",
@@ -125,6 +129,42 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, rope: torch.Tensor) -> 
     return rotate(xq), rotate(xk)
 
 
+class KVCache:
+    """The keys and values a generation has seen, for incremental decoding: ``model(tokens, cache)``
+    runs the new ``tokens`` at positions ``cache.pos ..``, attending to the cached ones, and moves
+    ``cache.pos`` on. Each layer's buffers ``[b, max_seq_len, kv heads, head_dim]`` are made at its
+    first step from the keys' shape, so under TP they hold the rank's own KV heads."""
+
+    def __init__(self, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self.pos = 0  # tokens cached so far
+        self.layers: Dict[str, LayerKV] = {}
+
+    def layer(self, name: str) -> "LayerKV":
+        if name not in self.layers:
+            self.layers[name] = LayerKV(self)
+        return self.layers[name]
+
+
+class LayerKV:
+    """One layer's part of a :class:`KVCache`."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+
+    def update(self, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values ``[b, s, kv heads, head_dim]`` at ``cache.pos``; return all of them so far."""
+        start, end = self.cache.pos, self.cache.pos + xk.size(1)
+        if self.keys is None:
+            shape = (xk.size(0), self.cache.max_seq_len, *xk.shape[2:])
+            self.keys, self.values = xk.new_empty(shape), xv.new_empty(shape)
+        self.keys[:, start:end] = xk
+        self.values[:, start:end] = xv
+        return self.keys[:, :end], self.values[:, :end]
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """``[b, s, kv_heads, d] -> [b, s, kv_heads * n_rep, d]`` (grouped-query attention)."""
     if n_rep == 1:
@@ -149,7 +189,7 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: Optional[LayerKV] = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         # -1, not n_heads: under TP the column-parallel wq/wk/wv hold n_heads // tp heads.
@@ -160,10 +200,18 @@ class Attention(nn.Module):
         # Local query heads per local KV head: n_heads // n_kv_heads, except where a TP plan keeps
         # one KV head per rank for fewer KV heads than ranks (torch_tp's KVHeadColwiseParallel).
         n_rep = xq.size(2) // xk.size(2)
+        mask = None
+        if cache is not None:
+            past = cache.cache.pos
+            xk, xv = cache.update(xk, xv)  # [b, past + s, local kv heads, head_dim]
+            if past and seqlen > 1:  # new token i sees the past and new tokens 0..i
+                mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool, device=x.device).tril(past)
         keys = repeat_kv(xk, n_rep)
         values = repeat_kv(xv, n_rep)
         out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+            # One new token sees every cached one; otherwise the first new token is position 0.
+            is_causal=mask is None and seqlen == keys.size(1) and seqlen > 1,
         )  # [b, local heads, s, head_dim]
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
@@ -203,8 +251,9 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: Optional[LayerKV] = None) -> torch.Tensor:
+        # The cache goes as a keyword: PrepareModuleInput's layouts cover the positional (x, rope).
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -240,14 +289,18 @@ class Llama(nn.Module):
         std, cutoff = self.config.dim ** -0.5, 3.0
         nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.size(1) > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.size(1)} exceeds max_seq_len={self.config.max_seq_len}")
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        start = 0 if cache is None else cache.pos
+        if start + tokens.size(1) > self.config.max_seq_len:
+            raise ValueError(f"positions up to {start + tokens.size(1)} exceed max_seq_len={self.config.max_seq_len}")
         # A pipeline stage's model (train_llama.py --pp) holds only its part: the parts it lacks are None
         # and their steps are skipped, so a middle stage maps hidden states [b, s, d] to hidden states.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
+        rope = self.rope[start:start + tokens.size(1)] if start else self.rope
+        for name, layer in self.layers.items():
+            h = layer(h, rope) if cache is None else layer(h, rope, cache.layer(name))
+        if cache is not None:
+            cache.pos += tokens.size(1)
         if self.norm is None:
             return h
         h = self.norm(h)
