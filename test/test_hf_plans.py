@@ -22,6 +22,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -69,6 +70,15 @@ def _full(tensor):
 _PLACEMENTS = {"q_proj": Shard(0), "k_proj": Shard(0), "v_proj": Shard(0), "gate_proj": Shard(0), "up_proj": Shard(0),
                "lm_head": Shard(0), "embed_tokens": Shard(0), "o_proj": Shard(1), "down_proj": Shard(1),
                "q_norm": Replicate(), "k_norm": Replicate()}
+
+
+def forward_backward_match(ours, unsharded, ids, what: str) -> None:
+    """Both models on the batch ``ids`` with labels: the same logits and loss; then both backward."""
+    expected, got = unsharded(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    assert_close(got.logits, expected.logits, f"{what}: logits", TOL)
+    assert_close(got.loss, expected.loss, f"{what}: loss", TOL)
+    expected.loss.backward()
+    got.loss.backward()
 
 
 def _check_model(kind: str):
@@ -124,6 +134,12 @@ def test_model_plan(ranks, kind, world_size):
     ranks(world_size).run(_check_model, kind, timeout=300)
 
 
+def _natural(module: nn.Module, name: str, rank_major: torch.Tensor) -> torch.Tensor:
+    """A packed parameter's full_tensor() (its rows in rank-major order) in the fused weight's own order."""
+    layout = module._tp_state.layouts[name]
+    return rank_major.index_select(layout.dim, layout.rank_major_index(rank_major.device).argsort())
+
+
 def _against_hf_style(string: str, module: nn.Module, x: torch.Tensor):
     """``module`` under the plan string ``string``, torch_tp's and HF's style object for it: the
     same output, input gradient and parameter gradients (gathered). ``x`` is this rank's input."""
@@ -142,7 +158,11 @@ def _against_hf_style(string: str, module: nn.Module, x: torch.Tensor):
         out = model(x_)
         # A weight per output entry, so that each entry's gradient differs.
         out.mul(torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        results.append((out, x_.grad, [_full(p.grad) for p in model.parameters()]))
+        grads = [_full(p.grad) for p in model.parameters()]
+        if model is ours and string.startswith("packed_"):  # the fused weight's own order, as HF's holds it
+            modules = dict(ours.named_modules())
+            grads = [_natural(modules[""], name, grad) for (name, _), grad in zip(ours.named_parameters(), grads)]
+        results.append((out, x_.grad, grads))
     (out, x_grad, grads), (out_hf, x_grad_hf, grads_hf) = results
     assert_close(out, out_hf, f"{string}: output", TOL)
     if x.is_floating_point():
@@ -158,6 +178,9 @@ def _check_single_modules():
     x = torch.randn(3, 5, 12, dtype=torch.float64)
     for string in ("colwise", "colwise_gather_output", "rowwise_split_input"):
         _against_hf_style(string, linear, x)
+    # HF's packed_colwise shards the bias of a fused [gate | up] Linear as one block (Shard(-1)) while
+    # its weight is sharded per block (_StridedShard), so its output is only right without a bias.
+    _against_hf_style("packed_colwise", nn.Linear(12, 8, bias=False).double(), x)
     # rowwise takes this rank's slice of the input features; all_reduce sums per-rank outputs.
     _against_hf_style("rowwise", linear, x.chunk(dist.get_world_size(), -1)[rank])
     _against_hf_style("all_reduce", linear, x + rank)
@@ -192,10 +215,8 @@ def _check_refused():
                        ["'model.layers.0.mlp'", "'moe_tp_experts'", "does not implement"], NotImplementedError)
     assert_error_names(parallelize({"model.layers.*.self_attn": "mla_kv_a_proj"}),
                        ["'model.layers.0.self_attn'", "'mla_kv_a_proj'"], NotImplementedError)
-    assert_error_names(parallelize({"model.layers.*.mlp.gate_proj": "packed_colwise"}),
-                       ["'model.layers.0.mlp.gate_proj'", "'packed_colwise'", "item 3"], NotImplementedError)
-    assert_error_names(parallelize({"model.layers.*.mlp.down_proj": "packed_rowwise"}),
-                       ["'model.layers.0.mlp.down_proj'", "'packed_rowwise'"], NotImplementedError)
+    assert_error_names(parallelize({"model.embed_tokens": "packed_colwise"}),
+                       ["'model.embed_tokens'", "'packed_colwise'", "Linear"], ValueError)
     # A linear style on an embedding; a key naming a parameter, not a module.
     assert_error_names(parallelize({"model.embed_tokens": "colwise"}),
                        ["'model.embed_tokens'", "'colwise'", "Linear"], ValueError)
@@ -205,3 +226,118 @@ def _check_refused():
 
 def test_refused_strings(ranks):
     ranks(2).run(_check_refused)
+
+
+# ---------------------------------------------------------------- Phi3's fused projections, block by block
+
+
+def _phi3(seed: int = 0):
+    """A float64 Phi3 (fused qkv_proj [q | k | v] with 8 query and 4 KV heads, fused gate_up_proj)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=128,
+                        num_attention_heads=8, num_key_value_heads=4, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+    return Phi3ForCausalLM(config).double()
+
+
+def _rank_major(module: nn.Module, name: str, natural: torch.Tensor) -> torch.Tensor:
+    """An unsharded tensor in the row order of a packed parameter's full_tensor()."""
+    layout = module._tp_state.layouts[name]
+    return natural.index_select(layout.dim, layout.rank_major_index(natural.device))
+
+
+def _check_phi3_packed():
+    world_size = dist.get_world_size()
+    what = f"phi3 block-wise at {world_size} ranks"
+    mesh = init_device_mesh("cpu", (world_size,))
+    unsharded = _phi3()
+    plan = torch_tp.parallel.packed_tp_plan(unsharded)
+    ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, plan)
+    attention = ours.model.layers[0].self_attn
+    # Each rank holds and computes its own heads: (8 + 4 + 4) heads x 8 rows / world_size.
+    assert attention.qkv_proj.weight.to_local().shape == (16 * 8 // world_size, 64), what
+    assert attention.o_proj.weight.placements == (Shard(1),), what
+    assert attention.config.num_attention_heads == 8 // world_size and attention.num_key_value_heads == 4 // world_size
+
+    torch.manual_seed(1)
+    forward_backward_match(ours, unsharded, torch.randint(3, 128, (2, 12)), what)
+    modules = dict(ours.named_modules())
+    for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
+        module_name, _, param_name = name.rpartition(".")
+        want = reference.grad
+        if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+            want = _rank_major(modules[module_name], param_name, want)
+        assert_close(_full(param.grad), want, f"{what}: {name}.grad", TOL, floor=GRAD_FLOOR)
+
+    for model in (unsharded, ours):
+        torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4).step()
+    # The state dict holds the fused weights in their own order, as the unsharded model's.
+    full = torch_tp.get_full_state_dict(ours)
+    for key, want in unsharded.state_dict().items():
+        assert_close(full[key], want, f"{what}: state dict {key} after AdamW", TOL, floor=PARAM_FLOOR)
+
+    prompt = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        runs = [model.generate(prompt, max_new_tokens=5, do_sample=False) for model in (unsharded, ours)]
+    assert torch.equal(runs[1], runs[0]), f"{what}: generated tokens"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_phi3_fused_projections_block_wise(ranks, world_size):
+    ranks(world_size).run(_check_phi3_packed, timeout=300)
+
+
+def _phi3_parallel(impl: str, seed: int):
+    """Phi3 parallelized by torch_tp's block-wise plan, or by torch's TP with HF's plan's meaning
+    (fused outputs gathered: Shard(0) fused weights in their own order)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _phi3(seed)
+    if impl == "torch_tp":
+        return torch_tp.parallelize_module(model, mesh, torch_tp.parallel.packed_tp_plan(model))
+    gathered, split = ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(input_layouts=Replicate())
+    return parallelize_module(model, mesh, {"model.layers.*.self_attn.qkv_proj": gathered,
+                                            "model.layers.*.self_attn.o_proj": split,
+                                            "model.layers.*.mlp.gate_up_proj": gathered,
+                                            "model.layers.*.mlp.down_proj": split})
+
+
+def _phi3_dcp_save(path: str):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _phi3_parallel("torch_tp", 0)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 128, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4).step()
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    full = torch_tp.get_full_state_dict(model, rank0_only=True)
+    if dist.get_rank() == 0:
+        torch.save(full, path + ".full.pt")
+
+
+def _phi3_dcp_load(path: str, impl: str):
+    """Load into a model of other weights: torch_tp's or torch's TP at this world size, or unsharded."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = _phi3(seed=1) if impl == "unsharded" else _phi3_parallel(impl, 1)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state)
+    saved = torch.load(path + ".full.pt")
+    full = torch_tp.get_full_state_dict(model)
+    assert list(full) == list(saved)
+    for key, want in saved.items():
+        assert torch.equal(full[key], want), f"{impl} at {dist.get_world_size()} ranks: {key}"
+
+
+def test_phi3_dcp_reshards_fused_weights(ranks, tmp_path):
+    """Saved block-wise at 2 ranks; loaded block-wise at 4, by torch's TP at 4, and unsharded."""
+    path = str(tmp_path / "phi3")
+    ranks(2).run(_phi3_dcp_save, path, timeout=300)
+    ranks(4).run(_phi3_dcp_load, path, "torch_tp", timeout=300)
+    ranks(4).run(_phi3_dcp_load, path, "torch", timeout=300)
+    ranks(1).run(_phi3_dcp_load, path, "unsharded", timeout=300)

@@ -40,6 +40,7 @@ import transformers  # noqa: F401  (a test dependency, pinned in scripts/run_tes
 
 import torch_tp
 from _compare import assert_close, assert_error_names
+from test_hf_plans import forward_backward_match
 
 TOL = 1e-10
 PARAM_FLOOR = 0.1  # parameters after a step are judged against at least this magnitude
@@ -82,12 +83,7 @@ def _check_hf_model(kind: str, kv_heads: int, attention: str):
         assert attn.num_key_value_groups == 2, f"{what}: num_key_value_groups {attn.num_key_value_groups}"
 
     torch.manual_seed(1)
-    ids = torch.randint(0, 128, (2, 12))
-    expected, got = unsharded(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
-    assert_close(got.logits, expected.logits, f"{what}: logits", TOL)
-    assert_close(got.loss, expected.loss, f"{what}: loss", TOL)
-    expected.loss.backward()
-    got.loss.backward()
+    forward_backward_match(ours, unsharded, torch.randint(0, 128, (2, 12)), what)
     for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
         if "k_proj" in name or "v_proj" in name:
             assert param.grad.placements == (Replicate(),), f"{what}: {name}.grad is {param.grad.placements}"

@@ -13,6 +13,8 @@ import torch_tp.parallel
 PARALLEL = [
     "ColwiseParallel",
     "KVHeadColwiseParallel",
+    "PackedColwiseParallel",
+    "PackedRowwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",
@@ -24,6 +26,7 @@ PARALLEL = [
     "get_full_state_dict",
     "load_full_state_dict",
     "loss_parallel",
+    "packed_tp_plan",
     "parallelize_module",
 ]
 TOP_LEVEL = sorted(PARALLEL + [

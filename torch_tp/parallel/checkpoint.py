@@ -32,6 +32,7 @@ from .._torch_private import (
     group_tensors_by_device_and_dtype,
     has_foreach_support,
 )
+from .packed import _packed_parameters
 
 __all__ = ["clip_grad_norm_", "get_full_state_dict", "load_full_state_dict"]
 
@@ -127,8 +128,9 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
     r"""Load the state dict of the unsharded model into a parallelized one.
 
     For a DTensor parameter, this rank's piece of the full tensor (for
-    ``Shard(d)`` the ``torch.chunk`` piece :func:`~torch_tp.shard` cuts,
-    without communication) is copied into its local tensor in place;
+    ``Shard(d)`` the ``torch.chunk`` piece :func:`~torch_tp.shard` cuts; for a
+    packed parameter its chunk of every block; without communication) is
+    copied into its local tensor in place;
     replicated parameters and buffers are copied whole. The parameters stay the
     same objects, so an optimizer built on them stays valid. Values are copied
     bit for bit (``copy_`` casts when the checkpoint has another dtype, as
@@ -176,6 +178,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
         if unexpected:
             errors.append("unexpected key(s) in state_dict: " + ", ".join(repr(k) for k in unexpected))
 
+    packed = _packed_parameters()
+    parameters = dict(model.named_parameters(remove_duplicate=False))
     pieces: Dict[str, Any] = OrderedDict()
     for key, value in state_dict.items():
         target = local.get(key)
@@ -196,7 +200,11 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
             errors.append(f"size mismatch for {key!r}: the state dict has shape {tuple(value.shape)}, "
                           f"the unsharded model has {expected} ({where})")
             continue
-        if isinstance(target, DTensor):
+        if isinstance(target, DTensor) and id(parameters.get(key)) in packed:
+            # A packed parameter (NOTE [packed parameters] in packed.py): its module's
+            # load pre hook cuts this rank's chunk of every block from the full tensor.
+            value = value.detach().to(target.device)
+        elif isinstance(target, DTensor):
             # This rank's piece, cut locally (src_data_rank=None: no communication);
             # load_state_dict copies it into the parameter's local tensor.
             value = distribute_tensor(value.detach().to(target.device), target.device_mesh, target.placements,

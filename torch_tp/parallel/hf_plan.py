@@ -29,6 +29,8 @@ embedding_colwise               nn.Embedding       ColwiseParallel(output_layout
 sequence_parallel               any leaf           SequenceParallel(use_local_output=True)
 replicated_with_grad_allreduce  any leaf           ReplicatedWithGradAllReduce (below)
 all_reduce                      any                AllReduceOutput (below)
+packed_colwise                  nn.Linear          PackedColwiseParallel(2)
+packed_rowwise                  nn.Linear          PackedRowwiseParallel(2)
 replicate                       any                nothing: the parameters stay as they are
 ==============================  =================  ==========================================
 
@@ -41,14 +43,24 @@ in ``kv_heads.py``), and sets each attention's ``num_key_value_groups`` (the
 ``n_rep`` of its eager ``repeat_kv``) to its local query heads per local KV
 head (:func:`localize_attention`).
 
+HF's plans gather the output of a fused projection (Phi3's ``qkv_proj``
+``[q | k | v]`` and ``gate_up_proj`` ``[gate | up]`` are ``colwise_gather_output``),
+so every rank computes the whole attention and MLP. :func:`packed_tp_plan`
+gives the plan that shards them block by block instead (PackedColwiseParallel,
+NOTE [packed parameters] in ``packed.py``), with the layer after each one
+row-parallel on the local result; :func:`localize_attention` then hands each
+such attention a view of the config with its own head counts, since Phi3's
+attention cuts ``[q | k | v]`` with ``config.num_attention_heads``.
+
 All outputs are local tensors, as HF's styles hand them back. HF's
-``packed_colwise``/``packed_rowwise`` shard fused weights (``gate_up_proj``)
-block by block; torch_tp does not do that yet, and the MoE, MLA and
-``local_params`` styles are model-specific: they are refused with an error
-naming the module and the string, as is a string HF does not know. So is a
-plan key that names a parameter rather than a module (HF shards such a
-parameter alone, e.g. GPT-OSS's attention ``sinks``), unless its string is
-``replicate``.
+``packed_colwise``/``packed_rowwise`` mean two equal blocks (``[gate | up]``);
+HF's own plans use them on MoE experts' fused parameters, which are not
+``nn.Linear`` modules. The MoE, MLA and ``local_params`` styles are
+model-specific: they are refused with an error naming the module and the
+string, as is a string HF does not know. So is a plan key that names a
+parameter rather than a module (HF shards such a parameter alone, e.g.
+GPT-OSS's attention ``sinks`` or the experts' ``gate_up_proj``), unless its
+string is ``replicate``.
 """
 
 import contextlib
@@ -64,6 +76,9 @@ from torch.distributed.tensor import Replicate
 from ._layout import tp_group
 from ._params import local_tensor
 from .kv_heads import KVHeadColwiseParallel, KVHeadState
+from .packed import PackedColwiseParallel, PackedRowwiseParallel, PackedState
+
+__all__ = ["packed_tp_plan"]
 from .style import (
     ColwiseParallel,
     ParallelStyle,
@@ -155,14 +170,14 @@ _STYLES: Dict[str, Tuple[type, Callable[[], ParallelStyle]]] = {
     "sequence_parallel": (nn.Module, lambda: SequenceParallel(use_local_output=True)),
     "replicated_with_grad_allreduce": (nn.Module, ReplicatedWithGradAllReduce),
     "all_reduce": (nn.Module, AllReduceOutput),
+    # HF's fused [gate | up] projections: two equal blocks (on expert parameters, which are not an
+    # nn.Linear, they are model-specific and refused).
+    "packed_colwise": (nn.Linear, lambda: PackedColwiseParallel(2)),
+    "packed_rowwise": (nn.Linear, lambda: PackedRowwiseParallel(2)),
 }
 
 # HF strings torch_tp knows and does not implement, and why.
 _NOT_IMPLEMENTED = {
-    "packed_colwise": "block-wise sharding of fused weights ([gate|up], [q|k|v]) is not implemented yet "
-                      "(issue 27, item 3); colwise_gather_output on the fused layer and rowwise_split_input "
-                      "on the one after it run (each rank computes the whole fused output)",
-    "packed_rowwise": "block-wise sharding of fused weights is not implemented yet (issue 27, item 3)",
     "mla_kv_a_proj": "a model-specific style (DeepSeek-V2's MLA)",
     "local_params": "a model-specific style (a module's bare parameters, GPT-OSS's attention sinks)",
 }
@@ -235,10 +250,15 @@ def hf_style(string: str, module: nn.Module, path: str, ranks: int) -> Optional[
 
 
 def localize_attention(root: nn.Module) -> None:
-    """Set ``num_key_value_groups`` (HF's ``n_rep``) of every attention below ``root`` whose
-    ``k_proj`` holds replicated KV heads to its local query heads per local KV head (one):
-    its eager attention repeats each KV head that many times."""
+    """Give every HF attention below ``root`` the head counts of this rank where its projections'
+    layout changed them: with replicated KV heads, ``num_key_value_groups`` (HF's ``n_rep``) becomes
+    the local query heads per local KV head (one), which its eager attention repeats each KV head;
+    over a block-wise ``qkv_proj``, :func:`_localize_packed_attention`."""
     for attention in root.modules():
+        qkv_proj = getattr(attention, "qkv_proj", None)
+        if isinstance(getattr(qkv_proj, "_tp_state", None), PackedState) and hasattr(attention, "config"):
+            _localize_packed_attention(attention, qkv_proj)
+            continue
         k_proj, q_proj = getattr(attention, "k_proj", None), getattr(attention, "q_proj", None)
         if not isinstance(getattr(k_proj, "_tp_state", None), KVHeadState) or \
                 not isinstance(getattr(attention, "num_key_value_groups", None), int):
@@ -246,6 +266,93 @@ def localize_attention(root: nn.Module) -> None:
         rows = k_proj._tp_state.rows  # one KV head's rows: head_dim of them
         local_q_rows = local_tensor(q_proj.weight).shape[0]
         attention.num_key_value_groups = local_q_rows // (rows.stop - rows.start)
+
+
+# A fused projection (by module name) -> the layer that consumes its output in the same parent.
+_FUSED = {"qkv_proj": "o_proj", "gate_up_proj": "down_proj"}
+
+
+def _head_counts(config) -> Tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a transformers config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
+def packed_tp_plan(model: nn.Module) -> Dict[str, Any]:
+    r"""A transformers model's ``tp_plan``, with its fused projections sharded block by block.
+
+    HF plans ``colwise_gather_output`` for Phi3's ``qkv_proj`` (rows ``[q | k |
+    v]``) and ``gate_up_proj`` (``[gate | up]``): each rank computes a
+    column shard, and then the whole output is gathered, so every rank runs the
+    whole attention and MLP. Here they take :class:`PackedColwiseParallel`
+    instead: rank ``r`` holds its ``torch.chunk`` piece of every block and
+    computes only its own heads and MLP columns, and the ``o_proj``/``down_proj``
+    after them becomes ``rowwise`` (its input is that local result).
+    ``parallelize_module`` then gives each such attention its own head counts.
+    State dicts and DCP see the fused weights in their own order, as the
+    unsharded model has them, at any TP degree.
+
+    Args:
+        model (nn.Module): a transformers model with ``tp_plan`` and ``config``.
+
+    Returns:
+        Dict[str, Union[str, ParallelStyle]]: the plan, for :func:`parallelize_module`.
+
+    Example::
+
+        >>> from torch_tp.parallel import packed_tp_plan
+        >>> model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("microsoft/Phi-3-mini-4k-instruct"))
+        >>> parallelize_module(model, tp_mesh, packed_tp_plan(model))
+    """
+    heads, kv_heads, head_dim = _head_counts(model.config)
+    sizes = {"qkv_proj": (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), "gate_up_proj": 2}
+    plan = dict(model.tp_plan)
+    for key, string in model.tp_plan.items():
+        parent, _, name = key.rpartition(".")
+        if name not in _FUSED or string not in ("colwise_gather_output", "colwise_rep", "colwise"):
+            continue
+        plan[key] = PackedColwiseParallel(sizes[name])
+        after = f"{parent}.{_FUSED[name]}" if parent else _FUSED[name]
+        if plan.get(after) in ("rowwise_split_input", "rowwise_rep"):
+            plan[after] = "rowwise"
+    return plan
+
+
+class LocalHeadsConfig:
+    """A transformers config as one rank's attention sees it under a block-wise ``qkv_proj``: its own
+    ``num_attention_heads`` and ``num_key_value_heads``; every other attribute is read from (and
+    written to) the model's config, so later changes to it (``set_attn_implementation``) still apply."""
+
+    def __init__(self, config, **local: int):
+        self.__dict__.update(_config=config, _local=local)
+
+    def __getattr__(self, name: str):
+        if "_config" not in self.__dict__:  # half-built (copy, unpickling): no attributes yet
+            raise AttributeError(name)
+        local = self.__dict__["_local"]
+        return local[name] if name in local else getattr(self.__dict__["_config"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._local:
+            self._local[name] = value
+        else:
+            setattr(self._config, name, value)
+
+
+def _localize_packed_attention(attention: nn.Module, qkv_proj: nn.Module) -> None:
+    """Phi3-style attention over a block-wise ``qkv_proj``: it cuts ``[q | k | v]`` with
+    ``config.num_attention_heads`` and ``self.num_key_value_heads``; give it this rank's."""
+    config = attention.config
+    if isinstance(config, LocalHeadsConfig):  # already localized (parallelize_module ran again)
+        return
+    heads, kv_heads, _ = _head_counts(config)
+    ranks = qkv_proj._tp_state.mesh.size()
+    attention.config = LocalHeadsConfig(config, num_attention_heads=heads // ranks,
+                                        num_key_value_heads=kv_heads // ranks)
+    if isinstance(getattr(attention, "num_key_value_heads", None), int):
+        attention.num_key_value_heads = kv_heads // ranks
 
 
 def check_hf_parameter_entry(string: str, path: str) -> None:
