@@ -386,7 +386,7 @@ class _PackedStyle(_ShardedModuleStyle):
             module._parameters[param_name] = nn.Parameter(rank_major, requires_grad=param.requires_grad)
         super()._apply(module, device_mesh)
         state = module._tp_state
-        module._tp_state = PackedState(*(getattr(state, f.name) for f in fields(ShardedState)), layouts)
+        module._tp_state = PackedState(*(getattr(state, f.name) for f in fields(ShardedState) if f.init), layouts)
         module.register_state_dict_post_hook(_natural_state_dict)
         module.register_load_state_dict_pre_hook(_rank_major_load)
         _PACKED_MODULES.add(module)
