@@ -209,12 +209,8 @@ struct ReduceFromTpRegionFunction : public torch::autograd::Function<ReduceFromT
 // grad mode or x does not require grad, and x carries no forward-mode
 // tangent, which apply would reject), the kernels below redispatch straight
 // below autograd (redispatch_or_apply): the same result, and no graph either way.
-
-// Whether an op on x must record autograd history: grad mode and x requires
-// grad, or x carries a forward-mode tangent.
-bool needs_autograd(const at::Tensor& x) {
-  return (at::GradMode::is_enabled() && x.requires_grad()) || x._fw_grad(/*level=*/0).defined();
-}
+// The linear layers do the same when none of x, weight and bias needs a
+// gradient (a decode step under torch.no_grad(), linear.cpp).
 
 // `below()` under a guard that skips autograd when x needs no gradient, else `apply()`.
 template <typename Below, typename Apply>

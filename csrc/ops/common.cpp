@@ -1,5 +1,6 @@
 #include "ops/common.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -100,6 +101,10 @@ int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim, const char* arg, con
   TORCH_CHECK(dim >= -ndim && dim < ndim, op, ": ", arg, "=", dim, " is out of range for ", tensor, " of ", ndim,
               " dimensions (expected -", ndim, " <= ", arg, " < ", ndim, ")");
   return dim < 0 ? dim + ndim : dim;
+}
+
+bool needs_autograd(const at::Tensor& x) {
+  return (at::GradMode::is_enabled() && x.requires_grad()) || x._fw_grad(/*level=*/0).defined();
 }
 
 } // namespace torch_tp

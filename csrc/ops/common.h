@@ -37,6 +37,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const char* op, c10::string
 // from Python) otherwise fails deep inside autograd or ATen without a name.
 void check_defined(const char* op, const char* arg, const at::Tensor& t);
 
+// Whether an op on x must record autograd history: grad mode and x requires
+// grad, or x carries a forward-mode tangent (NOTE [no gradient, no Function]
+// in collectives_autograd.cpp).
+bool needs_autograd(const at::Tensor& x);
+
 // Checks that the dtype is one the collectives support: float32/64, bfloat16,
 // float16 and the integer types; bool only where `allow_bool` (no reduction).
 void check_dtype(const char* op, const char* arg, const at::Tensor& x, bool allow_bool);

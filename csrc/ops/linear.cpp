@@ -458,6 +458,11 @@ struct RowParallelLinearFunction : public torch::autograd::Function<RowParallelL
   }
 };
 
+// Whether a linear op must record autograd history: any of its tensors needs it.
+bool any_needs_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return needs_autograd(x) || needs_autograd(weight) || (bias.has_value() && bias->defined() && needs_autograd(*bias));
+}
+
 at::Tensor column_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                                            const std::optional<at::Tensor>& bias, c10::string_view group_name,
                                            std::optional<int64_t> gather_dim, std::optional<int64_t> full_size,
@@ -465,6 +470,11 @@ at::Tensor column_parallel_linear_autograd(const at::Tensor& x, const at::Tensor
   // Before apply(), which describes every input and fails on an undefined one without naming it.
   check_defined("torch_tp::column_parallel_linear", "x", x);
   check_defined("torch_tp::column_parallel_linear", "weight", weight);
+  if (!any_needs_autograd(x, weight, bias)) {  // NOTE [no gradient, no Function] in collectives_autograd.cpp
+    static const auto below = find_op<decltype(column_parallel_linear_autograd)>("torch_tp::column_parallel_linear");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return below.call(x, weight, bias, group_name, gather_dim, full_size, activation, partial_grad_input);
+  }
   return ColumnParallelLinearFunction::apply(x, weight, bias, std::string(group_name), gather_dim, full_size,
                                              std::string(activation), partial_grad_input);
 }
@@ -474,6 +484,11 @@ at::Tensor row_parallel_linear_autograd(const at::Tensor& x, const at::Tensor& w
                                         std::optional<int64_t> scatter_dim) {
   check_defined("torch_tp::row_parallel_linear", "x", x);  // before apply(), as above
   check_defined("torch_tp::row_parallel_linear", "weight", weight);
+  if (!any_needs_autograd(x, weight, bias)) {  // NOTE [no gradient, no Function] in collectives_autograd.cpp
+    static const auto below = find_op<decltype(row_parallel_linear_autograd)>("torch_tp::row_parallel_linear");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return below.call(x, weight, bias, group_name, scatter_dim);
+  }
   return RowParallelLinearFunction::apply(x, weight, bias, std::string(group_name),
                                           scatter_dim);
 }
