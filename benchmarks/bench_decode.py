@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Decode steps of the example Llama (examples/llama_model.py): one new token with a KV cache, under the TP
+plan without sequence parallelism, applied by torch_tp and by torch's DTensor TP, beside the unsharded model
+on one rank and beside the memory-bandwidth limit (CPU, eager, one intra-op thread per rank).
+
+    torchrun --nproc-per-node 2 benchmarks/bench_decode.py [--quick] [--configs dim1024x4,dim512x8]
+        [--dtypes float32,bfloat16] [--backend torch_tp]
+
+A decode step is bandwidth bound: it streams every weight once per token. The limit is measured the way the
+step is, in the same run: ``gemv`` runs only the step's weight GEMVs (each linear's local weight times one
+token; the unsharded model's on rank 0 alone, the TP shards on every rank at once), so
+``unsharded gemv / tp gemv`` is the best TP speedup this machine allows, and ``torch_tp - tp gemv`` what
+torch_tp spends around the GEMVs. The breakdown of that rest comes from torch.profiler on rank 0 (a few
+untimed steps, per token): the GEMVs (aten::mm), the collectives (torch_tp_backend::* and c10d::* events:
+their time includes waiting for the peer), and everything else (dispatch, Python, attention, norms).
+
+Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+"""
+
+import copy
+import os
+import sys
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import harness
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import llama_model as lm  # noqa: E402
+
+# name: LlamaConfig overrides. Heads of 128 dims, as Llama's; vocab 8192.
+CONFIGS = {
+    "dim1024x4": {"dim": 1024, "n_layers": 4, "n_heads": 8},
+    "dim512x8": {"dim": 512, "n_layers": 8, "n_heads": 4},
+}
+VOCAB = 8192
+PROMPT = 64  # tokens in the cache when a step decodes the next one
+IMPLS = ["unsharded", "torch_tp", "dtensor", "unsharded gemv", "tp gemv"]
+
+
+def _linears(model: nn.Module) -> List[torch.Tensor]:
+    """Each nn.Linear's weight as this rank holds it (a TP shard, or whole)."""
+    weights = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            w = module.weight.detach()
+            weights.append(w.to_local() if isinstance(w, DTensor) else w)
+    return weights
+
+
+def _gemvs(weights: List[torch.Tensor]) -> Callable[[], None]:
+    """The step's GEMVs alone: one token through every weight, as F.linear computes it."""
+    xs = [torch.randn(1, 1, w.size(1), dtype=w.dtype) for w in weights]
+
+    def run() -> None:
+        for w, x in zip(weights, xs):
+            torch.nn.functional.linear(x, w)
+    return run
+
+
+class Case:
+    """One (configuration, dtype): the unsharded model and its copies parallelized by each implementation, with
+    a KV cache holding a PROMPT-token prompt; ``steps[impl]()`` decodes the next token (the cache rewound to
+    PROMPT first, so every sample does the same work)."""
+
+    def __init__(self, name: str, dtype: torch.dtype, mesh) -> None:
+        c = self.config = lm.LlamaConfig(vocab_size=VOCAB, max_seq_len=PROMPT + 8, **CONFIGS[name])
+        torch.manual_seed(1234)
+        reference = lm.Llama(c).to(dtype)
+        prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(4321))
+        self.models = {"unsharded": reference}
+        for impl, api_name in (("torch_tp", "torch_tp"), ("dtensor", "torch")):
+            api = lm.load_tp_api(api_name)
+            model = copy.deepcopy(reference)
+            api.parallelize_module(model, mesh, lm.tp_plan(api, sequence_parallel=False, loss_parallel=False))
+            self.models[impl] = model
+        self.rank = dist.get_rank()
+        self.steps: Dict[str, Callable[[], None]] = {}
+        self.outputs: Dict[str, torch.Tensor] = {}
+        for impl, model in self.models.items():
+            if impl == "unsharded" and self.rank != 0:
+                self.steps[impl] = lambda: None  # the unsharded model runs on rank 0 alone
+                continue
+            cache = lm.KVCache(c.max_seq_len)
+            with torch.no_grad():
+                model(prompt, cache)
+            self.steps[impl] = self._decode(model, cache, prompt[:, -1:])
+            self.outputs[impl] = self.steps[impl]()
+        self.steps["unsharded gemv"] = _gemvs(_linears(reference)) if self.rank == 0 else (lambda: None)
+        self.steps["tp gemv"] = _gemvs(_linears(self.models["torch_tp"]))
+        self.weight_mib = sum(w.numel() * w.element_size() for w in _linears(reference)) / 2**20
+
+    @staticmethod
+    def _decode(model, cache, token):
+        @torch.no_grad()
+        def step():
+            cache.pos = PROMPT
+            return harness.materialize(model(token, cache))  # DTensor's gather may still be in flight
+        return step
+
+    def check(self) -> float:
+        """The TP logits against the unsharded model's (rank 0): their largest difference relative to the
+        largest logit, so a broken case never gets timed."""
+        if self.rank != 0:
+            return 0.0
+        ref = self.outputs["unsharded"].float()
+        return max(float((self.outputs[i].float() - ref).abs().max() / ref.abs().max()) for i in ("torch_tp", "dtensor"))
+
+
+def breakdown(step: Callable[[], None], tokens: int = 10) -> Dict[str, float]:
+    """Rank 0's torch.profiler view of ``tokens`` decode steps, per token, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:  # Kineto prints start/stop lines (and, without a GPU, an error) on fd 2: hide them.
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(tokens):
+                step()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    mm = collectives = 0.0
+    for e in prof.key_averages():
+        if e.key == "aten::mm":
+            mm += e.self_cpu_time_total
+        elif e.key.startswith(("torch_tp_backend::", "c10d::")) and "barrier" not in e.key:
+            collectives += e.self_cpu_time_total
+    return {"mm": mm / tokens / 1e3, "collectives": collectives / tokens / 1e3}
+
+
+def measure(args):
+    group = dist.group.WORLD
+    mesh = init_device_mesh("cpu", (group.size(),), mesh_dim_names=("tp",))
+    table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp"),
+                                               ("unsharded gemv", "tp gemv")],
+                          paired=[("torch_tp", "tp gemv")])
+    repeats = 15 if args.quick else 100
+    for name in args.configs:
+        for dtype_name in args.dtypes:
+            case = Case(name, getattr(torch, dtype_name), mesh)
+            error = case.check()
+            if error > 5e-2 if dtype_name == "bfloat16" else error > 1e-4:
+                raise AssertionError(f"{name} {dtype_name}: TP logits differ from the unsharded model's by {error:.2e}")
+            samples = harness.time_interleaved(case.steps, repeats, group, order=harness.permutations(IMPLS),
+                                               warmup=3)
+            parts = [breakdown(case.steps["torch_tp"]) if dist.get_rank() == 0 else None]
+            if dist.get_rank() != 0:
+                breakdown(case.steps["torch_tp"])  # the peer's half of the profiled steps
+            dist.broadcast_object_list(parts, src=0)
+            parts = parts[0]
+            tp = samples.median("torch_tp", "ms")
+            extra = {"weights MiB": case.weight_mib,
+                     "torch_tp tokens/s": 1e3 / tp,
+                     "torch_tp: mm ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
+                     "torch_tp: rest ms": tp - parts["mm"] - parts["collectives"]}
+            table.add({"config": name, "dtype": dtype_name}, samples, extra=extra)
+            del case
+    shapes = "; ".join(f"{name}: {c['n_layers']} layers, dim {c['dim']}, {c['n_heads']} heads, ffn "
+                       f"{lm.LlamaConfig(**c).ffn_hidden_dim}" for name, c in CONFIGS.items() if name in args.configs)
+    return {
+        "tag": "bench_decode",
+        "stem": "decode",
+        "title": "Decode with a KV cache: torch_tp vs DTensor TP vs unsharded",
+        "about": f"CPU, eager, {args.backend} backend. `examples/llama_model.py`'s model, `tp_plan(api, "
+        "sequence_parallel=False, loss_parallel=False)` applied to copies of one model by **torch_tp** and "
+        f"**dtensor** (torch.distributed.tensor.parallel) over the {dist.get_world_size()} ranks; **unsharded**: "
+        f"the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). A step decodes one token with `KVCache` holding {PROMPT} (cache rewound "
+        "before each sample), logits gathered. **unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
+        "(`F.linear` of one token with each linear's weight: whole on rank 0 alone / each rank's shard at once), "
+        "the bandwidth limit measured like the step. `torch_tp: mm/collectives/rest`: rank 0's torch.profiler "
+        "self times per token over 10 untimed steps (collectives include waiting for the peer; rest = the "
+        "step's median minus both: dispatch, Python, attention, norms). Before timing, the TP logits are checked "
+        "against the unsharded model's (1e-4 fp32, 5e-2 bf16 of the largest logit).",
+        "tables": [table],
+        "notes": [],
+    }
+
+
+def main(argv) -> int:
+    p = harness.parser(__doc__, quick="smoke run: 15 repeats per configuration")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated subset of %(default)s")
+    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
+                   help="process-group backend of both TP implementations (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
+    args.dtypes = harness.subset(p, "--dtypes", args.dtypes, ["float32", "bfloat16"])
+    return harness.run("bench_decode", args, lambda: measure(args), backend=args.backend)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
