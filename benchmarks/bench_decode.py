@@ -114,19 +114,7 @@ class Case:
 
 def breakdown(step: Callable[[], None], tokens: int = 10) -> Dict[str, float]:
     """Rank 0's torch.profiler view of ``tokens`` decode steps, per token, in ms."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:  # Kineto prints start/stop lines (and, without a GPU, an error) on fd 2: hide them.
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(tokens):
-                step()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    prof = harness.profile(step, tokens)
     mm = collectives = 0.0
     for e in prof.key_averages():
         if e.key == "aten::mm":

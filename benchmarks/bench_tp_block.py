@@ -134,20 +134,8 @@ class Case:
 def count_collectives(case: Case, impl: str) -> str:
     """The collectives one untimed step issues on this rank, by kind, from torch.profiler's ``c10d::*``
     events and the ops' direct calls into the torch_tp backend (``torch_tp_backend::*``)."""
-    from torch.profiler import ProfilerActivity, profile
-
     case.resets[impl]()
-    # Kineto prints start/stop lines (and, without a GPU, an error) on fd 2: hide them.
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            case.grads[impl]()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    prof = harness.profile(case.grads[impl], 1)
     counts: Dict[str, int] = {}
     for e in prof.events():
         op = e.name.split("::", 1)[1].replace("_", "") if e.name.startswith(("c10d::", "torch_tp_backend::")) else ""

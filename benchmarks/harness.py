@@ -197,6 +197,25 @@ def time_interleaved(
     return Samples({k: per_rank[:, i] for i, k in enumerate(keys)}, calls)
 
 
+def profile(fn: Callable[[], Any], calls: int):
+    """torch.profiler's CPU view of ``calls`` calls of ``fn`` (its ``key_averages()`` per op). Kineto prints
+    start/stop lines (and, without a GPU, an error) on fd 2: they are hidden."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return prof
+
+
 # ---------------------------------------------------------------------------
 # results
 

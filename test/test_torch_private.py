@@ -110,6 +110,9 @@ def test_dtensor_internals(mesh):
     assert isinstance(spec, private.DTensorSpec)
     assert spec.mesh is mesh and spec.placements == (Shard(0),)
     assert (spec.shape, spec.stride) == (dt.shape, dt.stride())
+    # _layout.py: a spec built from its parts describes the same DTensor.
+    built = private.DTensorSpec(mesh, (Shard(0),), tensor_meta=private.TensorMeta(dt.shape, dt.stride(), dt.dtype))
+    assert built == spec
 
     # _params.py: a Partial twin of a spec, kept in a WeakKeyDictionary while the spec lives.
     twin = private.DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)

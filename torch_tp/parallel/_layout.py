@@ -11,6 +11,7 @@ from ``Replicate`` by gathering the pieces; neither sums.
 """
 
 import weakref
+from collections import OrderedDict
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._torch_private import DTensorSpec, TensorMeta, dtensor_from_spec, dtensor_local
 from ..ops import chunk_range
 
 
@@ -351,14 +353,61 @@ def _refuse_empty_pieces_under_compile(global_shape: torch.Size, dim: int, group
             "that gives every rank at least one row, or run this model eagerly, where empty pieces work.")
 
 
+class _WrapLocal(torch.autograd.Function):
+    """``local`` -> a DTensor with ``spec``, sharing its memory: ``DTensor.from_local``
+    for a piece torch_tp made itself, without its checks and with a spec built once per
+    layout and shape (NOTE [DTensors torch_tp hands back]). Backward, as from_local's: the
+    gradient's local tensor, redistributed first if it arrives in other placements."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return dtensor_from_spec(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            spec = ctx.spec
+            if grad.placements != spec.placements:
+                grad = grad.redistribute(spec.mesh, spec.placements)
+            grad = grad.to_local() if torch.is_grad_enabled() else dtensor_local(grad)
+        return grad, None
+
+
+def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+# (mesh, placement, global shape, dtype) -> the DTensorSpec; bounded, as shapes may vary.
+_specs: "OrderedDict[tuple, DTensorSpec]" = OrderedDict()
+_SPECS_KEPT = 256
+
+
+def _spec(mesh, placement: Placement, global_shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    key = (mesh, placement, global_shape, dtype)
+    spec = _specs.get(key)
+    if spec is None:
+        meta = TensorMeta(global_shape, _contiguous_stride(global_shape), dtype)
+        spec = _specs[key] = DTensorSpec(mesh, (placement,), tensor_meta=meta)
+        if len(_specs) > _SPECS_KEPT:
+            _specs.popitem(last=False)
+    return spec
+
+
 def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape, records: ForwardRecords) -> DTensor:
     """Wrap ``local`` as the DTensor torch would hand back, with the global shape
     given explicitly so that uneven shards are described correctly."""
     global_shape = torch.Size(global_shape)
-    stride = torch.empty(global_shape, device="meta").stride()
-    dt = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
-    if not torch.compiler.is_compiling():
-        records.locals[dt] = local
+    if torch.compiler.is_compiling():  # from_local is what dynamo traces
+        stride = _contiguous_stride(global_shape)
+        return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
+    dt = _WrapLocal.apply(local, _spec(mesh, placement, global_shape, local.dtype))
+    records.locals[dt] = local
     return dt
 
 

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Training steps of the example Llama (examples/llama_model.py) under its sequence-parallel TP plan, against
+perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded model on rank 0 alone, with one
+intra-op thread and with one per core (what a CPU user tries first), side by side (CPU, eager).
+
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024]
+
+A step is forward, loss (inside loss_parallel() for the TP models), backward and a fused AdamW step. Scaling
+efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its time.
+Rank 0's torch.profiler view of a few untimed torch_tp steps splits a step into the GEMMs (aten::mm, addmm,
+bmm), the collectives (torch_tp_backend::* and c10d::* events, waiting for the peer included) and the rest.
+
+Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+"""
+
+import copy
+import os
+import sys
+from typing import Callable, Dict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import harness
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import llama_model as lm  # noqa: E402
+
+# name: (LlamaConfig overrides, batch, seq, repeats).
+CONFIGS = {
+    "example": ({"dim": 256, "n_layers": 4, "n_heads": 4}, 4, 64, 60),
+    "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 2, 256, 12),
+}
+VOCAB = 256  # the example's byte vocabulary
+IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp", "dtensor"]
+
+
+class Case:
+    """One configuration: the unsharded model on rank 0 and its copies parallelized by each implementation;
+    ``steps[impl]()`` is one training step, ``resets[impl]()`` clears the gradients."""
+
+    def __init__(self, name: str, mesh) -> None:
+        overrides, batch, seq, _ = CONFIGS[name]
+        c = self.config = lm.LlamaConfig(vocab_size=VOCAB, max_seq_len=seq, **overrides)
+        torch.manual_seed(1234)
+        reference = lm.Llama(c)
+        tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(4321))
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        self.steps: Dict[str, Callable[[], None]] = {}
+        self.resets: Dict[str, Callable[[], None]] = {}
+        rank0 = dist.get_rank() == 0
+        for impl in IMPLS:
+            if impl.startswith("unsharded"):
+                threads = 2 if impl.endswith("2 threads") else 1
+                model = copy.deepcopy(reference)
+                self.steps[impl] = self._step(model, None, inputs, targets, threads) if rank0 else (lambda: None)
+            else:
+                api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
+                model = copy.deepcopy(reference)
+                api.parallelize_module(model, mesh, lm.tp_plan(api))
+                self.steps[impl] = self._step(model, api, inputs, targets, 1)
+            self.resets[impl] = lambda model=model: model.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def _step(model, api, inputs, targets, threads: int):
+        optimizer = lm.make_optimizer(model, lr=1e-5)  # small: hundreds of repeats stay far from divergence
+
+        def step() -> None:
+            torch.set_num_threads(threads)
+            try:
+                if api is None:
+                    lm.cross_entropy_loss(model(inputs), targets).backward()
+                else:
+                    with api.loss_parallel():
+                        lm.cross_entropy_loss(model(inputs), targets).backward()
+                    for p in model.parameters():  # DTensor TP leaves the norm weights' gradients Partial
+                        g = p.grad
+                        if g is not None and any(pl.is_partial() for pl in g.placements):
+                            p.grad = g.redistribute(p.device_mesh, p.placements)
+                optimizer.step()
+            finally:
+                torch.set_num_threads(1)
+        return step
+
+
+def breakdown(step: Callable[[], None], steps: int = 3) -> Dict[str, float]:
+    """Rank 0's torch.profiler view of ``steps`` steps, per step, in ms."""
+    prof = harness.profile(step, steps)
+    gemm = collectives = 0.0
+    waits: Dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+            gemm += e.self_cpu_time_total
+        elif e.key.startswith(("torch_tp_backend::", "c10d::")) and "barrier" not in e.key:
+            collectives += e.self_cpu_time_total
+            waits[e.key.split("::", 1)[1]] = e.self_cpu_time_total / e.count / 1e3
+    out = {"gemm": gemm / steps / 1e3, "collectives": collectives / steps / 1e3}
+    out.update({f"per {k}": v for k, v in waits.items()})
+    return out
+
+
+def measure(args):
+    group = dist.group.WORLD
+    p = group.size()
+    mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
+    table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("unsharded 2 threads", "torch_tp"),
+                                               ("dtensor", "torch_tp")])
+    notes = []
+    for name in args.configs:
+        overrides, batch, seq, repeats = CONFIGS[name]
+        case = Case(name, mesh)
+        repeats = max(3, repeats // 5) if args.quick else repeats
+        # Two phases: the 2-thread run leaves an OpenMP worker spinning on the other core for a while after
+        # it (GOMP's spin-wait), which would slow whichever TP step ran next; so it is timed on its own, beside
+        # the 1-thread unsharded step again (the phase's own ratio is in the notes).
+        tp_keys = [k for k in IMPLS if k != "unsharded 2 threads"]
+        samples = harness.time_interleaved({k: case.steps[k] for k in tp_keys}, repeats, group, reset=case.resets,
+                                           warmup=2, order=harness.permutations(tp_keys))
+        threads = harness.time_interleaved({k: case.steps[k] for k in ("unsharded", "unsharded 2 threads")},
+                                           repeats, group, reset=case.resets, warmup=2)
+        samples.per_rank["unsharded 2 threads"] = threads.per_rank["unsharded 2 threads"]
+        parts = [breakdown(case.steps["torch_tp"]) if dist.get_rank() == 0 else None]
+        if dist.get_rank() != 0:
+            breakdown(case.steps["torch_tp"])  # the peer's half of the profiled steps
+        dist.broadcast_object_list(parts, src=0)
+        parts = parts[0]
+        tp, unsharded = samples.median("torch_tp", "ms"), samples.median("unsharded", "ms")
+        extra = {"torch_tp scaling": unsharded / (p * tp),
+                 "dtensor scaling": unsharded / (p * samples.median("dtensor", "ms")),
+                 "torch_tp: gemm ms": parts["gemm"], "torch_tp: collectives ms": parts["collectives"],
+                 "torch_tp: rest ms": tp - parts["gemm"] - parts["collectives"]}
+        table.add({"config": name}, samples, extra=extra)
+        c = case.config
+        two = threads.median("unsharded", "ms") / threads.median("unsharded 2 threads", "ms")
+        notes.append(f"- {name}: {c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, ffn {c.ffn_hidden_dim}, vocab "
+                     f"{VOCAB}; batch {batch} x seq {seq}. Rank 0's collectives per call (profiler self time, "
+                     "waiting included): " + ", ".join(f"{k[4:]} {v:.3f} ms" for k, v in parts.items()
+                                                      if k.startswith("per ")) +
+                     f". The 2-thread phase: 2 threads {two:.2f}x faster than 1 thread.")
+        del case
+    return {
+        "tag": "bench_train",
+        "stem": "train",
+        "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded",
+        "about": f"CPU, eager, {args.backend} backend, {p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
+        "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
+        "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
+        "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross entropy (inside `loss_parallel()` for TP), backward, fused "
+        "AdamW (lr 1e-5); DTensor's Partial norm-weight gradients redistributed before the optimizer. "
+        f"Scaling = unsharded / ({p} x TP step). `torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self "
+        "times per step over 3 untimed steps.",
+        "tables": [table],
+        "notes": ["\n".join(notes)],
+    }
+
+
+def main(argv) -> int:
+    p = harness.parser(__doc__, quick="smoke run: a fifth of the repeats")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
+    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
+                   help="process-group backend of both TP implementations (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
+    return harness.run("bench_train", args, lambda: measure(args), backend=args.backend)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
