@@ -425,6 +425,39 @@ def test_compiled_blocks_and_model_match_eager(ranks, world_size):
     ranks(world_size).run(_check_compiled, timeout=600)
 
 
+class _DTensorColwise(torch_tp_api.ColwiseParallel):
+    """torch's style, applied as it is (a subclass: NOTE in api.py's _from_torch): its module runs on
+    DTensors, the way a LoRA or float8 linear's style would."""
+
+
+def _check_compiled_dtensor_consumer():
+    """Every block compiled, and ``wq`` under a DTensor style, so that it consumes the gathered
+    replicated input through DTensor ops: that input's gradient comes back through rank-dependent
+    code (NOTE [replicated DTensor inputs without DTensor] in _layout.py). Each rank's compiled
+    backward must still issue its collectives in one order: once they differed (rank 0 an
+    all-reduce, rank 1 a reduce-scatter) and the ranks waited on each other forever. The loss and
+    gradients must be eager torch_tp's within F64_RTOL."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = llama_model.tp_plan(torch_tp)
+    plan["layers.*.attention.wq"] = _DTensorColwise()
+    models = {name: torch_tp.parallelize_module(_llama(0), mesh, plan) for name in ("eager", "blocks")}
+    for block in models["blocks"].layers.values():
+        block.compile(fullgraph=True)
+    inputs, targets = _batch(0)
+    losses = {}
+    for name, model in models.items():
+        with torch_tp.loss_parallel():
+            losses[name] = llama_model.cross_entropy_loss(model(inputs), targets)
+            losses[name].backward()
+    assert_close(losses["blocks"], losses["eager"], "compiled blocks with a DTensor wq: loss", F64_RTOL)
+    for (pname, param), eager in zip(models["blocks"].named_parameters(), models["eager"].parameters()):
+        assert_close(param.grad, eager.grad, f"compiled blocks with a DTensor wq: {pname}.grad", F64_RTOL)
+
+
+def test_compiled_blocks_with_a_dtensor_consumer(ranks):
+    ranks(2).run(_check_compiled_dtensor_consumer, timeout=300)
+
+
 # ---------------------------------------------------------------- uneven sequence shards
 
 

@@ -79,7 +79,14 @@ class _SplitReplicated(torch.autograd.Function):
 class _CompleteGradAsPartial(torch.autograd.Function):
     """Identity forward; backward hands on a complete (replicated) gradient as
     partial sums: rank 0 keeps it and the others pass zeros, which sum to it
-    over the ranks exactly and without communication."""
+    over the ranks exactly and without communication.
+
+    Under torch.compile every rank's backward graph must order its collectives
+    alike. Zeros made from the gradient's shape alone would free the collective
+    that consumes them from waiting for the gradient's producer on ranks other
+    than 0, and inductor may then schedule it before collectives that rank 0
+    issues first: the ranks wait on each other forever. So there the gradient
+    is scaled by 1 or 0, one graph on every rank."""
 
     @staticmethod
     def forward(ctx, x, rank):
@@ -88,6 +95,8 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.compiler.is_compiling():
+            return grad * (1.0 if ctx.rank == 0 else 0.0), None
         return (grad if ctx.rank == 0 else torch.zeros_like(grad)), None
 
 
