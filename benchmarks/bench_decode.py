@@ -109,7 +109,8 @@ class Case:
         if self.rank != 0:
             return 0.0
         ref = self.outputs["unsharded"].float()
-        return max(float((self.outputs[i].float() - ref).abs().max() / ref.abs().max()) for i in ("torch_tp", "dtensor"))
+        return max(float((self.outputs[impl].float() - ref).abs().max() / ref.abs().max())
+                   for impl in ("torch_tp", "dtensor"))
 
 
 def breakdown(step: Callable[[], None], tokens: int = 10) -> Dict[str, float]:
@@ -160,7 +161,8 @@ def measure(args):
         "about": f"CPU, eager, {args.backend} backend. `examples/llama_model.py`'s model, `tp_plan(api, "
         "sequence_parallel=False, loss_parallel=False)` applied to copies of one model by **torch_tp** and "
         f"**dtensor** (torch.distributed.tensor.parallel) over the {dist.get_world_size()} ranks; **unsharded**: "
-        f"the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). A step decodes one token with `KVCache` holding {PROMPT} (cache rewound "
+        f"the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). A step decodes one token with `KVCache` "
+        f"holding {PROMPT} (cache rewound "
         "before each sample), logits gathered. **unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
         "(`F.linear` of one token with each linear's weight: whole on rank 0 alone / each rank's shard at once), "
         "the bandwidth limit measured like the step. `torch_tp: mm/collectives/rest`: rank 0's torch.profiler "

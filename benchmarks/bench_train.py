@@ -146,7 +146,8 @@ def measure(args):
         "about": f"CPU, eager, {args.backend} backend, {p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
         "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
         "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
-        "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross entropy (inside `loss_parallel()` for TP), backward, fused "
+        "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross "
+        "entropy (inside `loss_parallel()` for TP), backward, fused "
         "AdamW (lr 1e-5); DTensor's Partial norm-weight gradients redistributed before the optimizer. "
         f"Scaling = unsharded / ({p} x TP step). `torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self "
         "times per step over 3 untimed steps.",

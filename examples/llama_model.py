@@ -200,18 +200,22 @@ class Attention(nn.Module):
         # Local query heads per local KV head: n_heads // n_kv_heads, except where a TP plan keeps
         # one KV head per rank for fewer KV heads than ranks (torch_tp's KVHeadColwiseParallel).
         n_rep = xq.size(2) // xk.size(2)
-        mask = None
+        mask, is_causal = None, True
         if cache is not None:
             past = cache.cache.pos
             xk, xv = cache.update(xk, xv)  # [b, past + s, local kv heads, head_dim]
-            if past and seqlen > 1:  # new token i sees the past and new tokens 0..i
-                mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool, device=x.device).tril(past)
+            # A prompt (no past) is causal; one new token sees every cached one; new tokens
+            # after a past see it and each other causally (token i: the past and new tokens 0..i).
+            # Branches, not a comparison passed on: under torch.compile with dynamic shapes a
+            # comparison of sizes is a SymBool, which SDPA's is_causal refuses.
+            if seqlen == 1:
+                is_causal = False
+            elif past:
+                mask, is_causal = torch.ones(seqlen, past + seqlen, dtype=torch.bool, device=x.device).tril(past), False
         keys = repeat_kv(xk, n_rep)
         values = repeat_kv(xv, n_rep)
         out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-            # One new token sees every cached one; otherwise the first new token is position 0.
-            is_causal=mask is None and seqlen == keys.size(1) and seqlen > 1,
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, is_causal=is_causal,
         )  # [b, local heads, s, head_dim]
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)

@@ -425,6 +425,29 @@ def test_compiled_blocks_and_model_match_eager(ranks, world_size):
     ranks(world_size).run(_check_compiled, timeout=600)
 
 
+def _check_dynamic_shapes():
+    """The example's blocks compiled with dynamic shapes (what dynamo falls back to when one code
+    object meets a second shape: a TP model's local heads, then the unsharded model's): training
+    steps at two sequence lengths and KV-cache decoding give eager's numbers within F64_RTOL.
+    (The attention once passed SDPA a SymBool is_causal there, which it refuses.)"""
+    eager, compiled = _llama(0), _llama(0)
+    for block in compiled.layers.values():
+        block.compile(fullgraph=True, dynamic=True)
+    for seq in (SEQ, SEQ // 2):
+        inputs, _ = _batch(0, seq=seq)
+        assert_close(compiled(inputs), eager(inputs), f"dynamic shapes, seq {seq}: logits", F64_RTOL)
+    with torch.no_grad():
+        caches = {name: llama_model.KVCache(CONFIG["max_seq_len"]) for name in ("eager", "compiled")}
+        prompt, _ = _batch(1)
+        for tokens in (prompt[:, :5], prompt[:, 5:6], prompt[:, 6:7]):
+            got, want = compiled(tokens, caches["compiled"]), eager(tokens, caches["eager"])
+            assert_close(got, want, f"dynamic shapes, decoding at {caches['eager'].pos}", F64_RTOL)
+
+
+def test_example_blocks_compile_with_dynamic_shapes(ranks):
+    ranks(1).run(_check_dynamic_shapes, timeout=300)
+
+
 class _DTensorColwise(torch_tp_api.ColwiseParallel):
     """torch's style, applied as it is (a subclass: NOTE in api.py's _from_torch): its module runs on
     DTensors, the way a LoRA or float8 linear's style would."""
