@@ -3,7 +3,7 @@
 perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded model on rank 0 alone, with one
 intra-op thread and with one per core (what a CPU user tries first), side by side (CPU, eager).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024]
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024] [--compile]
 
 A step is forward, loss (inside loss_parallel() for the TP models), backward and a fused AdamW step. Scaling
 efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its time.
@@ -34,13 +34,14 @@ CONFIGS = {
 }
 VOCAB = 256  # the example's byte vocabulary
 IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp", "dtensor"]
+COMPILED_IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp"]  # torch 2.14's TP fails compiled (RESULTS.md)
 
 
 class Case:
     """One configuration: the unsharded model on rank 0 and its copies parallelized by each implementation;
     ``steps[impl]()`` is one training step, ``resets[impl]()`` clears the gradients."""
 
-    def __init__(self, name: str, mesh) -> None:
+    def __init__(self, name: str, mesh, impls, compile_blocks: bool) -> None:
         overrides, batch, seq, _ = CONFIGS[name]
         c = self.config = lm.LlamaConfig(vocab_size=VOCAB, max_seq_len=seq, **overrides)
         torch.manual_seed(1234)
@@ -50,7 +51,7 @@ class Case:
         self.steps: Dict[str, Callable[[], None]] = {}
         self.resets: Dict[str, Callable[[], None]] = {}
         rank0 = dist.get_rank() == 0
-        for impl in IMPLS:
+        for impl in impls:
             if impl.startswith("unsharded"):
                 threads = 2 if impl.endswith("2 threads") else 1
                 model = copy.deepcopy(reference)
@@ -60,6 +61,9 @@ class Case:
                 model = copy.deepcopy(reference)
                 api.parallelize_module(model, mesh, lm.tp_plan(api))
                 self.steps[impl] = self._step(model, api, inputs, targets, 1)
+            if compile_blocks:  # torchtitan's recipe, on every side alike
+                for block in model.layers.values():
+                    block.compile(fullgraph=True)
             self.resets[impl] = lambda model=model: model.zero_grad(set_to_none=True)
 
     @staticmethod
@@ -104,17 +108,18 @@ def measure(args):
     group = dist.group.WORLD
     p = group.size()
     mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
-    table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("unsharded 2 threads", "torch_tp"),
+    impls = COMPILED_IMPLS if args.compile else IMPLS
+    table = harness.Table("ms", impls, ratios=[("unsharded", "torch_tp"), ("unsharded 2 threads", "torch_tp"),
                                                ("dtensor", "torch_tp")])
     notes = []
     for name in args.configs:
         overrides, batch, seq, repeats = CONFIGS[name]
-        case = Case(name, mesh)
+        case = Case(name, mesh, impls, args.compile)
         repeats = max(3, repeats // 5) if args.quick else repeats
         # Two phases: the 2-thread run leaves an OpenMP worker spinning on the other core for a while after
         # it (GOMP's spin-wait), which would slow whichever TP step ran next; so it is timed on its own, beside
         # the 1-thread unsharded step again (the phase's own ratio is in the notes).
-        tp_keys = [k for k in IMPLS if k != "unsharded 2 threads"]
+        tp_keys = [k for k in impls if k != "unsharded 2 threads"]
         samples = harness.time_interleaved({k: case.steps[k] for k in tp_keys}, repeats, group, reset=case.resets,
                                            warmup=2, order=harness.permutations(tp_keys))
         threads = harness.time_interleaved({k: case.steps[k] for k in ("unsharded", "unsharded 2 threads")},
@@ -126,9 +131,10 @@ def measure(args):
         dist.broadcast_object_list(parts, src=0)
         parts = parts[0]
         tp, unsharded = samples.median("torch_tp", "ms"), samples.median("unsharded", "ms")
-        extra = {"torch_tp scaling": unsharded / (p * tp),
-                 "dtensor scaling": unsharded / (p * samples.median("dtensor", "ms")),
-                 "torch_tp: gemm ms": parts["gemm"], "torch_tp: collectives ms": parts["collectives"],
+        extra = {"torch_tp scaling": unsharded / (p * tp)}
+        if "dtensor" in impls:
+            extra["dtensor scaling"] = unsharded / (p * samples.median("dtensor", "ms"))
+        extra |= {"torch_tp: gemm ms": parts["gemm"], "torch_tp: collectives ms": parts["collectives"],
                  "torch_tp: rest ms": tp - parts["gemm"] - parts["collectives"]}
         table.add({"config": name}, samples, extra=extra)
         c = case.config
@@ -139,11 +145,14 @@ def measure(args):
                                                       if k.startswith("per ")) +
                      f". The 2-thread phase: 2 threads {two:.2f}x faster than 1 thread.")
         del case
+    compiled = ("; every side's blocks compiled (`block.compile(fullgraph=True)`, torchtitan's recipe; DTensor TP "
+                "left out: torch 2.14's own TP fails compiled in backward)") if args.compile else ""
     return {
-        "tag": "bench_train",
-        "stem": "train",
-        "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded",
-        "about": f"CPU, eager, {args.backend} backend, {p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
+        "tag": "bench_train" + (" compile" if args.compile else ""),
+        "stem": "train" + ("_compile" if args.compile else ""),
+        "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded"
+        + (", blocks compiled" if args.compile else ""),
+        "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}, {args.backend} backend, {p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
         "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
         "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
         "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross "
@@ -161,6 +170,9 @@ def main(argv) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
     p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
                    help="process-group backend of both TP implementations (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every model's blocks (torch_tp and the unsharded model; not DTensor TP); writes "
+                   "train_compile.*")
     args = p.parse_args(argv)
     args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
     return harness.run("bench_train", args, lambda: measure(args), backend=args.backend)
