@@ -16,7 +16,6 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import harness
 
@@ -116,11 +115,7 @@ class Case:
             nonlocal t_backward
             loss_backward()
             t_backward = time.perf_counter()
-            for p in params:
-                g = p.grad
-                if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-                    p.grad = g = g.redistribute(p.device_mesh, p.placements)
-                harness.materialize(g)
+            harness.complete_grads(params)
 
         def step() -> Dict[str, float]:
             grads()

@@ -78,10 +78,7 @@ class Case:
                 else:
                     with api.loss_parallel():
                         lm.cross_entropy_loss(model(inputs), targets).backward()
-                    for p in model.parameters():  # DTensor TP leaves the norm weights' gradients Partial
-                        g = p.grad
-                        if g is not None and any(pl.is_partial() for pl in g.placements):
-                            p.grad = g.redistribute(p.device_mesh, p.placements)
+                    harness.complete_grads(model.parameters())
                 optimizer.step()
             finally:
                 torch.set_num_threads(1)
@@ -152,7 +149,8 @@ def measure(args):
         "stem": "train" + ("_compile" if args.compile else ""),
         "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded"
         + (", blocks compiled" if args.compile else ""),
-        "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}, {args.backend} backend, {p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
+        "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}, {args.backend} backend, "
+        f"{p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
         "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
         "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
         "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross "

@@ -197,6 +197,19 @@ def time_interleaved(
     return Samples({k: per_rank[:, i] for i, k in enumerate(keys)}, calls)
 
 
+def complete_grads(params) -> None:
+    """Finish a step's gradients: DTensor TP leaves the SequenceParallel norm weights' gradients
+    ``Partial(sum)``, pending reductions an optimizer would make, so they are redistributed here
+    (torch_tp completes them at the end of backward); then wait for any collective still in flight."""
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g = g.redistribute(p.device_mesh, p.placements)
+        materialize(g)
+
+
 def profile(fn: Callable[[], Any], calls: int):
     """torch.profiler's CPU view of ``calls`` calls of ``fn`` (its ``key_averages()`` per op). Kineto prints
     start/stop lines (and, without a GPU, an error) on fd 2: they are hidden."""

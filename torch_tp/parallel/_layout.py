@@ -384,7 +384,8 @@ class _WrapLocal(torch.autograd.Function):
         return grad, None
 
 
-def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+def contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch computes them: a size-0 dim counts as 1)."""
     stride, step = [], 1
     for size in reversed(shape):
         stride.append(step)
@@ -401,7 +402,7 @@ def _spec(mesh, placement: Placement, global_shape: torch.Size, dtype: torch.dty
     key = (mesh, placement, global_shape, dtype)
     spec = _specs.get(key)
     if spec is None:
-        meta = TensorMeta(global_shape, _contiguous_stride(global_shape), dtype)
+        meta = TensorMeta(global_shape, contiguous_stride(global_shape), dtype)
         spec = _specs[key] = DTensorSpec(mesh, (placement,), tensor_meta=meta)
         if len(_specs) > _SPECS_KEPT:
             _specs.popitem(last=False)
@@ -413,7 +414,7 @@ def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape, re
     given explicitly so that uneven shards are described correctly."""
     global_shape = torch.Size(global_shape)
     if torch.compiler.is_compiling():  # from_local is what dynamo traces
-        stride = _contiguous_stride(global_shape)
+        stride = contiguous_stride(global_shape)
         return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
     dt = _WrapLocal.apply(local, _spec(mesh, placement, global_shape, local.dtype))
     records.locals[dt] = local

@@ -46,9 +46,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
-from ._layout import partial_grad_local, tp_group
+from ._layout import tp_group
 from ._params import distribute_parameters, local_tensor, module_path
 from ._replicated_grad import complete_partial_grads_after_backward
 from .style import (
@@ -80,13 +80,8 @@ class _KVHeadColwiseLinear(_ColwiseModule):
         state = self._tp_state
         weight = local_tensor(self.weight, partial_grad=True)[state.rows]
         bias = None if self.bias is None else local_tensor(self.bias, partial_grad=True)[state.rows]
-        if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], Replicate):
-            # As ColwiseParallel's: the input gradient stays partial until the gather that made x
-            # replicated (NOTE [replicated DTensor inputs without DTensor] in _layout.py). Every
-            # consumer of such an x must take this path: under torch.compile, the other one
-            # backpropagates through rank-dependent code, and the ranks' compiled backwards could
-            # order their collectives differently.
-            local = partial_grad_local(x, state.records)
+        local = self._tp_replicated_input(x)
+        if local is not None:
             return torch.ops.torch_tp.column_parallel_linear(local, weight, bias, state.group.name,
                                                              partial_grad_input=True)
         local, dim, full = self._tp_gathered_input(x, 0)

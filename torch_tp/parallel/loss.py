@@ -56,6 +56,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_private import assert_async, dtensor_from_spec, dtensor_local, dtensor_spec, legacy_get_string
 from ..ops import chunk_range
+from ._layout import contiguous_stride
 
 __all__ = ["loss_parallel"]
 
@@ -467,7 +468,7 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
                            for i, p in enumerate(input.placements))
         shape = torch.Size()
     return DTensor.from_local(loss, mesh, placements, run_check=False, shape=shape,
-                              stride=_contiguous_stride(shape))
+                              stride=contiguous_stride(shape))
 
 
 def _cross_entropy_args(input, target, weight=None, size_average=None, ignore_index=-100,
@@ -519,17 +520,9 @@ def _log_softmax_dt(x: DTensor, dim: Any, dtype: Optional[torch.dtype]) -> Any:
     logp, m, sum_exp = _LogSoftmax.apply(local, shard.group)
     out_local = logp.movedim(-1, dim).contiguous()
     out = DTensor.from_local(out_local, x.device_mesh, x.placements, run_check=False,
-                             shape=x.shape, stride=_contiguous_stride(x.shape))
+                             shape=x.shape, stride=contiguous_stride(x.shape))
     _log_softmax_records[out] = _LogSoftmaxRecord(local, m, sum_exp, logp.detach(), dim, _versions(out))
     return out
-
-
-def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def _F_log_softmax_args(input, dim=None, _stacklevel=3, dtype=None):

@@ -219,6 +219,17 @@ class _ShardedModule(_ParallelModule):
 class _ColwiseModule(_ShardedModule):
     _tp_kind = "ColwiseParallel"
 
+    def _tp_replicated_input(self, x) -> Optional[torch.Tensor]:
+        """For a replicated DTensor input (a PrepareModuleInput gather), its local tensor whose
+        gradient may stay partial: the sum of its consumers' partial gradients is reduced once, where
+        it meets the gather that made x replicated (NOTE [partial grad_x] in linear.cpp; NOTE
+        [replicated DTensor inputs without DTensor] in _layout.py). Every linear consumer of such
+        an x must take it this way: under torch.compile, the other route backpropagates through
+        rank-dependent code. None for any other input."""
+        if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], Replicate):
+            return partial_grad_local(x, self._tp_state.records)
+        return None
+
     def _tp_gathered_input(self, x, added_dims: int) -> Tuple[torch.Tensor, Optional[int], Optional[int]]:
         """``(local tensor, the dim the op gathers it along, that dim's global size)``: no gather
         (None, None) for a replicated input, d for Shard(d) (sequence parallel). ``added_dims``:
@@ -273,12 +284,8 @@ class _ColwiseLinear(_ColwiseModule):
             state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
             return out
         group_name = state.group.name
-        if isinstance(x, DTensor) and x.device_mesh.ndim == 1 and isinstance(x.placements[0], Replicate):
-            # The input's gradient may stay partial: the sum of its consumers'
-            # partial gradients is reduced once, where it meets the gather that
-            # made x replicated (NOTE [partial grad_x] in linear.cpp; NOTE
-            # [replicated DTensor inputs without DTensor] in _layout.py).
-            local = partial_grad_local(x, self._tp_state.records)
+        local = self._tp_replicated_input(x)
+        if local is not None:
             out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
                                                              group_name, partial_grad_input=True)
             return self._tp_output_sharded_on_last(out, self.out_features)
