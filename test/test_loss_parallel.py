@@ -33,10 +33,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+import torch.distributed.tensor.parallel
+from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import torch_tp
 from torch_tp.parallel.loss import loss_parallel
 
 from _compare import assert_close
@@ -73,13 +75,14 @@ class _Head(nn.Module):
         return self.out(torch.tanh(self.proj(x)))
 
 
-def _models(vocab, seed=0):
-    """(tensor-parallel model, unsharded copy, input x): the same on every rank."""
+def _models(vocab, seed=0, api=torch.distributed.tensor.parallel):
+    """(tensor-parallel model, unsharded copy, input x): the same on every rank. ``api``: the
+    module whose parallelize_module and ColwiseParallel make the model (torch's by default)."""
     torch.manual_seed(seed)
     ref = _Head(vocab)
     tp = _Head(vocab)
     tp.load_state_dict(ref.state_dict())
-    parallelize_module(tp, _mesh(), {"out": ColwiseParallel(use_local_output=False)})
+    api.parallelize_module(tp, _mesh(), {"out": api.ColwiseParallel(use_local_output=False)})
     x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed + 1))
     return tp, ref, x
 
@@ -240,20 +243,25 @@ def test_weight(ranks, reduction, ignored):
 # ---------------------------------------------------------------- the model, end to end
 
 
-def _run_model_end_to_end():
+def _run_model_end_to_end(flat_input):
     """nn.CrossEntropyLoss on the model output; parameter and input gradients
     against the unsharded model; backward outside the context; a Replicate
-    DTensor target."""
+    DTensor target. ``flat_input``: the model takes [b * s, hidden], so the loss
+    takes the DTensor torch_tp's linear handed back as it is (NOTE [DTensors
+    handed between torch_tp modules]) made by torch_tp's ColwiseParallel."""
     vocab = 10
-    tp, ref, x = _models(vocab)
+    tp, ref, x = _models(vocab, api=torch_tp if flat_input else torch.distributed.tensor.parallel)
     labels = _labels(vocab, (4,))
+    if flat_input:
+        x = x.flatten(0, 1)
     x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
     criterion = nn.CrossEntropyLoss()
     target = distribute_tensor(labels.flatten(), _mesh(), [Replicate()])
     with loss_parallel():
-        loss = criterion(tp(x_tp).flatten(0, 1), target)
+        logits = tp(x_tp)
+        loss = criterion(logits if flat_input else logits.flatten(0, 1), target)
     loss.backward()  # outside the context: torch's loss_parallel needs it inside
-    ref_loss = criterion(ref(x_ref).flatten(0, 1), labels.flatten())
+    ref_loss = criterion(ref(x_ref).flatten(0, x_ref.dim() - 2), labels.flatten())
     ref_loss.backward()
     assert_close(loss, ref_loss.detach(), "loss", VS_UNSHARDED, equal_nan=True)
     assert_close(x_tp.grad, x_ref.grad, "grad x", VS_UNSHARDED, equal_nan=True)
@@ -263,8 +271,9 @@ def _run_model_end_to_end():
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_model_end_to_end(ranks, world_size):
-    ranks(world_size).run(_run_model_end_to_end)
+@pytest.mark.parametrize("flat_input", [False, True])
+def test_model_end_to_end(ranks, world_size, flat_input):
+    ranks(world_size).run(_run_model_end_to_end, flat_input)
 
 
 # ---------------------------------------------------------------- communication

@@ -574,6 +574,77 @@ def test_prepared_dtensor_with_mixed_consumers(ranks, world_size):
     ranks(world_size).run(_check_prepared_dtensor_with_mixed_consumers)
 
 
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _HandedInputUses(nn.Module):
+    """Reads its prepared input's metadata, then uses it through DTensor's to_local and through
+    a torch_tp column-parallel linear; ``through_function`` hands it to a custom autograd.Function."""
+
+    def __init__(self, through_function=False):
+        super().__init__()
+        self.proj = nn.Linear(16, 12)
+        self.through_function = through_function
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = (type(x), x.placements, x.shape, x.size(1), x.dim(), x.dtype, x.requires_grad,
+                     getattr(x, "_tp_twin", None))
+        if self.through_function:
+            return self.proj(x), _Double.apply(x).to_local()
+        return self.proj(x), x.to_local().cos()
+
+
+def _check_handed_dtensors():
+    """NOTE [DTensors handed between torch_tp modules]: PrepareModuleInput's Replicate DTensor
+    is a DTensor to user code (placements, global shape, values), and reading its metadata makes
+    no differentiable twin (no autograd node). Through to_local beside torch_tp's linear, the
+    outputs and the gradients of the input and the weights match torch's TP (RTOL). A custom
+    autograd.Function given it directly, which bypasses torch functions, raises in backward
+    instead of dropping the gradient."""
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(0))
+
+    def plan(lib):
+        return {"": lib.PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                "proj": lib.ColwiseParallel()}
+
+    results = []
+    for lib in (torch_tp, torch_tp_api):
+        torch.manual_seed(1)
+        model = lib.parallelize_module(_HandedInputUses(), mesh, plan(lib))
+        inp = torch_tp.shard(x, 1).requires_grad_()
+        h, other = model(inp)
+        (h.square().sum() + other.sin().sum()).backward()
+        kind, placements, shape, size1, ndim, dtype, requires_grad, twin = model.seen
+        assert issubclass(kind, DTensor) and placements == (Replicate(),), (kind, placements)
+        assert (shape, size1, ndim, dtype, requires_grad) == ((2, 4 * world_size, 16), 4 * world_size, 3,
+                                                               torch.float32, True)
+        assert twin is None, "reading metadata made the differentiable twin"
+        weight = _grad_as_param(model.proj.weight) if lib is torch_tp else _full_param(model.proj.weight.grad)
+        results.append((h, other, inp.grad, weight))
+    for what, ours, theirs in zip(["proj output", "to_local output", "input grad", "weight grad"], *results):
+        assert_close(ours, theirs, what, RTOL, floor=SCALE_FLOOR)
+
+    model = torch_tp.parallelize_module(_HandedInputUses(through_function=True), mesh, plan(torch_tp))
+    h, other = model(torch_tp.shard(x, 1).requires_grad_())
+    with pytest.raises(RuntimeError, match="custom torch.autograd.Function took that DTensor"):
+        (h.sum() + other.sum()).backward()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_handed_dtensors(ranks, world_size):
+    ranks(world_size).run(_check_handed_dtensors)
+
+
 def _check_dtensor_inputs_and_src_rank():
     """DTensor inputs are accepted; src_data_rank=None keeps each rank's values."""
     world_size, rank = dist.get_world_size(), dist.get_rank()

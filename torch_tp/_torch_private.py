@@ -85,7 +85,7 @@ per parameter per step (NOTE [unwrapping a parameter] in parallel/_params.py).""
 TensorMeta = _lookup("torch.distributed.tensor._dtensor_spec", "TensorMeta")
 """``TensorMeta(shape, stride, dtype)``: the global shape, stride and dtype a
 :data:`DTensorSpec` describes; with it torch_tp builds the specs of the DTensors it hands
-back once per layout and shape (NOTE [DTensors torch_tp hands back] in parallel/_layout.py)."""
+back once per layout and shape (NOTE [DTensors handed between torch_tp modules] in parallel/_layout.py)."""
 
 dtensor_from_spec = _lookup("torch.distributed.tensor", "DTensor")
 """``DTensor(local_tensor, spec, *, requires_grad)``: DTensor's own constructor, whose

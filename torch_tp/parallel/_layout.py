@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils._pytree import tree_map_only
 
 from .._torch_private import DTensorSpec, TensorMeta, dtensor_from_spec, dtensor_local
 from ..ops import chunk_range
@@ -119,24 +119,107 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # removal within one graph, and the list is empty again, as its guard expects,
 # when the next block starts.
 
-# NOTE [DTensors torch_tp hands back]
-# Where torch returns a DTensor, torch_tp wraps its local result
-# (to_dtensor), and the root's ForwardRecords keep the local tensor for as long
-# as the wrapper lives, so that the next torch_tp module (a PrepareModuleInput
-# after a SequenceParallel norm, a column-parallel linear on a sequence shard)
-# takes it back without DTensor's to_local and the backward that goes with it.
-# Both routes carry the same gradient: a shard's gradient is its piece and a
-# replicated tensor's is complete (the module docstring's convention), which is
-# what DTensor's from_local hands back to the local tensor too. Under
-# torch.compile the wrapper and to_local compile away, so the side table (which
-# dynamo does not trace) is neither written nor read there.
+# NOTE [DTensors handed between torch_tp modules]
+# Where torch returns a DTensor (SequenceParallel's output, PrepareModuleInput's
+# gathered input, a linear with use_local_output=False), torch_tp hands back a
+# _HandedDTensor: a DTensor of the same global shape, placements and values,
+# made without an autograd node: ~2-4 us, where DTensor.from_local or an
+# autograd Function costs ~15 us and a backward node. It carries the local
+# tensor it wraps, with that tensor's autograd history, and the next torch_tp
+# module (a PrepareModuleInput after a SequenceParallel norm, the
+# column-parallel linears after a PrepareModuleInput) computes on the local
+# tensor directly. Anything else that uses it as a tensor (a torch function or
+# Tensor method, through its __torch_function__; DTensor's to_local,
+# redistribute, full_tensor) gets its twin: an ordinary differentiable DTensor
+# over the same local tensor, made the first time one is needed. Reading its
+# metadata (shape, size(), dtype, device, requires_grad, placements,
+# device_mesh) needs no twin. Gradients: the torch_tp consumers' reach the
+# local tensor directly, the twin's through the twin's backward, and autograd
+# sums them there, as it sums a DTensor's consumers' gradients.
+#
+# What differs from the DTensor torch makes: its type is a subclass of
+# DTensor; a hook registered on it sees only the gradient that went through
+# the twin, and torch.autograd.grad with respect to it raises (the handed
+# tensor itself is not in the graph; ask for the module's input instead).
+# A custom autograd.Function given it as an input directly (Function.apply runs
+# no __torch_function__) would send the gradient to the handed tensor, where
+# nothing reads it: that raises in backward, naming the cause. Under
+# torch.compile DTensor.from_local is what gets traced, and none of this applies.
+
+
+_NO_TWIN_NEEDED = frozenset({
+    torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
+    torch.Tensor.is_cuda.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+    torch.Tensor.stride, torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.__len__,
+})
+
+
+class _HandedDTensor(DTensor):
+    """A DTensor torch_tp hands from one of its modules to the next (NOTE [DTensors handed
+    between torch_tp modules]). ``_tp_local``: the local tensor, whose gradient is complete
+    (a shard's piece, or the whole of a replicated tensor), or None to make it with
+    ``_tp_complete``; ``_tp_partial``: for a gathered replicated tensor, the gathered tensor,
+    for consumers whose input gradient is a partial sum; ``_tp_twin``: the differentiable
+    DTensor, once something needed it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NO_TWIN_NEEDED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def local(self) -> torch.Tensor:
+        """The local tensor, with a complete gradient (what DTensor's to_local hands back)."""
+        if self._tp_local is None:
+            self._tp_local = _CompleteGradAsPartial.apply(self._tp_partial, self._tp_rank)
+        return self._tp_local
+
+    def twin(self) -> DTensor:
+        if self._tp_twin is None:
+            self._tp_twin = _WrapLocal.apply(self.local(), self._spec)
+        return self._tp_twin
+
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        return self.twin().to_local(grad_placements=grad_placements)
+
+    def redistribute(self, *args, **kwargs) -> DTensor:
+        return self.twin().redistribute(*args, **kwargs)
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        return self.twin().full_tensor(grad_placements=grad_placements)
+
+
+def _gradient_went_astray(_tensor: torch.Tensor) -> None:
+    raise RuntimeError(
+        "torch_tp: a gradient reached a DTensor that torch_tp handed from one of its modules to the next, "
+        "where nothing reads it: a custom torch.autograd.Function took that DTensor as an input (Function.apply "
+        "bypasses torch functions). Pass it x.to_local() or a DTensor made from it by a torch op instead "
+        "(NOTE [DTensors handed between torch_tp modules] in torch_tp/parallel/_layout.py).")
+
+
+def _hand(local: Optional[torch.Tensor], partial: Optional[torch.Tensor], rank: int, spec: DTensorSpec,
+          requires_grad: bool) -> _HandedDTensor:
+    source = local if local is not None else partial
+    handed = _HandedDTensor(source.detach(), spec, requires_grad=requires_grad)
+    handed._tp_local, handed._tp_partial, handed._tp_rank, handed._tp_twin = local, partial, rank, None
+    if requires_grad:
+        with torch._C.DisableTorchFunctionSubclass():
+            handed.register_post_accumulate_grad_hook(_gradient_went_astray)
+    return handed
 
 
 def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh, group: TPGroup,
                                  full_size: Optional[int], records: "ForwardRecords") -> DTensor:
     """Shard(dim) -> a Replicate DTensor (NOTE [replicated DTensor inputs without DTensor]);
-    the caller drops the pair with ``records.forget_gathered`` when its module's forward ends."""
+    under torch.compile the caller drops the pair with ``records.forget_gathered`` when its
+    module's forward ends."""
     full = torch.ops.torch_tp.all_gather(local, dim, group.name, full_size)
+    if not torch.compiler.is_compiling():
+        return _hand(None, full, group.rank, _spec(mesh, Replicate(), full.shape, full.dtype), full.requires_grad)
     dt = to_dtensor(_CompleteGradAsPartial.apply(full, group.rank), mesh, Replicate(), full.shape, records)
     records.gathered.append((dt, full))
     return dt
@@ -144,6 +227,8 @@ def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh
 
 def partial_grad_local(x: DTensor, records: "ForwardRecords") -> torch.Tensor:
     """A Replicate DTensor's local tensor, for a consumer whose input gradient is a partial sum."""
+    if type(x) is _HandedDTensor and x._tp_partial is not None:
+        return x._tp_partial
     for made, full in records.gathered:
         if made is x:
             return full
@@ -217,12 +302,9 @@ class ForwardRecords:
     def __init__(self) -> None:
         # (group name, ndim, sharded dim) -> global size (NOTE [global sizes of plain shards]).
         self.shard_sizes: Dict[Tuple[str, int, int], Optional[int]] = {}
-        # (Replicate DTensor, the gathered tensor it wraps), while the prepared module's
-        # forward runs (NOTE [replicated DTensor inputs without DTensor]).
+        # Under torch.compile: (Replicate DTensor, the gathered tensor it wraps), while the
+        # prepared module's forward runs (NOTE [replicated DTensor inputs without DTensor]).
         self.gathered: List[Tuple[DTensor, torch.Tensor]] = []
-        # DTensor torch_tp handed back -> its local tensor (NOTE [DTensors torch_tp hands back]);
-        # keyed by identity (torch.utils.weak), as a tensor's == compares values.
-        self.locals: "WeakIdKeyDictionary[DTensor, torch.Tensor]" = WeakIdKeyDictionary()
         # Inside generation_layouts(): sequence shards are replicated and the loss_parallel
         # logits gathered (NOTE [generating under a sequence-parallel or loss_parallel plan]).
         self.replicate_sequence = False
@@ -295,9 +377,7 @@ def from_dtensor(x, declared: Placement, group: TPGroup,
     if isinstance(x, DTensor):
         if x.device_mesh.ndim != 1:
             raise ValueError(f"torch_tp: expected a DTensor on a 1-D mesh, got one on {x.device_mesh}")
-        local = None if torch.compiler.is_compiling() else records.locals.get(x)
-        if local is None:
-            local = x.to_local()
+        local = x.local() if type(x) is _HandedDTensor else x.to_local()
         placement, global_shape = normalize(x.placements[0], x.ndim), x.shape
         if isinstance(placement, Shard) and torch.compiler.is_compiling():
             _refuse_empty_pieces_under_compile(global_shape, placement.dim, group)
@@ -363,10 +443,11 @@ def _refuse_empty_pieces_under_compile(global_shape: torch.Size, dim: int, group
 
 
 class _WrapLocal(torch.autograd.Function):
-    """``local`` -> a DTensor with ``spec``, sharing its memory: ``DTensor.from_local``
-    for a piece torch_tp made itself, without its checks and with a spec built once per
-    layout and shape (NOTE [DTensors torch_tp hands back]). Backward, as from_local's: the
-    gradient's local tensor, redistributed first if it arrives in other placements."""
+    """``local`` -> a DTensor with ``spec``, sharing its memory: the twin of a
+    :class:`_HandedDTensor` (NOTE [DTensors handed between torch_tp modules]), which is
+    ``DTensor.from_local`` without its checks and with a spec built once per layout and
+    shape. Backward, as from_local's: the gradient's local tensor, redistributed first if
+    it arrives in other placements."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -416,9 +497,7 @@ def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape, re
     if torch.compiler.is_compiling():  # from_local is what dynamo traces
         stride = contiguous_stride(global_shape)
         return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
-    dt = _WrapLocal.apply(local, _spec(mesh, placement, global_shape, local.dtype))
-    records.locals[dt] = local
-    return dt
+    return _hand(local, None, 0, _spec(mesh, placement, global_shape, local.dtype), local.requires_grad)
 
 
 def convert(local: torch.Tensor, src: Placement, dst: Placement, group: TPGroup,

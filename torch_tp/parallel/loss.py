@@ -52,11 +52,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_private import assert_async, dtensor_from_spec, dtensor_local, dtensor_spec, legacy_get_string
 from ..ops import chunk_range
-from ._layout import contiguous_stride
+from ._layout import _HandedDTensor, contiguous_stride
 
 __all__ = ["loss_parallel"]
 
@@ -563,6 +564,9 @@ class _LossParallelMode(TorchFunctionMode):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None and _first_is_dtensor(args, kwargs):
+            # The handlers pass DTensors to autograd Functions, which would bypass a handed
+            # DTensor's torch functions (NOTE [DTensors handed between torch_tp modules]).
+            args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
             result = handler(args, kwargs)
             if result is not NotImplemented:
                 return result
