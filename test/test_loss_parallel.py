@@ -612,13 +612,17 @@ def test_plain_tensors_unchanged():
 
 def test_context_nests_and_survives_exceptions():
     """Unlike torch's (whose exit after an exception is skipped, and whose
-    nested exit raises KeyError), the context leaves no state behind."""
-    depth = torch._C._len_torch_function_stack()
+    nested exit raises KeyError), the context leaves no state behind: DTensor's
+    torch functions are off again once the outermost context exits, however it
+    exits, and stay on until then."""
+    disabled = torch._C._disabled_torch_function_impl
+    assert DTensor.__torch_function__ is disabled
     with loss_parallel():
         with loss_parallel():
-            assert torch._C._len_torch_function_stack() == depth + 2
-    assert torch._C._len_torch_function_stack() == depth
+            assert DTensor.__torch_function__ is not disabled
+        assert DTensor.__torch_function__ is not disabled
+    assert DTensor.__torch_function__ is disabled
     with pytest.raises(KeyError):
         with loss_parallel():
             raise KeyError("inside")
-    assert torch._C._len_torch_function_stack() == depth
+    assert DTensor.__torch_function__ is disabled
