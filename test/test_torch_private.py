@@ -236,3 +236,29 @@ def test_tree_flatten():
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     assert len(tensors) == 2 and tensors[0] is t1 and tensors[1] is t2
     assert 3 in leaves
+
+
+def test_tree_map_only():
+    t1, t2 = torch.ones(1), torch.zeros(1)
+    mapped = private.tree_map_only(torch.Tensor, lambda t: t + 1, ((t1, 3), {"k": t2}))
+    assert torch.equal(mapped[0][0], torch.full((1,), 2.0)) and mapped[0][1] == 3
+    assert torch.equal(mapped[1]["k"], torch.ones(1))
+
+
+def test_disable_torch_function_subclass():
+    """Inside, a subclass's __torch_function__ is not called and results keep their own type."""
+    calls = []
+
+    class Seen(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    x = torch.ones(2).as_subclass(Seen)
+    with private.disable_torch_function_subclass():
+        y = x + 1
+        shape = x.shape
+    assert not calls and shape == (2,) and torch.equal(y, torch.full((2,), 2.0))
+    x + 1
+    assert calls

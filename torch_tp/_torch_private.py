@@ -184,3 +184,14 @@ cast of floating-point inputs to ``mixed_precision.param_dtype``."""
 tree_flatten = _lookup("torch.utils._pytree", "tree_flatten")
 """``tree_flatten(tree) -> (leaves, spec)``: the forward output's tensors, whose
 backward the reducer waits for; torch has no public pytree module in 2.11-2.14."""
+
+tree_map_only = _lookup("torch.utils._pytree", "tree_map_only")
+"""``tree_map_only(type, fn, tree)``: ``tree`` with ``fn`` applied to its leaves of ``type``;
+a handed DTensor's torch functions swap it for its twin in any argument structure
+(NOTE [DTensors handed between torch_tp modules] in parallel/_layout.py)."""
+
+disable_torch_function_subclass = _lookup("torch._C", "DisableTorchFunctionSubclass")
+"""``with DisableTorchFunctionSubclass():`` tensor subclasses' ``__torch_function__`` off,
+as ``Tensor.__torch_function__`` runs a function; torch functions modes stay on.
+loss_parallel's DTensor ``__torch_function__`` and a handed DTensor's metadata reads
+run the function this way, as DTensor (whose torch function is off) would."""

@@ -19,9 +19,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.hooks import RemovableHandle
-from torch.utils._pytree import tree_map_only
 
-from .._torch_private import DTensorSpec, TensorMeta, dtensor_from_spec, dtensor_local
+from .._torch_private import (DTensorSpec, TensorMeta, disable_torch_function_subclass, dtensor_from_spec,
+                              dtensor_local, dtensor_spec, tree_map_only)
 from ..ops import chunk_range
 
 
@@ -167,7 +167,7 @@ class _HandedDTensor(DTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _NO_TWIN_NEEDED:
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
         return func(*args, **kwargs)
@@ -180,7 +180,7 @@ class _HandedDTensor(DTensor):
 
     def twin(self) -> DTensor:
         if self._tp_twin is None:
-            self._tp_twin = _WrapLocal.apply(self.local(), self._spec)
+            self._tp_twin = _WrapLocal.apply(self.local(), dtensor_spec(self))
         return self._tp_twin
 
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
@@ -207,7 +207,7 @@ def _hand(local: Optional[torch.Tensor], partial: Optional[torch.Tensor], rank: 
     handed = _HandedDTensor(source.detach(), spec, requires_grad=requires_grad)
     handed._tp_local, handed._tp_partial, handed._tp_rank, handed._tp_twin = local, partial, rank, None
     if requires_grad:
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             handed.register_post_accumulate_grad_hook(_gradient_went_astray)
     return handed
 

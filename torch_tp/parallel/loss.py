@@ -58,10 +58,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_private import assert_async, dtensor_from_spec, dtensor_local, dtensor_spec, legacy_get_string
+from .._torch_private import (assert_async, disable_torch_function_subclass, dtensor_from_spec, dtensor_local,
+                              dtensor_spec, legacy_get_string, tree_map_only)
 from ..ops import chunk_range
 from ._layout import _HandedDTensor, contiguous_stride
 
@@ -568,7 +568,7 @@ def _loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
     inputs go to the vocab-parallel kernels; every other call runs as DTensor runs it (torch functions
     off for subclasses, as DTensor has them)."""
     kwargs = kwargs or {}
-    with torch._C.DisableTorchFunctionSubclass():
+    with disable_torch_function_subclass():
         handler = _HANDLERS.get(func)
         if handler is not None and _first_is_dtensor(args, kwargs):
             # The handlers pass DTensors to autograd Functions, which would bypass a handed
