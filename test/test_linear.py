@@ -151,6 +151,115 @@ def test_row_parallel_linear(ranks, world_size):
     pool.run(_check_row, torch.float32, 3, 5, 2, True, True)  # more ranks than rows and features
 
 
+# The CPU decode GEMV (csrc/ops/gemv_cpu.cpp) takes the forward of bfloat16 and
+# float32 inputs with at most 8 rows of x on a CPU with AVX-512 BF16 (elsewhere
+# ATen computes them and these tests check ATen). Its sum is float32 (rounded
+# once to bfloat16 for bfloat16), so it is compared with F.linear computed in
+# float32 (and then rounded), on tolerances far tighter than TOL's:
+#   bfloat16, GEMV_TOL 2^-7: the two float32 sums differ only in their order
+#            (~K * 2^-24), but one may round up and the other down where they
+#            straddle a rounding boundary: one bfloat16 ulp of an entry, at
+#            most 2^-7 of max |y|. A lost K element (a tail) is ~1/sqrt(K) of
+#            |y|, far above.
+#   float32, _float32_gemv_tol: nothing is rounded but the sums, and the two
+#            differ only in their order. A float32 sum of products, in any
+#            order, is within d * 2^-24 * sum |term| of the exact one, d the
+#            number of roundings a term goes through (Higham's gamma_d, first
+#            order): at most K + 1 in ATen's (a rounded product, K additions
+#            with the bias), ceil(K / 16) + 5 in the kernel's (fused
+#            multiply-adds in 16 lanes, 4 levels summing the lanes, the bias);
+#            so the two are within 2 * (K + 8) * 2^-24 * max_j sum_k |x_k w_jk| + |b_j|.
+#            With random data that is ~K^1.5 * 1e-7 of max |y| (~3e-4 at
+#            K = 512), a lost K element still ~1/sqrt(K) of it.
+#   twice those after a second operation: GELU (slope <= 1.13) of the GEMM
+#            output, or the row-parallel bias added after the reduction (one
+#            more rounding, in bfloat16 one bfloat16 ulp).
+GEMV_TOL = 2**-7
+GEMV_MAX_ROWS = 8  # kSmallBatchRows in csrc/ops/gemv_cpu.h
+
+
+def _rounded_linear(x, weight, b, activation="none"):
+    y = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    return (F.gelu(y, approximate="tanh") if activation == "gelu_tanh" else y).to(x.dtype)
+
+
+def _float32_gemv_tol(x, weight, b, expected):
+    """The float32 bound above, relative to max |expected| as assert_close takes it."""
+    terms = x.double().abs() @ weight.double().abs().t() + (0 if b is None else b.double().abs())
+    return 2 * (x.size(-1) + 8) * 2**-24 * terms.max().item() / max(expected.double().abs().max().item(), 1e-30)
+
+
+def _assert_gemv_close(actual, x, weight, b, what, activation="none", operations=1):
+    """actual against F.linear in float32 (rounded to x's dtype), on the
+    tolerance above for x's dtype times the operations after the sum's."""
+    expected = _rounded_linear(x, weight, b, activation)
+    tol = _float32_gemv_tol(x, weight, b, expected) if x.dtype == torch.float32 else GEMV_TOL
+    assert_close(actual, expected, what, operations * tol)
+
+
+def _check_decode_gemv(dtype):
+    """column_parallel_linear / row_parallel_linear with few rows, the decode
+    GEMV's case: every row count it takes (and one more, ATen's), a 3-D x
+    [1, 1, K], with and without bias, K and N not multiples of the vector
+    width (K tails) nor of the rows per block (N tails)."""
+    column, row = torch.ops.torch_tp.column_parallel_linear, torch.ops.torch_tp.row_parallel_linear
+    for seed, (in_features, out_features) in enumerate([(100, 37), (64, 16), (512, 40), (33, 1), (1, 5), (70, 9)]):
+        weight = _full((out_features, in_features), seed, dtype)
+        b = _full((out_features,), seed + 100, dtype)
+        shapes = [(m, in_features) for m in range(1, GEMV_MAX_ROWS + 2)] + [(1, 1, in_features), (2, 4, in_features)]
+        for shape in shapes:
+            x = _full(shape, seed + 200, dtype)
+            what = f"{dtype}, x {tuple(shape)}, weight {tuple(weight.shape)}"
+            for bias in [b, None]:
+                _assert_gemv_close(column(x, weight, bias, _group()), x, weight, bias,
+                                   f"column, {what}, bias={bias is not None}")
+            _assert_gemv_close(column(x, weight, b, _group(), activation="gelu_tanh"), x, weight, b,
+                               f"column + gelu_tanh, {what}", "gelu_tanh", 2)
+            _assert_gemv_close(row(x, weight, None, _group()), x, weight, None, f"row, {what}")
+            _assert_gemv_close(row(x, weight, b, _group()), x, weight, b, f"row + bias, {what}", operations=2)
+
+
+def _check_decode_gemv_fallback():
+    """Inputs the decode GEMV does not take go to ATen's GEMM, unchanged: x's
+    rows strided in K, a transposed (non-contiguous) weight or bias, float16.
+    Their results equal at::addmm's bit for bit."""
+    gen_w, gen_x = _full((40, 100), 1, torch.bfloat16), _full((2, 200), 2, torch.bfloat16)
+    b = _full((80,), 3, torch.bfloat16)[::2]  # non-contiguous bias
+    cases = {
+        "x strided in K": (gen_x[:, ::2], gen_w, b.contiguous()),
+        "weight transposed": (gen_x[:, :100], gen_w.t().contiguous().t(), b.contiguous()),
+        "bias strided": (gen_x[:, :100], gen_w, b),
+        "float16": (gen_x[:, :100].half(), gen_w.half(), b.half()),
+    }
+    for what, (x, weight, bias) in cases.items():
+        assert not (x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous()) or x.dtype == torch.float16
+        y = torch.ops.torch_tp.column_parallel_linear(x, weight, bias, _group())
+        assert_close(y, torch.addmm(bias, x, weight.t()), f"column, {what}", 0)
+        assert_close(y, _rounded_linear(x, weight, bias), f"column vs float32, {what}", GEMV_TOL)
+
+
+def _check_decode_gemv_threads(dtype):
+    """With several intra-op threads the GEMV splits the output features over
+    them (at::parallel_for): each block, its tail and the bias still line up."""
+    threads = torch.get_num_threads()
+    weight, b = _full((1001, 100), 1, dtype), _full((1001,), 2, dtype)
+    x = _full((3, 100), 3, dtype)
+    torch.set_num_threads(2)
+    try:
+        y = torch.ops.torch_tp.column_parallel_linear(x, weight, b, _group())
+    finally:
+        torch.set_num_threads(threads)
+    _assert_gemv_close(y, x, weight, b, f"column, {dtype}, 2 threads")
+
+
+@pytest.mark.parametrize("check, args", [
+    (_check_decode_gemv, (torch.bfloat16,)), (_check_decode_gemv, (torch.float32,)), (_check_decode_gemv_fallback, ()),
+    (_check_decode_gemv_threads, (torch.bfloat16,)), (_check_decode_gemv_threads, (torch.float32,)),
+], ids=["bf16", "fp32", "fallback", "threads-bf16", "threads-fp32"])
+def test_decode_gemv(ranks, check, args):
+    ranks(1).run(check, *args)
+
+
 def _mlp(x, w1, b1, w2, b2, group, sequence_parallel, seq):
     h = torch.ops.torch_tp.column_parallel_linear(
         x, w1, b1, group, 1 if sequence_parallel else None, seq if sequence_parallel else None, "gelu_tanh")

@@ -68,6 +68,7 @@
 
 #include "ops/comm.h"
 #include "ops/common.h"
+#include "ops/gemv_cpu.h"
 
 #include <torch_tp/ops.h>
 
@@ -90,9 +91,17 @@ Activation parse_activation(const char* op, c10::string_view activation) {
   TORCH_CHECK(false, op, ": activation='", activation, "' is not supported; expected 'none' or 'gelu_tanh'");
 }
 
+// Decode's few-row bfloat16 and float32 GEMMs (x [<= 8, K]) go to
+// small_batch_linear_cpu, which streams W from DRAM at 24-32 GB/s (bfloat16)
+// and 27-36 (float32) with one x row and one thread, where ATen's GEMV gets
+// 11-18 and 16-22, and ATen's float32 GEMM with 2-8 rows only 8-13 (NOTE
+// [few-row GEMV on the CPU] in gemv_cpu.cpp). Everything else goes to ATen.
 GemmResult linear_gemm_aten(const char* /*op*/, const at::Tensor& x2d, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, Activation activation) {
-  at::Tensor pre = bias ? at::addmm(*bias, x2d, weight.t()) : at::mm(x2d, weight.t());
+  std::optional<at::Tensor> gemv = small_batch_linear_cpu(x2d, weight, bias);
+  at::Tensor pre = gemv ? *std::move(gemv)
+                   : bias ? at::addmm(*bias, x2d, weight.t())
+                          : at::mm(x2d, weight.t());
   if (activation == Activation::None) {
     return {pre, at::Tensor()};
   }

@@ -1,0 +1,253 @@
+// NOTE [few-row GEMV on the CPU]
+// Decode runs one token per forward: every linear is a GEMV, x [1, K] @ W [N, K]^T,
+// that reads each weight once and so should run at memory bandwidth. torch
+// 2.14's CPU GEMM does not, in bfloat16 nor in float32. Measured on the
+// project's AVX-512 BF16 machine (AMD EPYC, one thread, N x K from 512 x 512 to
+// 8192 x 512, median of 200, W cache-resident or streamed from DRAM by cycling
+// copies of it > 100 MB in all), in GB/s of W (float32 cache-resident: the
+// lower figures through the op, the higher calling the kernel directly):
+//                      x rows   ATen: cache  DRAM    this kernel: cache  DRAM
+//   bfloat16             1           20-37   11-18                75-100  24-32
+//   float32              1           61-91   16-22                78-111  27-36
+//   float32              2           38-46    8-13                72-102  25-37
+//   float32              4           17-27   10-13                56-97   23-32
+//   float32              8           13-19    9-10                28-46   15-26
+// With two ranks streaming at once (one thread each, taskset -c 0 / -c 1, one
+// x row) it still gets bfloat16 22-31 GB/s per process, float32 26-38 (ATen's
+// float32 16-22). The design, one template on the element type T:
+//   - R rows of W per block (8 down to 3 as M grows: M * R accumulators, the
+//     loads beside them, fit the 32 vector registers), one 64-byte load per W
+//     row and per x row per step (32 bfloat16 or 16 float32 K-elements)
+//     feeding M * R multiply-adds into float32 lanes (vdpbf16ps: pairs of
+//     bfloat16 products; vfmadd231ps), so an x load serves R rows and a W
+//     load M rows; the loops over M and R are unrolled so the accumulators
+//     stay in registers (without that M >= 3 spilled and ran at half speed);
+//   - each step prefetches the same columns of the next block's rows: the
+//     hardware prefetcher alone kept a single core at 20-24 GB/s from DRAM in
+//     bfloat16; in float32 it lifts 4 and 8 rows (25 -> 29, 13 -> 19 GB/s) and
+//     is a wash at 2, but at 1 row float32 streams faster without it
+//     (presumably the prefetches take load slots the hardware prefetcher does
+//     not need there): -8% to +23% over 7 shapes and 2 runs of one process, +3%
+//     to +31% with two processes streaming at once, so float32 prefetches from
+//     2 rows on;
+//   - the K tail through masked (zeroing) loads, the N tail with R = 1;
+//   - the bias added in float32 to the float32 sum, rounded once for a
+//     bfloat16 output (to nearest even, as c10::BFloat16 rounds), so the result
+//     is F.linear's in float32 (rounded), up to the order of the float32 sum;
+//   - at::parallel_for over output rows, in tasks of >= 64 KiB of W (inline
+//     with one intra-op thread, as each rank runs).
+// It takes up to kSmallBatchRows = 8 rows: at 8 it still beat at::mm by
+// 1.2-1.8x (bfloat16) and 1.5-3.3x (float32) cache-resident, 1.15-2.2x and
+// 1.5-2.8x from DRAM; at 9 ATen takes over. Other dtypes go to ATen.
+
+#include "ops/gemv_cpu.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <utility>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace torch_tp {
+
+#if defined(__x86_64__)
+namespace {
+
+// The kernels' instruction set, on these functions only (the rest of the build
+// keeps its flags); cpu_has_avx512_bf16 guards every call into them.
+#define TORCH_TP_GEMV_TARGET gnu::target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+// What the kernels need of an element type T: a 64-byte vector of it (Vec, kStep
+// elements, loaded under a Mask of kStep bits, the others read as zeros),
+// acc + x * w of two such vectors into 16 float32 lanes, and from how many x
+// rows on the kernel prefetches W (NOTE [few-row GEMV on the CPU]).
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<c10::BFloat16> {
+  using Vec = __m512i;
+  using Mask = __mmask32;
+  static constexpr int64_t kStep = 32;
+  static constexpr int kPrefetchFromRows = 1;
+  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline Vec load(Mask mask, const c10::BFloat16* p) {
+    return _mm512_maskz_loadu_epi16(mask, p);
+  }
+  // Pairs of products, each pair summed into one float32 lane.
+  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline __m512 multiply_add(__m512 acc, Vec x, Vec w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+};
+
+template <>
+struct Lanes<float> {
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kStep = 16;
+  static constexpr int kPrefetchFromRows = 2;
+  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline Vec load(Mask mask, const float* p) {
+    return _mm512_maskz_loadu_ps(mask, p);
+  }
+  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline __m512 multiply_add(__m512 acc, Vec x, Vec w) {
+    return _mm512_fmadd_ps(x, w, acc);
+  }
+};
+
+// The sum of v's 16 lanes. GCC 12's plain shuffles (and _mm512_reduce_add_ps)
+// start from an undefined register that -Wmaybe-uninitialized flags; the
+// maskz forms with every lane selected are the same instructions.
+[[TORCH_TP_GEMV_TARGET, gnu::always_inline]] inline float sum_lanes(__m512 v) {
+  constexpr __mmask16 all = 0xffff;
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(all, v, v, 0x4e));  // + the other 256-bit half
+  v = _mm512_add_ps(v, _mm512_maskz_shuffle_f32x4(all, v, v, 0xb1));  // + the neighbouring 128-bit quarter
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(all, v, 0x4e));        // + the other pair in the quarter
+  v = _mm512_add_ps(v, _mm512_maskz_permute_ps(all, v, 0xb1));        // + the neighbouring lane
+  return _mm512_cvtss_f32(v);
+}
+
+// acc[m][r] += x[m][k, k + kStep) . w[r][k, k + kStep), the elements outside `mask` read as zeros.
+template <typename T, int M, int R>
+[[TORCH_TP_GEMV_TARGET, gnu::always_inline]] inline void dot_step(__m512 (&acc)[M][R], const T* x, int64_t ldx,
+                                                                 const T* w, int64_t K, int64_t k,
+                                                                 typename Lanes<T>::Mask mask) {
+  typename Lanes<T>::Vec wv[R];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if constexpr (M >= Lanes<T>::kPrefetchFromRows) {
+      // The same columns of the next block's rows (NOTE [bfloat16 GEMV on the
+      // CPU]); a prefetch past the end of W is harmless, it never faults.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+    }
+    wv[r] = Lanes<T>::load(mask, w + r * K + k);
+  }
+  #pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    const typename Lanes<T>::Vec xv = Lanes<T>::load(mask, x + m * ldx + k);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = Lanes<T>::multiply_add(acc[m][r], xv, wv[r]);
+    }
+  }
+}
+
+// out[m][r] = sum_k x[m][k] * w[r][k] + bias[r] over R rows of W starting at w,
+// for M rows of x (row stride ldx) and out (row stride ldo).
+template <typename T, int M, int R>
+[[TORCH_TP_GEMV_TARGET, gnu::always_inline]] inline void dot_rows(const T* x, int64_t ldx, const T* w, int64_t K,
+                                                                 const T* bias, T* out, int64_t ldo) {
+  using Mask = typename Lanes<T>::Mask;
+  constexpr int64_t kStep = Lanes<T>::kStep;
+  __m512 acc[M][R];
+  #pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = _mm512_setzero_ps();
+    }
+  }
+  int64_t k = 0;
+  for (; k + kStep <= K; k += kStep) {
+    dot_step<T, M, R>(acc, x, ldx, w, K, k, static_cast<Mask>(~Mask{0}));
+  }
+  if (k < K) {
+    dot_step<T, M, R>(acc, x, ldx, w, K, k, static_cast<Mask>((uint64_t{1} << (K - k)) - 1));
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const float b = bias ? static_cast<float>(bias[r]) : 0.0f;
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      out[m * ldo + r] = static_cast<T>(sum_lanes(acc[m][r]) + b);  // bfloat16: rounded to nearest even
+    }
+  }
+}
+
+// Output rows [n_begin, n_end) of every x row.
+template <typename T, int M>
+[[TORCH_TP_GEMV_TARGET]] void gemv_rows(const T* x, int64_t ldx, const T* w, const T* bias, T* out, int64_t ldo,
+                                        int64_t K, int64_t n_begin, int64_t n_end) {
+  // Accumulators: M * R of the 32 vector registers, leaving room for the loads.
+  constexpr int R = M <= 2 ? 8 : M == 3 ? 6 : M == 4 ? 5 : M <= 6 ? 4 : 3;
+  int64_t n = n_begin;
+  for (; n + R <= n_end; n += R) {
+    dot_rows<T, M, R>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo);
+  }
+  for (; n < n_end; ++n) {
+    dot_rows<T, M, 1>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo);
+  }
+}
+
+template <typename T>
+using GemvRows = void (*)(const T*, int64_t, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t);
+
+template <typename T, int... Ms>
+constexpr GemvRows<T> gemv_for(int64_t rows, std::integer_sequence<int, Ms...>) {
+  GemvRows<T> fn = nullptr;
+  ((rows == Ms + 1 ? (fn = gemv_rows<T, Ms + 1>, 0) : 0), ...);
+  return fn;
+}
+
+// out [M, N] = x2d @ weight^T + bias in T, the arguments checked by the caller.
+template <typename T>
+at::Tensor gemv(const at::Tensor& x2d, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t M = x2d.size(0);
+  const int64_t K = x2d.size(1);
+  const int64_t N = weight.size(0);
+  const GemvRows<T> rows = gemv_for<T>(M, std::make_integer_sequence<int, kSmallBatchRows>{});
+  TORCH_INTERNAL_ASSERT(rows != nullptr);
+  // Its own profiler event: the GEMV's time, apart from the op around it (benchmarks/bench_decode.py).
+  RECORD_FUNCTION("torch_tp::small_batch_linear_cpu", std::vector<c10::IValue>());
+  at::Tensor out = at::empty({M, N}, x2d.options());
+  const T* x = x2d.const_data_ptr<T>();
+  const T* w = weight.const_data_ptr<T>();
+  const T* b = bias ? bias->const_data_ptr<T>() : nullptr;
+  T* y = out.mutable_data_ptr<T>();
+  const int64_t ldx = x2d.stride(0);
+  // A task streams at least ~64 KiB of W, so small layers stay on one thread.
+  const int64_t grain = std::max<int64_t>(16, (int64_t{64} << 10) / (static_cast<int64_t>(sizeof(T)) * K));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { rows(x, ldx, w, b, y, N, K, begin, end); });
+  return out;
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return supported;
+}
+
+#undef TORCH_TP_GEMV_TARGET
+
+} // namespace
+#endif
+
+std::optional<at::Tensor> small_batch_linear_cpu(const at::Tensor& x2d, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& bias) {
+#if defined(__x86_64__)
+  const int64_t M = x2d.size(0);
+  const at::ScalarType dtype = x2d.scalar_type();
+  if (!x2d.device().is_cpu() || !weight.device().is_cpu() || (dtype != at::kBFloat16 && dtype != at::kFloat) ||
+      weight.scalar_type() != dtype || M < 1 || M > kSmallBatchRows || x2d.size(1) < 1 || weight.size(0) < 1 ||
+      !weight.is_contiguous() || (x2d.stride(1) != 1) ||
+      (bias && (!bias->device().is_cpu() || bias->scalar_type() != dtype || !bias->is_contiguous())) ||
+      !cpu_has_avx512_bf16()) {
+    return std::nullopt;
+  }
+  return dtype == at::kFloat ? gemv<float>(x2d, weight, bias) : gemv<c10::BFloat16>(x2d, weight, bias);
+#else
+  (void)x2d;
+  (void)weight;
+  (void)bias;
+  return std::nullopt;
+#endif
+}
+
+} // namespace torch_tp
