@@ -8,11 +8,14 @@ on one rank and beside the memory-bandwidth limit (CPU, eager, one intra-op thre
 
 A decode step is bandwidth bound: it streams every weight once per token. The limit is measured the way the
 step is, in the same run: ``gemv`` runs only the step's weight GEMVs (each linear's local weight times one
-token; the unsharded model's on rank 0 alone, the TP shards on every rank at once), so
-``unsharded gemv / tp gemv`` is the best TP speedup this machine allows, and ``torch_tp - tp gemv`` what
-torch_tp spends around the GEMVs. The breakdown of that rest comes from torch.profiler on rank 0 (a few
-untimed steps, per token): the GEMVs (aten::mm), the collectives (torch_tp_backend::* and c10d::* events:
-their time includes waiting for the peer), and everything else (dispatch, Python, attention, norms).
+token; the unsharded model's on rank 0 alone, the TP shards on every rank at once), with F.linear (what the
+unsharded model runs) and with torch_tp's column-parallel op (what the TP model's linears run; for bfloat16
+it has its own kernel, faster than ATen's). So ``unsharded gemv / tp gemv`` is the best TP speedup F.linear
+allows on this machine, ``unsharded gemv / unsharded gemv torch_tp op`` what the kernel alone gains, and
+``torch_tp - tp gemv torch_tp op`` what torch_tp spends around its GEMVs. The breakdown of that rest comes
+from torch.profiler on rank 0 (a few untimed steps, per token): the GEMVs (aten::mm/addmm and torch_tp's
+kernel), the collectives (torch_tp_backend::* and c10d::* events: their time includes waiting for the peer),
+and everything else (dispatch, Python, attention, norms).
 
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
@@ -40,7 +43,10 @@ CONFIGS = {
 }
 VOCAB = 8192
 PROMPT = 64  # tokens in the cache when a step decodes the next one
-IMPLS = ["unsharded", "torch_tp", "dtensor", "unsharded gemv", "tp gemv"]
+IMPLS = ["unsharded", "torch_tp", "dtensor", "unsharded gemv", "tp gemv", "unsharded gemv torch_tp op",
+         "tp gemv torch_tp op"]
+# The GEMVs' profiler events: ATen's, and torch_tp's own small-batch kernel (NOTE [few-row GEMV on the CPU]).
+GEMV_EVENTS = ("aten::mm", "aten::addmm", "torch_tp::small_batch_linear_cpu")
 
 
 def _linears(model: nn.Module) -> List[torch.Tensor]:
@@ -53,14 +59,21 @@ def _linears(model: nn.Module) -> List[torch.Tensor]:
     return weights
 
 
-def _gemvs(weights: List[torch.Tensor]) -> Callable[[], None]:
-    """The step's GEMVs alone: one token through every weight, as F.linear computes it."""
+def _gemvs(weights: List[torch.Tensor], torch_tp_op: bool = False) -> Callable[[], None]:
+    """The step's GEMVs alone: one token through every weight, as F.linear computes it, or (``torch_tp_op``)
+    as torch_tp's column-parallel op does (its forward on a replicated input is the local GEMV alone, no
+    communication), which the TP model's linears run."""
     xs = [torch.randn(1, 1, w.size(1), dtype=w.dtype) for w in weights]
+    group_name = dist.group.WORLD.group_name
 
     def run() -> None:
         for w, x in zip(weights, xs):
             torch.nn.functional.linear(x, w)
-    return run
+
+    def run_op() -> None:
+        for w, x in zip(weights, xs):
+            torch.ops.torch_tp.column_parallel_linear(x, w, None, group_name)
+    return run_op if torch_tp_op else run
 
 
 class Case:
@@ -91,8 +104,10 @@ class Case:
                 model(prompt, cache)
             self.steps[impl] = self._decode(model, cache, prompt[:, -1:])
             self.outputs[impl] = self.steps[impl]()
-        self.steps["unsharded gemv"] = _gemvs(_linears(reference)) if self.rank == 0 else (lambda: None)
-        self.steps["tp gemv"] = _gemvs(_linears(self.models["torch_tp"]))
+        for suffix, op in (("", False), (" torch_tp op", True)):
+            self.steps["unsharded gemv" + suffix] = _gemvs(_linears(reference), op) if self.rank == 0 \
+                else (lambda: None)
+            self.steps["tp gemv" + suffix] = _gemvs(_linears(self.models["torch_tp"]), op)
         self.weight_mib = sum(w.numel() * w.element_size() for w in _linears(reference)) / 2**20
 
     @staticmethod
@@ -118,7 +133,7 @@ def breakdown(step: Callable[[], None], tokens: int = 10) -> Dict[str, float]:
     prof = harness.profile(step, tokens)
     mm = collectives = 0.0
     for e in prof.key_averages():
-        if e.key == "aten::mm":
+        if e.key in GEMV_EVENTS:
             mm += e.self_cpu_time_total
         elif e.key.startswith(("torch_tp_backend::", "c10d::")) and "barrier" not in e.key:
             collectives += e.self_cpu_time_total
@@ -129,8 +144,10 @@ def measure(args):
     group = dist.group.WORLD
     mesh = init_device_mesh("cpu", (group.size(),), mesh_dim_names=("tp",))
     table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp"),
-                                               ("unsharded gemv", "tp gemv")],
-                          paired=[("torch_tp", "tp gemv")])
+                                               ("unsharded gemv", "tp gemv"),
+                                               ("unsharded gemv", "unsharded gemv torch_tp op"),
+                                               ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
+                          paired=[("torch_tp", "tp gemv torch_tp op")])
     repeats = 15 if args.quick else 100
     for name in args.configs:
         for dtype_name in args.dtypes:
@@ -148,7 +165,7 @@ def measure(args):
             tp = samples.median("torch_tp", "ms")
             extra = {"weights MiB": case.weight_mib,
                      "torch_tp tokens/s": 1e3 / tp,
-                     "torch_tp: mm ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
+                     "torch_tp: gemv ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
                      "torch_tp: rest ms": tp - parts["mm"] - parts["collectives"]}
             table.add({"config": name, "dtype": dtype_name}, samples, extra=extra)
             del case
@@ -165,9 +182,13 @@ def measure(args):
         f"holding {PROMPT} (cache rewound "
         "before each sample), logits gathered. **unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
         "(`F.linear` of one token with each linear's weight: whole on rank 0 alone / each rank's shard at once), "
-        "the bandwidth limit measured like the step. `torch_tp: mm/collectives/rest`: rank 0's torch.profiler "
-        "self times per token over 10 untimed steps (collectives include waiting for the peer; rest = the "
-        "step's median minus both: dispatch, Python, attention, norms). Before timing, the TP logits are checked "
+        "the bandwidth limit measured like the step; **... torch_tp op**: the same GEMVs through torch_tp's "
+        "column-parallel op, which runs its own bfloat16 kernel for a few rows on the CPU (NOTE [bfloat16 GEMV "
+        "on the CPU] in csrc/ops/gemv_cpu.cpp) and ATen's GEMM otherwise: the limit of the TP step, whose "
+        "linears run that op, while the unsharded model runs F.linear. `torch_tp: gemv/collectives/rest`: rank "
+        "0's torch.profiler self times per token over 10 untimed steps (gemv: aten::mm/addmm and the torch_tp "
+        "kernel; collectives include waiting for the peer; rest = the step's median minus both: dispatch, "
+        "Python, attention, norms). Before timing, the TP logits are checked "
         "against the unsharded model's (1e-4 fp32, 5e-2 bf16 of the largest logit).",
         "tables": [table],
         "notes": [],
