@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/distributed/c10d/debug.h>
 #include <torch/version.h>
@@ -63,27 +64,66 @@ c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, const 
 #endif
 }
 
-// The first `rows` rows of `front` with dim 0 moved back to `dim`, contiguous.
-// The view ops are skipped where they would change nothing (dim 0, all
-// rows): each is a dispatcher round trip and a new TensorImpl, a good part of
-// what a small collective costs.
-at::Tensor rows_back_to_dim(const at::Tensor& front, int64_t rows, int64_t dim) {
-  const at::Tensor first = rows == front.size(0) ? front : front.narrow(0, 0, rows);
-  return (dim == 0 ? first : first.movedim(0, dim)).contiguous();
+// NOTE [rank blocks without moving the dim to the front]
+// A collective along dim d of x [outer.., s, inner..] works on x as three
+// dims [outer, s, inner] (outer: the product of the sizes before d, inner:
+// of those after it), which is a view of a contiguous x. The backends gather
+// and scatter along dim 0, in rank-major blocks [p * outer, c, inner] (c:
+// the torch.chunk rows per rank, c * p >= n, zero rows past n):
+//   all-gather:     each rank's x as it is, [outer, c, inner] -> blocks
+//                   [p, outer, c, inner] -> one permuted copy to
+//                   [outer, p * c, inner], the first n rows of dim 1;
+//   reduce-scatter: one permuted copy of x [outer, p * c, inner] to blocks
+//                   [p, outer, c, inner] -> this rank's reduced block
+//                   [outer, c, inner], already x's layout.
+// One copy per call, where moving d to the front and back again copied the
+// input and the output (two movedim().contiguous()); the sequence-parallel
+// gathers and reduce-scatters of [b, s, h] along s are that case. With
+// d = 0 (outer = 1) the blocks are x itself and nothing is copied, as before.
+// Uneven pieces add a copy for the zero rows.
+
+// x [.., s, ..] as [outer, rows, inner], contiguous: x's own s rows along
+// dim, then zero rows up to `rows`.
+at::Tensor padded_blocks(const at::Tensor& x, int64_t dim, int64_t rows) {
+  const int64_t outer = c10::multiply_integers(x.sizes().slice(0, dim));
+  const int64_t inner = c10::multiply_integers(x.sizes().slice(dim + 1));
+  at::Tensor x3 = x.reshape({outer, x.size(dim), inner});
+  if (x3.size(1) == rows) {
+    return x3.contiguous();
+  }
+  at::Tensor padded = at::zeros({outer, rows, inner}, x.options());
+  padded.narrow(1, 0, x3.size(1)).copy_(x3);
+  return padded;
 }
 
-// x moved so that `dim` leads, as one contiguous block of `rows` rows: x's own
-// rows, then zeros. [.., n, ..] -> [rows, rest]. (No movedim for dim 0, as above.)
-at::Tensor front_padded(const at::Tensor& x, int64_t dim, int64_t rows) {
-  at::Tensor front = dim == 0 ? x : x.movedim(dim, 0);
-  if (front.size(0) == rows) {
-    return front.contiguous();
+// [outer, p * c, inner] <-> rank-major blocks [p * outer, c, inner]: block r
+// holds rows [r * c, (r + 1) * c) of dim 1. A view when outer is 1, else a copy.
+at::Tensor to_rank_major(const at::Tensor& rows, int64_t world_size) {
+  const int64_t outer = rows.size(0);
+  const int64_t chunk = rows.size(1) / world_size;
+  const int64_t inner = rows.size(2);
+  if (outer == 1) {
+    return rows.view({world_size, chunk, inner});
   }
-  auto sizes = front.sizes().vec();
-  sizes[0] = rows;
-  at::Tensor padded = at::zeros(sizes, front.options());
-  padded.narrow(0, 0, front.size(0)).copy_(front);
-  return padded;
+  return rows.view({outer, world_size, chunk, inner}).permute({1, 0, 2, 3}).reshape({world_size * outer, chunk, inner});
+}
+
+at::Tensor from_rank_major(const at::Tensor& blocks, int64_t world_size) {
+  const int64_t outer = blocks.size(0) / world_size;
+  const int64_t chunk = blocks.size(1);
+  const int64_t inner = blocks.size(2);
+  if (outer == 1) {
+    return blocks.view({1, world_size * chunk, inner});
+  }
+  return blocks.view({world_size, outer, chunk, inner}).permute({1, 0, 2, 3}).reshape({outer, world_size * chunk, inner});
+}
+
+// rows [outer, m, inner] -> the first `n` of its m rows in x's dims, with n rows along dim, contiguous.
+at::Tensor first_rows_as(const at::Tensor& rows, int64_t n, const at::Tensor& x, int64_t dim) {
+  auto sizes = x.sizes().vec();
+  sizes[dim] = n;
+  const at::Tensor first = n == rows.size(1) ? rows : rows.narrow(1, 0, n);
+  return first.reshape(sizes).contiguous();
 }
 
 // The backend that serves x's device on `group`; null when the group has
@@ -362,12 +402,11 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
     return PendingCollective({}, [out = x.clone(at::MemoryFormat::Contiguous)] { return out; }, op, group, x);
   }
   c10::OptionalDeviceGuard device_guard(x.device());
-  // x [.., s, ..] -> front [c, rest] (padded) -> gathered [p*c, rest] -> first n rows, moved back: [.., n, ..].
+  // x [.., s, ..] -> front [outer, c, inner] (padded) -> gathered [p*outer, c, inner] -> [outer, p*c, inner]
+  // -> the first n rows: [.., n, ..] (NOTE [rank blocks without moving the dim to the front]).
   const int64_t chunk = chunk_rows(n, world_size);
-  at::Tensor front = front_padded(x, dim, chunk);
-  auto sizes = front.sizes().vec();
-  sizes[0] = chunk * world_size;
-  at::Tensor gathered = at::empty(sizes, front.options());
+  at::Tensor front = padded_blocks(x, dim, chunk);
+  at::Tensor gathered = at::empty({world_size * front.size(0), chunk, front.size(2)}, front.options());
   c10d::AllgatherOptions opts;
   opts.asyncOp = async_op;
   auto work = launch(
@@ -380,7 +419,9 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
         return all_gather_into(*group, gathered, front, opts);
       },
       dim_arg, dim);
-  auto finish = [gathered, front, n, dim] { return rows_back_to_dim(gathered, n, dim); };
+  auto finish = [gathered, front, n, x, dim, world_size] {
+    return first_rows_as(from_rank_major(gathered, world_size), n, x, dim);
+  };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }
 
@@ -395,26 +436,25 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     return PendingCollective({}, [out = x.clone(at::MemoryFormat::Contiguous)] { return out; }, op, group, x);
   }
   c10::OptionalDeviceGuard device_guard(x.device());
-  // x [.., n, ..] -> front [p*c, rest] (zero rows appended) -> piece [c, rest]
-  // (rows r*c.. of the reduction) -> this rank's rows, moved back: [.., s_r, ..].
+  // x [.., n, ..] -> [outer, p*c, inner] (zero rows appended) -> front [p*outer, c, inner] (rank-major)
+  // -> piece [outer, c, inner] (rows r*c.. of the reduction) -> this rank's rows: [.., s_r, ..]
+  // (NOTE [rank blocks without moving the dim to the front]).
   const int64_t n = x.size(dim);
   const int64_t chunk = chunk_rows(n, world_size);
   const int64_t length = chunk_range(n, world_size, group->getRank()).length;
-  at::Tensor front = front_padded(x, dim, chunk * world_size);
-  auto sizes = front.sizes().vec();
-  sizes[0] = chunk;
-  auto finish_piece = [length, dim, reduction, world_size](const at::Tensor& piece) {
+  at::Tensor front = to_rank_major(padded_blocks(x, dim, chunk * world_size), world_size);
+  auto finish_piece = [length, x, dim, reduction, world_size](const at::Tensor& piece) {
     if (reduction == Reduction::Avg) {
       piece.div_(world_size);  // the padding rows too: they are dropped
     }
-    return rows_back_to_dim(piece, length, dim);
+    return first_rows_as(piece, length, x, dim);
   };
   c10d::Backend* const backend = backend_for(*group, x);
   if (reduce_scatters_by_all_to_all(backend)) {
     return reduce_scatter_by_all_to_all(op, group, async_op, x, front, reduction, std::move(finish_piece), dim_arg,
                                         dim);
   }
-  at::Tensor piece = at::empty(sizes, front.options());
+  at::Tensor piece = at::empty({front.size(0) / world_size, chunk, front.size(2)}, front.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(reduction);
   opts.asyncOp = async_op;
