@@ -123,12 +123,13 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # Where torch returns a DTensor (SequenceParallel's output, PrepareModuleInput's
 # gathered input, a linear with use_local_output=False), torch_tp hands back a
 # _HandedDTensor: a DTensor of the same global shape, placements and values,
-# made without an autograd node: ~2-4 us, where DTensor.from_local or an
-# autograd Function costs ~15 us and a backward node. It carries the local
-# tensor it wraps, with that tensor's autograd history, and the next torch_tp
-# module (a PrepareModuleInput after a SequenceParallel norm, the
-# column-parallel linears after a PrepareModuleInput) computes on the local
-# tensor directly. Anything else that uses it as a tensor (a torch function or
+# made without an autograd node. Made and read back by the next module, it
+# costs 3.7 us, 5.9 with a gradient (the hook below), where DTensor.from_local
+# and to_local cost ~15 us and two backward nodes (benchmarks/bench_handoff.py).
+# It carries the local tensor it wraps, with that tensor's autograd history,
+# and the next torch_tp module (a PrepareModuleInput after a SequenceParallel
+# norm, the column-parallel linears after a PrepareModuleInput) computes on the
+# local tensor directly. Anything else that uses it as a tensor (a torch function or
 # Tensor method, through its __torch_function__; DTensor's to_local,
 # redistribute, full_tensor) gets its twin: an ordinary differentiable DTensor
 # over the same local tensor, made the first time one is needed. Reading its
@@ -374,10 +375,13 @@ def from_dtensor(x, declared: Placement, group: TPGroup,
     a caller that needs it asks ``global_shape_of`` (NOTE [global sizes of
     plain shards]), so that only the calls that use it may pay for it.
     """
+    if type(x) is _HandedDTensor:  # torch_tp's own, on a 1-D mesh: its spec says all, without torch functions
+        spec = dtensor_spec(x)
+        return x.local(), normalize(spec.placements[0], len(spec.shape)), spec.shape
     if isinstance(x, DTensor):
         if x.device_mesh.ndim != 1:
             raise ValueError(f"torch_tp: expected a DTensor on a 1-D mesh, got one on {x.device_mesh}")
-        local = x.local() if type(x) is _HandedDTensor else x.to_local()
+        local = x.to_local()
         placement, global_shape = normalize(x.placements[0], x.ndim), x.shape
         if isinstance(placement, Shard) and torch.compiler.is_compiling():
             _refuse_empty_pieces_under_compile(global_shape, placement.dim, group)

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""What handing a DTensor from one tensor-parallel module to the next costs, per call (CPU, eager).
+
+    torchrun --nproc-per-node 2 benchmarks/bench_handoff.py [--quick]
+
+Where a plan asks for DTensors between modules (SequenceParallel's output, PrepareModuleInput's with torch's
+default ``use_local_output=False``, as in torchtitan's plan), the producing module wraps its local result as a
+DTensor and the next module takes the local tensor back. No data moves; the cost is the wrapping:
+
+- **torch_tp**: what torch_tp's styles run, ``_layout.to_dtensor`` (a ``_HandedDTensor``, NOTE [DTensors handed
+  between torch_tp modules]) and then ``_layout.from_dtensor``, which the next torch_tp module calls;
+- **dtensor**: what torch's styles run, ``DTensor.from_local(..., run_check=False, shape=, stride=)`` and then
+  ``.to_local()`` (two autograd Functions when the tensor requires grad);
+- **floor**: the local tensor handed on as it is (a Python call returning it).
+
+Each is timed with the local tensor ``[4, 32, 256]`` (the example's sequence shard) requiring grad and not, in
+batches of back-to-back calls; the handoff's backward is not included (torch's adds two autograd nodes per
+handoff to the backward, torch_tp's none).
+
+Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import harness
+from torch_tp.parallel._layout import ForwardRecords, contiguous_stride, from_dtensor, to_dtensor, tp_group
+
+IMPLS = ["torch_tp", "dtensor", "floor"]
+
+
+def measure(args):
+    group = dist.group.WORLD
+    p = group.size()
+    mesh = init_device_mesh("cpu", (p,))
+    tp = tp_group(mesh)
+    records = ForwardRecords()
+    placement = Shard(1)
+    table = harness.Table("us", IMPLS, ratios=[("dtensor", "torch_tp")],
+                          paired=[("torch_tp", "floor"), ("dtensor", "floor")])
+    batch = 200 if args.quick else 2000
+    repeats = 5 if args.quick else 30
+    for requires_grad in (True, False):
+        local = torch.randn(4, 32, 256, requires_grad=requires_grad)
+        global_shape = torch.Size((4, 32 * p, 256))
+        stride = contiguous_stride(global_shape)
+
+        def torch_tp_handoff():
+            handed = to_dtensor(local, mesh, placement, global_shape, records)
+            return from_dtensor(handed, placement, tp, records)[0]
+
+        def dtensor_handoff():
+            dt = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
+            return dt.to_local()
+
+        def floor():
+            return local
+
+        for check in (torch_tp_handoff, dtensor_handoff):
+            out = check()
+            assert out.shape == local.shape and out.data_ptr() == local.data_ptr()
+        samples = harness.time_interleaved({"torch_tp": torch_tp_handoff, "dtensor": dtensor_handoff,
+                                            "floor": floor}, repeats, group, calls=batch, warmup=2,
+                                           barrier="round", order=harness.permutations(IMPLS))
+        table.add({"requires_grad": requires_grad}, samples)
+    return {
+        "tag": "bench_handoff",
+        "stem": "handoff",
+        "title": "Handing a DTensor between modules: torch_tp vs DTensor",
+        "about": f"CPU, eager, {p} ranks, one intra-op thread. Per call: wrap a local sequence shard [4, 32, 256] as "
+        "a Shard(1) DTensor and take the local tensor back, as the module after a SequenceParallel or "
+        "PrepareModuleInput does. **torch_tp**: `to_dtensor` then `from_dtensor` (torch_tp/parallel/_layout.py); "
+        "**dtensor**: `DTensor.from_local(run_check=False, shape=, stride=)` then `to_local()`, as torch's styles; "
+        f"**floor**: the tensor handed on as it is. Samples of {batch} back-to-back calls (the forward only).",
+        "tables": [table],
+        "notes": [],
+    }
+
+
+def main(argv) -> int:
+    p = harness.parser(__doc__, quick="smoke run: few repeats, short batches")
+    args = p.parse_args(argv)
+    return harness.run("bench_handoff", args, lambda: measure(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
