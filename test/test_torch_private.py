@@ -262,3 +262,12 @@ def test_disable_torch_function_subclass():
     assert not calls and shape == (2,) and torch.equal(y, torch.full((2,), 2.0))
     x + 1
     assert calls
+
+
+def test_set_post_accumulate_grad_hooks():
+    """The dict set whole is what AccumulateGrad calls, after .grad is updated, with the leaf."""
+    seen = []
+    leaf = torch.ones(2, requires_grad=True)
+    private.set_post_accumulate_grad_hooks(leaf, {0: lambda t: seen.append(t.grad.clone())})
+    (leaf * 3).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((2,), 3.0))

@@ -195,3 +195,13 @@ disable_torch_function_subclass = _lookup("torch._C", "DisableTorchFunctionSubcl
 as ``Tensor.__torch_function__`` runs a function; torch functions modes stay on.
 loss_parallel's DTensor ``__torch_function__`` and a handed DTensor's metadata reads
 run the function this way, as DTensor (whose torch function is off) would."""
+
+
+def set_post_accumulate_grad_hooks(tensor: "torch.Tensor", hooks: dict) -> None:
+    """Give the leaf ``tensor`` the post-accumulate-grad hooks ``hooks`` (id -> hook(tensor)):
+    ``Tensor._post_accumulate_grad_hooks``, the dict AccumulateGrad calls after updating
+    ``.grad``, which ``register_post_accumulate_grad_hook`` fills one hook at a time. Set
+    whole, one shared dict serves every handed DTensor without that method's handle and
+    torch.compile guard (~2-3 us a call; NOTE [DTensors handed between torch_tp modules]
+    in parallel/_layout.py)."""
+    tensor._post_accumulate_grad_hooks = hooks
