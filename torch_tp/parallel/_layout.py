@@ -107,17 +107,18 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # DTensor would sum with one reduce-scatter. torch_tp gets the same without
 # DTensor's redistribute in either direction: it all-gathers the local shard
 # with torch_tp's all_gather (backward: sum reduce-scatter of partial
-# gradients) and wraps the result; the root's ForwardRecords pair the wrapper
-# with the gathered local tensor while the prepared module's forward runs, and
-# torch_tp's column-parallel layers take it from there with
-# partial_grad_input, so their gradients meet at the all_gather as partial
-# sums. Any other consumer uses the DTensor as a DTensor; its (complete)
-# gradient reaches the gathered tensor as partial sums through
-# _CompleteGradAsPartial, so both kinds of consumer can be mixed. The pairs
-# are a plain list that lives only as long as the prepared module's forward
-# (its forward hook drops them): torch.compile traces the appends and the
-# removal within one graph, and the list is empty again, as its guard expects,
-# when the next block starts.
+# gradients) and hands the result on as a DTensor that carries the gathered
+# tensor (NOTE [DTensors handed between torch_tp modules]); torch_tp's
+# column-parallel layers take it from there with partial_grad_input, so their
+# gradients meet at the all_gather as partial sums. Any other consumer uses
+# the DTensor as a DTensor; its (complete) gradient reaches the gathered
+# tensor as partial sums through _CompleteGradAsPartial, so both kinds of
+# consumer can be mixed. Under torch.compile the wrapper is DTensor.from_local's
+# and the root's ForwardRecords pair it with the gathered tensor instead, in a
+# plain list that lives only as long as the prepared module's forward (its
+# forward hook drops them): torch.compile traces the appends and the removal
+# within one graph, and the list is empty again, as its guard expects, when
+# the next block starts.
 
 # NOTE [DTensors handed between torch_tp modules]
 # Where torch returns a DTensor (SequenceParallel's output, PrepareModuleInput's
@@ -159,10 +160,10 @@ _NO_TWIN_NEEDED = frozenset({
 class _HandedDTensor(DTensor):
     """A DTensor torch_tp hands from one of its modules to the next (NOTE [DTensors handed
     between torch_tp modules]). ``_tp_local``: the local tensor, whose gradient is complete
-    (a shard's piece, or the whole of a replicated tensor), or None to make it with
-    ``_tp_complete``; ``_tp_partial``: for a gathered replicated tensor, the gathered tensor,
-    for consumers whose input gradient is a partial sum; ``_tp_twin``: the differentiable
-    DTensor, once something needed it."""
+    (a shard's piece, or the whole of a replicated tensor); None until :meth:`local` makes
+    it from ``_tp_partial``, a gathered replicated tensor whose consumers' gradients are
+    partial sums (passed on as such from rank ``_tp_rank``: _CompleteGradAsPartial);
+    ``_tp_twin``: the differentiable DTensor, once something needed it."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
