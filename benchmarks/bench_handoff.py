@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import harness
-from torch_tp.parallel._layout import ForwardRecords, contiguous_stride, from_dtensor, to_dtensor, tp_group
+from torch_tp.parallel._layout import contiguous_stride, from_dtensor, to_dtensor, tp_group
 
 IMPLS = ["torch_tp", "dtensor", "floor"]
 
@@ -38,7 +38,6 @@ def measure(args):
     p = group.size()
     mesh = init_device_mesh("cpu", (p,))
     tp = tp_group(mesh)
-    records = ForwardRecords()
     placement = Shard(1)
     table = harness.Table("us", IMPLS, ratios=[("dtensor", "torch_tp")],
                           paired=[("torch_tp", "floor"), ("dtensor", "floor")])
@@ -50,8 +49,8 @@ def measure(args):
         stride = contiguous_stride(global_shape)
 
         def torch_tp_handoff():
-            handed = to_dtensor(local, mesh, placement, global_shape, records)
-            return from_dtensor(handed, placement, tp, records)[0]
+            handed = to_dtensor(local, mesh, placement, global_shape)
+            return from_dtensor(handed, placement, tp)[0]
 
         def dtensor_handoff():
             dt = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)

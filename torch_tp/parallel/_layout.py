@@ -227,7 +227,7 @@ def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh
     full = torch.ops.torch_tp.all_gather(local, dim, group.name, full_size)
     if not torch.compiler.is_compiling():
         return _hand(None, full, group.rank, _spec(mesh, Replicate(), full.shape, full.dtype), full.requires_grad)
-    dt = to_dtensor(_CompleteGradAsPartial.apply(full, group.rank), mesh, Replicate(), full.shape, records)
+    dt = to_dtensor(_CompleteGradAsPartial.apply(full, group.rank), mesh, Replicate(), full.shape)
     records.gathered.append((dt, full))
     return dt
 
@@ -372,8 +372,7 @@ def generation_layout(placement: Placement, ndim: int, records: ForwardRecords) 
     return placement
 
 
-def from_dtensor(x, declared: Placement, group: TPGroup,
-                 records: ForwardRecords) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
+def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, Placement, Optional[torch.Size]]:
     """``(local tensor, its placement, global shape or None)``.
 
     A DTensor brings its own placement and global shape; a plain tensor is
@@ -500,7 +499,7 @@ def _spec(mesh, placement: Placement, global_shape: torch.Size, dtype: torch.dty
     return spec
 
 
-def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape, records: ForwardRecords) -> DTensor:
+def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape) -> DTensor:
     """Wrap ``local`` as the DTensor torch would hand back, with the global shape
     given explicitly so that uneven shards are described correctly."""
     global_shape = torch.Size(global_shape)

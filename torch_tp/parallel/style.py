@@ -213,7 +213,7 @@ class _ShardedModule(_ParallelModule):
         state.records.record_shard(local, placement, state.group, global_shape)
         if state.use_local_output:
             return local
-        return to_dtensor(local, state.mesh, placement, global_shape, state.records)
+        return to_dtensor(local, state.mesh, placement, global_shape)
 
 
 class _ColwiseModule(_ShardedModule):
@@ -236,7 +236,7 @@ class _ColwiseModule(_ShardedModule):
         how many dims the op's output has beyond the input's (an embedding adds its features)."""
         state = self._tp_state
         declared = generation_layout(state.input_layout, x.dim() + added_dims, state.records)
-        local, layout, global_shape = from_dtensor(x, declared, state.group, state.records)
+        local, layout, global_shape = from_dtensor(x, declared, state.group)
         if isinstance(layout, Replicate):
             return local, None, None
         if isinstance(layout, Shard) and layout.dim != local.dim() + added_dims - 1:
@@ -336,7 +336,7 @@ class _RowwiseLinear(_RowwiseModule):
                 if dim is not None:
                     state.records.shard_sizes[(group.name, out.dim(), dim)] = x.size(dim)
                 return out
-        local, layout, _ = from_dtensor(x, state.input_layout, group, state.records)
+        local, layout, _ = from_dtensor(x, state.input_layout, group)
         last = Shard(local.dim() - 1)
         if layout != last:
             local = convert(local, layout, last, group, None, state.records)
@@ -352,7 +352,7 @@ class _RowwiseEmbedding(_RowwiseModule):
         state = self._tp_state
         group = state.group
         declared = generation_layout(state.input_layout, ids.dim() + 1, state.records)
-        local, layout, global_shape = from_dtensor(ids, declared, group, state.records)
+        local, layout, global_shape = from_dtensor(ids, declared, group)
         if isinstance(layout, Shard):
             full = global_shape_of(local, layout, global_shape, group, state.records)[layout.dim]
             local = torch.ops.torch_tp.all_gather(local, layout.dim, group.name, full)
@@ -430,7 +430,7 @@ class _SequenceParallelModule(_ParallelModule):
                     and normalize(x.placements[0], x.ndim) != normalize(sharding, x.ndim):
                 # Sharded on another dim (a batch-sharded Shard(0) input): DTensor moves it, as in torch.
                 x = x.redistribute(state.mesh, (sharding,))
-            local, layout, global_shape = from_dtensor(x, sharding, group, records)
+            local, layout, global_shape = from_dtensor(x, sharding, group)
             global_shape = global_shape_of(local, layout, global_shape, group, records)
             wanted = normalize(sharding, local.dim())
             if layout != wanted:
@@ -444,8 +444,7 @@ class _SequenceParallelModule(_ParallelModule):
         if not isinstance(output, torch.Tensor):
             return output
         if isinstance(sharding, Replicate):
-            return output if state.use_local_output else to_dtensor(output, state.mesh, sharding, output.shape,
-                                                                    records)
+            return output if state.use_local_output else to_dtensor(output, state.mesh, sharding, output.shape)
         wanted = normalize(sharding, output.dim())
         if global_shape is None or len(global_shape) != output.dim():
             global_shape = list(output.shape)
@@ -456,7 +455,7 @@ class _SequenceParallelModule(_ParallelModule):
         records.record_shard(output, wanted, group, global_shape)
         if state.use_local_output:
             return output
-        return to_dtensor(output, state.mesh, wanted, global_shape, records)
+        return to_dtensor(output, state.mesh, wanted, global_shape)
 
 
 # ---------------------------------------------------------------- the styles
@@ -668,7 +667,7 @@ def _prepare(value, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords, l
     if isinstance(value, torch.Tensor):  # NOTE [generating under a sequence-parallel or loss_parallel plan]
         layout = generation_layout(layout, value.dim(), records)
         desired = None if desired is None else generation_layout(desired, value.dim(), records)
-    local, actual, global_shape = from_dtensor(value, layout, group, records)
+    local, actual, global_shape = from_dtensor(value, layout, group)
     target = actual if desired is None else normalize(desired, local.dim())
     if use_local_output and target == actual:
         return local
@@ -679,7 +678,7 @@ def _prepare(value, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords, l
         return gather_to_replicated_dtensor(local, actual.dim, mesh, group, global_shape[actual.dim], records)
     # Other moves of a DTensor: let DTensor make them, so that the gradients of
     # what consumes it (partial or not) are reduced as torch reduces them.
-    dt = value if isinstance(value, DTensor) else to_dtensor(local, mesh, actual, global_shape, records)
+    dt = value if isinstance(value, DTensor) else to_dtensor(local, mesh, actual, global_shape)
     return dt if target == actual else dt.redistribute(mesh, (target,))
 
 
@@ -750,8 +749,8 @@ class PrepareModuleInput(ParallelStyle):
             module.register_forward_pre_hook(
                 lambda module, inputs: self._prepare_inputs(inputs, device_mesh, group, module._tp_state.records))
         if not self.use_local_output:
-            # A gathered Replicate DTensor is paired with its local tensor only while the
-            # module runs (NOTE [replicated DTensor inputs without DTensor] in _layout.py).
+            # Under torch.compile a gathered Replicate DTensor is paired with its local tensor only
+            # while the module runs (NOTE [replicated DTensor inputs without DTensor] in _layout.py).
             module.register_forward_hook(
                 lambda module, inputs, kwargs, _output: module._tp_state.records.forget_gathered(
                     inputs + tuple(kwargs.values())), with_kwargs=True)
