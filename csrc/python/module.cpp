@@ -2,19 +2,23 @@
 // static initialisers register the torch_tp ops with the dispatcher. The module
 // carries the facts of the build that `import torch_tp` checks (a library
 // built against another torch fails with a clear message instead of an
-// undefined symbol), the bindings of the DDP reducer (ddp.cpp) and the
-// constructor of the "torch_tp" process-group backend (backend.cpp).
+// undefined symbol), the bindings of the DDP reducer (ddp.cpp), the
+// constructor of the "torch_tp" process-group backend (backend.cpp) and the
+// unwrap of DTensor parameters for the forwards (parameters.cpp).
 
 #include <pybind11/pybind11.h>
 
 namespace torch_tp::python {
 void init_ddp(pybind11::module_& m);
 void init_backend(pybind11::module_& m);
+void init_parameters(pybind11::module_& m);
 } // namespace torch_tp::python
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*, the DDP reducer and the torch_tp backend";
+  m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*, the DDP reducer, the torch_tp backend and "
+           "the parameter unwrap";
   m.attr("built_with_torch") = TORCH_TP_TORCH_VERSION;
   torch_tp::python::init_ddp(m);
   torch_tp::python::init_backend(m);
+  torch_tp::python::init_parameters(m);
 }

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
 
+from .._C import _local_parameter as local_parameter
 from .._torch_private import DTensorSpec, dtensor_from_spec, dtensor_local, dtensor_spec
 
 # The qualified name (from the module parallelize_module was given) of the
@@ -105,34 +106,26 @@ def distribute_parameters(module: nn.Module, placements: Dict[str, Placement], m
     return [module._parameters[name] for name in names]
 
 
-class _LocalTensor(torch.autograd.Function):
-    """``param`` (a DTensor) -> a view of its local tensor; the local gradient goes back
-    wrapped as a DTensor with ``grad_spec`` (NOTE [unwrapping a parameter])."""
-
-    @staticmethod
-    def forward(ctx, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
-        ctx.grad_spec = grad_spec
-        local = dtensor_local(param)
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        spec = ctx.grad_spec
-        if torch.is_grad_enabled():  # create_graph: the gradient must stay differentiable
-            return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                      stride=spec.stride), None
-        return dtensor_from_spec(grad.contiguous(), spec, requires_grad=False), None
+def _gradient_dtensor(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A parameter's local gradient as the DTensor its ``.grad`` holds (NOTE [unwrapping a parameter]);
+    called by the unwrap's C++ backward node."""
+    if torch.is_grad_enabled():  # create_graph: the gradient must stay differentiable
+        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+    return dtensor_from_spec(grad.contiguous(), spec, requires_grad=False)
 
 
 # NOTE [unwrapping a parameter]
 # DTensor.to_local() is the public way, and what runs under torch.compile. In
 # eager mode its backward rebuilds the gradient DTensor through
-# DTensor.from_local (another autograd Function and a spec recomputation),
-# a per-parameter, per-step cost that shows in the eager step of a model with
-# many small parameters. _LocalTensor does the same with
-# the parameter's own spec (or its Partial twin) and DTensor's constructor.
-# The gradient is contiguous, as the local tensor is, so AccumulateGrad can
-# take it as .grad without a copy.
+# DTensor.from_local (another autograd Function and a spec recomputation), and
+# an autograd.Function of our own would still run two Python frames per
+# parameter and step: per-parameter costs that show in the eager step of a
+# model with many small parameters. The eager unwrap is one C++ node instead
+# (NOTE [the parameter unwrap in C++] in csrc/python/parameters.cpp), whose
+# backward builds the gradient with the parameter's own spec (or its Partial
+# twin) and DTensor's constructor. The gradient is contiguous, as the local
+# tensor is, so AccumulateGrad can take it as .grad without a copy.
 
 
 def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> Optional[torch.Tensor]:
@@ -142,14 +135,17 @@ def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> O
     used on a sequence shard). Plain tensors and ``None`` are returned as they are."""
     if not isinstance(param, DTensor):
         return param
-    if not torch.is_grad_enabled() or not param.requires_grad:
+    if not torch.is_grad_enabled():
         return dtensor_local(param)
     if torch.compiler.is_compiling():
+        if not param.requires_grad:
+            return dtensor_local(param)
         return param.to_local(grad_placements=(Partial(),) if partial_grad else None)
-    spec = dtensor_spec(param)
-    if partial_grad:
-        spec = _partial_twin(param)
-    return _LocalTensor.apply(param, spec)
+    # The C++ unwrap reads requires_grad itself (no torch function on the way, which
+    # loss_parallel() turns on for DTensors) and returns the local tensor as it is when the
+    # parameter does not require grad.
+    spec = _partial_twin(param) if partial_grad else dtensor_spec(param)
+    return local_parameter(param, dtensor_local(param), spec, _gradient_dtensor)
 
 
 # A spec's Partial() twin, while the spec lives (the specs of the DTensor views
@@ -165,3 +161,4 @@ def _partial_twin(param: DTensor) -> DTensorSpec:
     if twin is None:
         twin = _partial_twins[spec] = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
     return twin
+

@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .._torch_private import queue_autograd_callback
+from .._torch_private import dtensor_from_spec, dtensor_local, dtensor_spec, queue_autograd_callback
 
 # id(parameter) -> (registration number, parameter): parameters whose .grad
 # holds Partial sums that the next end-of-backward callback completes. Strong
@@ -89,15 +89,15 @@ def _complete_pending() -> None:
             buckets.setdefault(key, []).append((param, grad))
     with torch.no_grad():
         for (group_name, _, _), items in buckets.items():
-            locals_ = [grad.to_local() for _, grad in items]
+            locals_ = [dtensor_local(grad) for _, grad in items]
             flat = torch.ops.torch_tp.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), "sum", group_name)
             offset = 0
-            for (param, grad), local in zip(items, locals_):
+            for (param, _), local in zip(items, locals_):
                 full = flat[offset: offset + local.numel()].view_as(local)
                 offset += local.numel()
-                param.grad = DTensor.from_local(full, grad.device_mesh, [Replicate()], run_check=False,
-                                                shape=grad.shape, stride=grad.stride())
-
+                # The parameter is Replicate() on the gradient's mesh with its global shape, stride
+                # and dtype: its own spec is the complete gradient's.
+                param.grad = dtensor_from_spec(full, dtensor_spec(param), requires_grad=False)
 
 def _record(param: nn.Parameter, number: int, grad: torch.Tensor):
     if not _is_partial(grad):

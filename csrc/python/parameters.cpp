@@ -1,0 +1,112 @@
+// The unwrap of a DTensor parameter for a torch_tp forward, as one C++ autograd
+// node (NOTE [unwrapping a parameter] in torch_tp/parallel/_params.py).
+//
+// NOTE [the parameter unwrap in C++]
+// Every forward of a parallelized module reads each DTensor parameter's local
+// tensor, and its gradient must come back to the parameter as a DTensor with
+// the parameter's spec. An autograd.Function does that with a Python forward
+// and a Python backward (two Python frames, a ctx object, the tuple plumbing of
+// PyNode), and, while loss_parallel() has DTensor's __torch_function__ on,
+// Function.apply on a DTensor also detours through it: tens of microseconds per
+// parameter and step, which a model of many small parameters pays 2 x params
+// times per step. Here the forward is one call: the output aliases the local
+// tensor (a new TensorImpl on the same storage and version counter, as
+// detach() makes) and gets a LocalParameterBackward node whose next edge is the
+// parameter's own gradient edge (its AccumulateGrad, or its grad_fn when it is
+// not a leaf). The backward makes the gradient DTensor with one Python call,
+// `wrap_grad(grad, spec)`, which decides between DTensor's constructor and the
+// differentiable from_local (create_graph). Pybind11 functions see no
+// __torch_function__, so loss_parallel() costs the unwrap nothing.
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <string>
+#include <type_traits>
+
+namespace py = pybind11;
+
+namespace torch_tp::python {
+namespace {
+
+// A node's pointer type: a shared_ptr before torch 2.14, an intrusive_ptr since
+// (taken from the function, as csrc/ddp/reducer.cpp does, so both build).
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+template <typename T, typename... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+// Python objects a node holds; the node may be destroyed by a thread without
+// the GIL (the autograd engine releases it during backward), so the references
+// are dropped with the GIL held.
+struct PythonRefs {
+  py::object wrap_grad;
+  py::object spec;
+  ~PythonRefs() {
+    py::gil_scoped_acquire gil;
+    wrap_grad = py::object();
+    spec = py::object();
+  }
+};
+
+class LocalParameterBackward : public torch::autograd::Node {
+ public:
+  explicit LocalParameterBackward(std::unique_ptr<PythonRefs> refs) : refs_(std::move(refs)) {}
+
+  std::string name() const override {
+    return "torch_tp::LocalParameterBackward";
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TORCH_INTERNAL_ASSERT(grads.size() == 1);
+    if (!grads[0].defined()) {
+      return {at::Tensor()};
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      return {refs_->wrap_grad(grads[0], refs_->spec).cast<at::Tensor>()};
+    } catch (py::error_already_set& e) {
+      TORCH_CHECK(false, "torch_tp: making a parameter's gradient DTensor failed: ", e.what());
+    }
+  }
+
+ private:
+  std::unique_ptr<PythonRefs> refs_;
+};
+
+// `param` (a DTensor), `local` (its local tensor) -> `local` itself when no
+// gradient is needed (grad mode off, or `param` does not require grad), else an
+// alias of `local` whose gradient reaches `param` as `wrap_grad(grad, spec)`.
+at::Tensor local_parameter(const at::Tensor& param, const at::Tensor& local, py::object spec,
+                           py::object wrap_grad) {
+  if (!at::GradMode::is_enabled() || !param.requires_grad()) {
+    return local;
+  }
+  TORCH_CHECK(!local.requires_grad(), "torch_tp: local_parameter: the local tensor already requires grad");
+  at::Tensor out = local.detach();
+  NodePtr node = make_node<LocalParameterBackward>(
+      std::unique_ptr<PythonRefs>(new PythonRefs{std::move(wrap_grad), std::move(spec)}));
+  node->set_next_edges(torch::autograd::collect_next_edges(param));
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
+} // namespace
+
+void init_parameters(py::module_& m) {
+  m.def("_local_parameter", &local_parameter, py::arg("param"), py::arg("local"), py::arg("spec"),
+        py::arg("wrap_grad"),
+        "A DTensor parameter's local tensor: as it is when no gradient is needed, else an autograd alias whose "
+        "gradient reaches the parameter as wrap_grad(grad, spec) (NOTE [the parameter unwrap in C++] in "
+        "csrc/python/parameters.cpp).");
+}
+
+} // namespace torch_tp::python
