@@ -25,7 +25,7 @@ parameters before every forward; both are read the same way.
 import contextlib
 import contextvars
 import weakref
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -91,6 +91,7 @@ def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placeme
         value = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=src_data_rank)
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     module._parameters[name] = new
+    register_parameter(new)
     return new
 
 
@@ -162,3 +163,69 @@ def _partial_twin(param: DTensor) -> DTensorSpec:
         twin = _partial_twins[spec] = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
     return twin
 
+
+# NOTE [fused Adam on torch_tp's parameters]
+# torch.optim.Adam and AdamW with fused=True (torchtitan's default, and the
+# example's) update all parameters of a (device, dtype) group in one call,
+# aten._fused_adam(w)_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+# state_steps, *, lr, ...). On DTensor parameters DTensor's dispatch builds an
+# op schema over every one of those tensors and turns each plain step counter
+# into a replicated spec, tens of microseconds per parameter and step, for an
+# update that is elementwise within each parameter. Where a parameter, its
+# gradient and its states share one layout, DTensor runs the kernel on their
+# local tensors unchanged, so the rule below does that directly. It is
+# registered with torch.library.register_torch_dispatch (torch's open
+# registration of an op's behaviour for a tensor subclass), and takes a call
+# only when every parameter is one a torch_tp style distributed, every
+# gradient and state has its parameter's mesh, placements and global shape
+# (none Partial), and the step counters and scalars are plain tensors. Any
+# other call returns NotImplemented and DTensor's own dispatch runs it as
+# before: DTensors torch_tp did not make (torch's styles, FSDP2's shards) are
+# untouched, and so are torch_tp's when a gradient needs a redistribution.
+
+# The ids of the parameters torch_tp styles distributed. nn.Module._apply
+# (to_empty, .to(), .double()) swaps a DTensor parameter's contents into the
+# same object, so the id lasts as long as the parameter; torch.utils.swap_tensors
+# refuses tensors with weak references, so none are kept, and an id is never
+# removed. A tensor that reuses a dead parameter's id is taken as torch_tp's,
+# which only means its update runs on its local tensors: exactly DTensor's
+# result for any DTensor whose tensors share a layout.
+_distributed: Set[int] = set()
+
+
+def register_parameter(param: nn.Parameter) -> None:
+    """Mark a DTensor parameter as torch_tp's, for NOTE [fused Adam on torch_tp's parameters]."""
+    _distributed.add(id(param))
+
+
+def _fused_adam_on_local_tensors(cls, func, types, args, kwargs) -> Any:
+    """NOTE [fused Adam on torch_tp's parameters]: ``func(params, grads, exp_avgs, exp_avg_sqs,
+    max_exp_avg_sqs, state_steps, **kwargs)`` on the local tensors, or NotImplemented."""
+    params, steps = args[0], args[5]
+    if any(isinstance(v, DTensor) for v in kwargs.values()) or any(type(t) is not torch.Tensor for t in steps):
+        return NotImplemented
+    specs = []
+    for param in params:
+        if type(param) is not DTensor or id(param) not in _distributed:
+            return NotImplemented
+        spec = dtensor_spec(param)
+        if any(p.is_partial() for p in spec.placements):
+            return NotImplemented
+        specs.append(spec)
+    local_lists = []
+    for tensors in args[1:5]:
+        locals_ = []
+        for t, spec in zip(tensors, specs):
+            if type(t) is not DTensor:
+                return NotImplemented
+            s = dtensor_spec(t)
+            if s is not spec and (s.mesh != spec.mesh or s.placements != spec.placements or s.shape != spec.shape):
+                return NotImplemented
+            locals_.append(dtensor_local(t))
+        local_lists.append(locals_)
+    return func([dtensor_local(p) for p in params], *local_lists, steps, **kwargs)
+
+
+for _op in ("aten::_fused_adam_", "aten::_fused_adam_.tensor_lr", "aten::_fused_adamw_",
+            "aten::_fused_adamw_.tensor_lr"):
+    torch.library.register_torch_dispatch(_op, DTensor, _fused_adam_on_local_tensors)
