@@ -11,7 +11,9 @@
 #include <cstddef>
 #include <cstring>
 #include <fstream>
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <thread>
 #include <unistd.h>
 
@@ -21,10 +23,10 @@
 
 namespace torch_tp::backend {
 
-// The head of every segment. `posted`, `parked` (NOTE [waiting]) and the
-// headers' digests (NOTE [header digests]) share a cache line of their own,
-// which only the owner writes: peers poll it while the owner writes its
-// header and data.
+// The head of every segment. `posted`, `parked` (NOTE [waiting]: 0 running,
+// kParked, or kAsleep in a futex wait on a peer's `posted`) and the headers'
+// digests (NOTE [header digests]) share a cache line of their own, which only
+// the owner writes: peers poll it while the owner writes its header and data.
 struct alignas(64) ShmTransport::Control {
   std::atomic<uint64_t> posted;
   std::atomic<uint32_t> parked;
@@ -47,12 +49,20 @@ namespace {
 
 constexpr size_t kPage = 4096;
 // NOTE [waiting]: the longest spin of one wait, how long a parked waiter
-// yields before it naps, the nap, and the polls between two reads of the
-// clock (a few microseconds of pauses). Backoff (the sender thread) spins
-// kSpins polls instead.
+// yields before it sleeps (when the node's ranks outnumber its CPUs, and when
+// they do not), the nap, and the polls between two reads of the clock (a few
+// microseconds of pauses). Backoff (the sender thread) spins kSpins polls
+// instead.
 constexpr auto kSpinFor = std::chrono::microseconds(50);
 constexpr auto kYieldFor = std::chrono::microseconds(500);
+constexpr auto kYieldForOwnCores = std::chrono::milliseconds(10);
 constexpr auto kNap = std::chrono::microseconds(20);
+// The longest futex sleep of a waiter on a peer's `posted` before it checks the
+// deadline, the peer's liveness and abort() again.
+constexpr auto kSleepFor = std::chrono::milliseconds(2);
+// Values of Control::parked.
+constexpr uint32_t kParked = 1;
+constexpr uint32_t kAsleep = 2;
 constexpr int kPollsPerCheck = 64;
 constexpr int kSpins = 1000;
 // How often a waiter checks that the peer's process still runs.
@@ -64,6 +74,33 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// NOTE [waiting]: a parked waiter sleeps on the low 32 bits of the peer's
+// `posted` counter, which change with every step the peer publishes. The
+// segments are shared mappings, so the futex is a process-shared one (no
+// FUTEX_PRIVATE_FLAG). The kernel reads the word itself; little-endian, the
+// low half of the 64-bit counter is its first four bytes.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the futex word is the counter's low half");
+static_assert(sizeof(std::atomic<uint64_t>) == sizeof(uint64_t), "a lock-free 64-bit counter");
+
+uint32_t* futex_word(const std::atomic<uint64_t>& counter) {
+  return reinterpret_cast<uint32_t*>(const_cast<std::atomic<uint64_t>*>(&counter));
+}
+
+// Sleeps while the word still holds `expected`, for at most `timeout`; any
+// return (a wake, a changed word, the timeout, a signal) sends the caller back
+// to polling.
+void futex_sleep(const std::atomic<uint64_t>& counter, uint32_t expected, std::chrono::nanoseconds timeout) {
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(seconds.count());
+  ts.tv_nsec = static_cast<long>((timeout - seconds).count());
+  ::syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(const std::atomic<uint64_t>& counter) {
+  ::syscall(SYS_futex, futex_word(counter), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 size_t round_up(size_t value, size_t to) {
@@ -208,7 +245,16 @@ ShmTransport::ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   cores_ = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
-  ranks_outnumber_cpus_ = n > std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+  const long cpus = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+  ranks_outnumber_cpus_ = n > cpus;
+  // The most ranks of one node this process has shared a group with (usually the
+  // world group's, made first): a TP sub-group of 2 fits 2 CPUs, but not beside a
+  // second one (NOTE [waiting]).
+  static std::atomic<int> most_node_ranks{0};
+  int most = most_node_ranks.load();
+  while (most < n && !most_node_ranks.compare_exchange_weak(most, n)) {
+  }
+  yield_for_ = std::max(most, n) > cpus ? kYieldFor : kYieldForOwnCores;
   // Slots start on cache lines, so chunk boundaries do too.
   slot_bytes_ = options_.buffer_bytes / 2 / 64 * 64;
   data_offset_ = round_up(sizeof(Control), kPage);
@@ -282,7 +328,11 @@ uint64_t ShmTransport::arrive(const char* op, const CallHeader* header) {
     own->call[step % 2] = *header;
     own->digest[step % 2] = digest_of(*header);
   }
-  own->posted.store(step, std::memory_order_release);
+  // seq_cst, as the waiter's store of kAsleep and its reload of `posted` (NOTE
+  // [waiting]): either the waiter sees this step before it sleeps, or this
+  // rank sees it asleep below and wakes it.
+  own->posted.store(step, std::memory_order_seq_cst);
+  wake_sleepers();
   for (const auto local : c10::irange(local_size())) {
     if (local != options_.local_rank) {
       wait_for(local, step, op);
@@ -298,7 +348,7 @@ uint64_t ShmTransport::arrive(const char* op, const CallHeader* header) {
 void ShmTransport::wait_for(int local, uint64_t step, const char* op) {
   const int rank = options_.group_ranks[local];
   const int me = options_.group_ranks[options_.local_rank];
-  wait_counter(local, control(local)->posted, step, op, [&](bool timed_out, uint64_t seen) {
+  wait_counter(local, control(local)->posted, step, op, /*may_sleep=*/true, [&](bool timed_out, uint64_t seen) {
     return timed_out ? c10::str(" (it reached step ", seen, ", rank ", me, " waits at step ", step, "); rank ", rank,
                                 " stopped calling collectives or is stuck")
                      : c10::str(" at step ", step);
@@ -309,7 +359,7 @@ void ShmTransport::wait_for(int local, uint64_t step, const char* op) {
 // as NOTE [waiting] says. explain(timed_out, seen) completes the error message.
 template <typename Explain>
 void ShmTransport::wait_counter(int local, const std::atomic<uint64_t>& counter, uint64_t target, const char* op,
-                                const Explain& explain) {
+                                bool may_sleep, const Explain& explain) {
   using Clock = std::chrono::steady_clock;
   auto arrived = [&] { return counter.load(std::memory_order_acquire) >= target; };
   // The common case, a peer that is there or about to be: no clock read.
@@ -385,8 +435,18 @@ void ShmTransport::wait_counter(int local, const std::atomic<uint64_t>& counter,
       parked_since = now;
       set_parked(true);
     }
-    if (now - parked_since < kYieldFor) {
+    if (now - parked_since < yield_for_) {
       std::this_thread::yield();
+    } else if (may_sleep) {
+      // Asleep only while the peer has not posted since `seen` (reloaded after the flag
+      // is set; see arrive()), for at most kSleepFor or until the next liveness check.
+      set_parked_state(kAsleep);
+      const uint64_t current = counter.load(std::memory_order_seq_cst);
+      if (current < target) {
+        futex_sleep(counter, static_cast<uint32_t>(current),
+                    std::min<Clock::duration>(kSleepFor, std::max<Clock::duration>(next_liveness - now, {})));
+      }
+      set_parked_state(kParked);
     } else {
       std::this_thread::sleep_for(kNap);
     }
@@ -407,7 +467,21 @@ bool ShmTransport::spin_pays_off(int local) const {
 }
 
 void ShmTransport::set_parked(bool parked) {
-  control(options_.local_rank)->parked.store(parked ? 1 : 0, std::memory_order_relaxed);
+  control(options_.local_rank)->parked.store(parked ? kParked : 0, std::memory_order_relaxed);
+}
+
+void ShmTransport::set_parked_state(uint32_t state) {
+  control(options_.local_rank)->parked.store(state, std::memory_order_seq_cst);
+}
+
+// NOTE [waiting]: after publishing a step, wakes the local peers asleep on it.
+void ShmTransport::wake_sleepers() {
+  for (const auto local : c10::irange(local_size())) {
+    if (local != options_.local_rank && control(local)->parked.load(std::memory_order_seq_cst) == kAsleep) {
+      futex_wake_all(control(options_.local_rank)->posted);
+      return;
+    }
+  }
 }
 
 ShmTransport::Ring* ShmTransport::ring(int src, int dst) const {
@@ -445,7 +519,7 @@ void ShmTransport::ring_read(int src, void* out, size_t bytes, const char* op) {
   while (done < bytes) {
     uint64_t head = r->head.load(std::memory_order_acquire);
     if (head == tail) {
-      wait_counter(src, r->head, tail + 1, op, [&](bool timed_out, uint64_t) {
+      wait_counter(src, r->head, tail + 1, op, /*may_sleep=*/false, [&](bool timed_out, uint64_t) {
         return timed_out ? c10::str(" to send (rank ", me, " waits for it); rank ", rank,
                                     " did not call send or is stuck")
                          : std::string(" to send");

@@ -25,12 +25,28 @@
 //   wait. Spinning stops after kSpinFor in one wait (the peer may be
 //   preempted by another process, or computing for a long time).
 // - Otherwise it parks: it sets the `parked` flag beside its `posted`
-//   counter (the line its peers poll anyway) and yields the core, and after
-//   kYieldFor of yielding sleeps in short naps. A parked rank is not about to
-//   post, so its waiters park too instead of spinning for nothing; and with
-//   4 ranks on 2 cores the waiting ranks give the cores to the ranks still
-//   computing. A parked waiter starts spinning again as soon as the
-//   conditions above hold again (its peer unparked: it is running).
+//   counter (the line its peers poll anyway) and yields the core. A parked
+//   rank is not about to post, so its waiters park too instead of spinning
+//   for nothing; and with 4 ranks on 2 cores the waiting ranks give the cores
+//   to the ranks still computing. A parked waiter starts spinning again as
+//   soon as the conditions above hold again (its peer unparked: it is
+//   running).
+// - After yielding for kYieldFor (500 us) when the node's ranks outnumber its
+//   CPUs (the most ranks of the node this process shares a group with, usually
+//   the world group's), or kYieldForOwnCores (10 ms) when every rank has a CPU
+//   (yielding then takes no rank's CPU, and hands it to any other runnable
+//   thread), it
+//   sleeps: in a futex wait on the peer's `posted` for a wait on a peer's
+//   step, flagged in `parked`, so that the peer wakes it when it posts
+//   (arrive(): the poster's store and the sleeper's flag and reload are
+//   sequentially consistent, so one of them sees the other); in short naps
+//   for the rings. Sleeping costs a wake-up: a sleeping VM CPU was measured
+//   to resume 70-250 us after the post (the end of the same collective on
+//   the two ranks), a yielding one within a few microseconds, which is why
+//   the ranks that fit the CPUs yield that long; in the example model's
+//   2-rank training step, where a rank waits 0.5-10 ms for its peer several
+//   times per step, yielding 10 ms instead of 500 us took ~1 ms off the step
+//   (benchmark log, "The waiting policy and the peer").
 // A wait gives up when the peer has made no progress for the group's
 // timeout, or at once when the peer's process is gone (checked with kill(pid,
 // 0) and /proc, every few milliseconds), and then names the op and the rank.
@@ -203,11 +219,15 @@ class ShmTransport {
   struct Ring;
   Control* control(int local) const;
   Ring* ring(int src, int dst) const;  // in src's segment
+  // `may_sleep`: the counter is a peer's `posted`, whose owner wakes sleepers
+  // (NOTE [waiting]); other waits nap.
   template <typename Explain>
   void wait_counter(int local, const std::atomic<uint64_t>& counter, uint64_t target, const char* op,
-                    const Explain& explain);
+                    bool may_sleep, const Explain& explain);
   bool spin_pays_off(int local) const;  // NOTE [waiting]
   void set_parked(bool parked);
+  void set_parked_state(uint32_t state);
+  void wake_sleepers();
   char* slot(int local, uint64_t step) const;
   void wait_for(int local, uint64_t step, const char* op);
   void check_headers(uint64_t step, const char* op);
@@ -220,6 +240,7 @@ class ShmTransport {
   size_t rings_offset_;
   int cores_;  // the cores this rank may run on (NOTE [waiting])
   bool ranks_outnumber_cpus_;
+  std::chrono::microseconds yield_for_;  // NOTE [waiting]
   std::vector<ShmSegment> segments_;  // by local rank; ours is segments_[local_rank]
   uint64_t step_ = 0;
   std::atomic<bool> broken_{false};
