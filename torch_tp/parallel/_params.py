@@ -25,7 +25,7 @@ parameters before every forward; both are read the same way.
 import contextlib
 import contextvars
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -198,32 +198,61 @@ def register_parameter(param: nn.Parameter) -> None:
     _distributed.add(id(param))
 
 
+# Checks made once per spec object rather than per step, by id; an entry holds
+# its specs, so their ids cannot be reused while it exists, and both tables are
+# cleared when one outgrows _SAME_LAYOUT_KEPT. _complete_specs: the parameters'
+# specs without a Partial placement. _same_layout_pairs: pairs of distinct specs
+# of one layout (the optimizer states' against their parameters').
+_complete_specs: Dict[int, DTensorSpec] = {}
+_same_layout_pairs: Dict[Tuple[int, int], Tuple[Any, Any]] = {}
+_SAME_LAYOUT_KEPT = 4096
+
+
+def _same_layout(s: DTensorSpec, spec: DTensorSpec) -> bool:
+    """Whether ``s`` has ``spec``'s mesh, placements and global shape: the local tensors of the
+    two hold the same elements."""
+    if s is spec or (id(s), id(spec)) in _same_layout_pairs:
+        return True
+    if s.mesh is not spec.mesh or s.placements != spec.placements or s.shape != spec.shape:
+        return False
+    if len(_same_layout_pairs) >= _SAME_LAYOUT_KEPT:
+        _same_layout_pairs.clear()
+    _same_layout_pairs[(id(s), id(spec))] = (s, spec)
+    return True
+
+
 def _fused_adam_on_local_tensors(cls, func, types, args, kwargs) -> Any:
     """NOTE [fused Adam on torch_tp's parameters]: ``func(params, grads, exp_avgs, exp_avg_sqs,
     max_exp_avg_sqs, state_steps, **kwargs)`` on the local tensors, or NotImplemented."""
     params, steps = args[0], args[5]
     if any(isinstance(v, DTensor) for v in kwargs.values()) or any(type(t) is not torch.Tensor for t in steps):
         return NotImplemented
-    specs = []
-    for param in params:
+    locals_ = ([], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+    for i, param in enumerate(params):
         if type(param) is not DTensor or id(param) not in _distributed:
             return NotImplemented
         spec = dtensor_spec(param)
-        if any(p.is_partial() for p in spec.placements):
-            return NotImplemented
-        specs.append(spec)
-    local_lists = []
-    for tensors in args[1:5]:
-        locals_ = []
-        for t, spec in zip(tensors, specs):
+        if id(spec) not in _complete_specs:
+            if any(placement.is_partial() for placement in spec.placements):
+                return NotImplemented
+            if len(_complete_specs) >= _SAME_LAYOUT_KEPT:
+                _complete_specs.clear()
+            _complete_specs[id(spec)] = spec
+        locals_[0].append(dtensor_local(param))
+        for tensors, out in zip(args[1:5], locals_[1:]):
+            if not tensors:  # max_exp_avg_sqs without amsgrad
+                continue
+            t = tensors[i]
             if type(t) is not DTensor:
                 return NotImplemented
-            s = dtensor_spec(t)
-            if s is not spec and (s.mesh != spec.mesh or s.placements != spec.placements or s.shape != spec.shape):
+            if not _same_layout(dtensor_spec(t), spec):
                 return NotImplemented
-            locals_.append(dtensor_local(t))
-        local_lists.append(locals_)
-    return func([dtensor_local(p) for p in params], *local_lists, steps, **kwargs)
+            out.append(dtensor_local(t))
+    # torch's Python binding of the op, not the OpOverload: it parses the tensor lists far faster.
+    return _LOCAL_FUSED_ADAM[func.overloadpacket](*locals_, steps, **kwargs)
+
+
+_LOCAL_FUSED_ADAM = {torch.ops.aten._fused_adam_: torch._fused_adam_, torch.ops.aten._fused_adamw_: torch._fused_adamw_}
 
 
 for _op in ("aten::_fused_adam_", "aten::_fused_adam_.tensor_lr", "aten::_fused_adamw_",

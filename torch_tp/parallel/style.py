@@ -60,6 +60,7 @@ from torch.distributed.tensor.parallel import style as _torch_style
 
 from ._layout import (
     ForwardRecords,
+    _HandedDTensor,
     TPGroup,
     convert,
     from_dtensor,
@@ -277,12 +278,22 @@ class _ColwiseModule(_ShardedModule):
 class _ColwiseLinear(_ColwiseModule):
     def forward(self, x):
         state = self._tp_state
-        if state.replicated_in_local_out and type(x) is torch.Tensor:
-            # NOTE [plain tensors in the layouts the plan declares]: [.., in] -> [.., out/p]
-            out = torch.ops.torch_tp.column_parallel_linear(x, local_tensor(self.weight), local_tensor(self.bias),
-                                                             state.group.name)
-            state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
-            return out
+        if state.replicated_in_local_out:
+            if type(x) is torch.Tensor:
+                # NOTE [plain tensors in the layouts the plan declares]: [.., in] -> [.., out/p]
+                out = torch.ops.torch_tp.column_parallel_linear(x, local_tensor(self.weight),
+                                                                 local_tensor(self.bias), state.group.name)
+                state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
+                return out
+            if type(x) is _HandedDTensor and x._tp_partial is not None:
+                # The same for the Replicate DTensor a PrepareModuleInput gather handed on (torchtitan's
+                # plan): what _tp_replicated_input and _tp_output_sharded_on_last do, without the layout
+                # machinery.
+                out = torch.ops.torch_tp.column_parallel_linear(x._tp_partial, local_tensor(self.weight),
+                                                                 local_tensor(self.bias), state.group.name,
+                                                                 partial_grad_input=True)
+                state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
+                return out
         group_name = state.group.name
         local = self._tp_replicated_input(x)
         if local is not None:
