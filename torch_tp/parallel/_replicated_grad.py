@@ -49,7 +49,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .._torch_private import dtensor_from_spec, dtensor_local, dtensor_spec, queue_autograd_callback
+from .._torch_private import (disable_torch_function_subclass, dtensor_from_spec, dtensor_local, dtensor_spec,
+                              queue_autograd_callback)
 
 # id(parameter) -> (registration number, parameter): parameters whose .grad
 # holds Partial sums that the next end-of-backward callback completes. Strong
@@ -79,6 +80,13 @@ def _complete_pending() -> None:
     one to run in a backward finds the work, the others find nothing."""
     if not _pending:
         return
+    # A backward inside loss_parallel() has DTensor's torch functions on; reading and setting
+    # .grad of a DTensor parameter needs none of them.
+    with disable_torch_function_subclass():
+        _complete()
+
+
+def _complete() -> None:
     entries = sorted(_pending.values(), key=lambda entry: entry[0])
     _pending.clear()
     buckets: Dict[Tuple[str, torch.dtype, torch.device], List[Tuple[nn.Parameter, DTensor]]] = {}

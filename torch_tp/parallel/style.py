@@ -762,9 +762,12 @@ class PrepareModuleInput(ParallelStyle):
         if not self.use_local_output:
             # Under torch.compile a gathered Replicate DTensor is paired with its local tensor only
             # while the module runs (NOTE [replicated DTensor inputs without DTensor] in _layout.py).
-            module.register_forward_hook(
-                lambda module, inputs, kwargs, _output: module._tp_state.records.forget_gathered(
-                    inputs + tuple(kwargs.values())), with_kwargs=True)
+            def forget(module, inputs, kwargs, _output):
+                records = module._tp_state.records
+                if records.gathered:  # eager mode hands on _HandedDTensors and records none
+                    records.forget_gathered(inputs + tuple(kwargs.values()))
+
+            module.register_forward_hook(forget, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
