@@ -176,6 +176,23 @@ def test_assert_async():
         private.assert_async(torch.tensor(False), "target out of range")
 
 
+def test_fused_adam_ops():
+    """Each overload packet maps to torch's binding of the same op: AdamW's update of one
+    parameter through the binding equals torch.optim.AdamW(fused=True)'s step."""
+    assert set(private.fused_adam_ops) == {torch.ops.aten._fused_adam_, torch.ops.aten._fused_adamw_}
+    for packet, binding in private.fused_adam_ops.items():
+        decoupled = packet is torch.ops.aten._fused_adamw_
+        param = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0)))
+        param.grad = torch.randn(5, generator=torch.Generator().manual_seed(1))
+        expected = param.detach().clone()
+        kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+        kind([param], lr=0.1, weight_decay=0.1, fused=True).step()
+        exp_avg, exp_avg_sq = torch.zeros(5), torch.zeros(5)
+        binding([expected], [param.grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(1.0)], lr=0.1, beta1=0.9,
+                beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+        assert torch.equal(expected, param.detach()), packet
+
+
 # ---------------------------------------------------------------- nn.Module and optimizer helpers
 
 

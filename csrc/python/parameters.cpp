@@ -90,7 +90,9 @@ at::Tensor local_parameter(const at::Tensor& param, const at::Tensor& local, py:
   if (!at::GradMode::is_enabled() || !param.requires_grad()) {
     return local;
   }
-  TORCH_CHECK(!local.requires_grad(), "torch_tp: local_parameter: the local tensor already requires grad");
+  // A fresh alias with its own edge to `param`. The local tensor may itself be part of a
+  // graph (torch's DDP makes its DTensor views with from_local of its parameters); the
+  // gradient reaches it through `param`'s own grad_fn.
   at::Tensor out = local.detach();
   NodePtr node = make_node<LocalParameterBackward>(
       std::unique_ptr<PythonRefs>(new PythonRefs{std::move(wrap_grad), std::move(spec)}));

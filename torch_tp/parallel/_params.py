@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
 
 from .._C import _local_parameter as local_parameter
-from .._torch_private import DTensorSpec, dtensor_from_spec, dtensor_local, dtensor_spec
+from .._torch_private import DTensorSpec, dtensor_from_spec, dtensor_local, dtensor_spec, fused_adam_ops
 
 # The qualified name (from the module parallelize_module was given) of the
 # module a style is being applied to, for error messages.
@@ -248,11 +248,7 @@ def _fused_adam_on_local_tensors(cls, func, types, args, kwargs) -> Any:
             if not _same_layout(dtensor_spec(t), spec):
                 return NotImplemented
             out.append(dtensor_local(t))
-    # torch's Python binding of the op, not the OpOverload: it parses the tensor lists far faster.
-    return _LOCAL_FUSED_ADAM[func.overloadpacket](*locals_, steps, **kwargs)
-
-
-_LOCAL_FUSED_ADAM = {torch.ops.aten._fused_adam_: torch._fused_adam_, torch.ops.aten._fused_adamw_: torch._fused_adamw_}
+    return fused_adam_ops[func.overloadpacket](*locals_, steps, **kwargs)
 
 
 for _op in ("aten::_fused_adam_", "aten::_fused_adam_.tensor_lr", "aten::_fused_adamw_",
