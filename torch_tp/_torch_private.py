@@ -35,7 +35,7 @@ Per-call cost: most accessors are torch's own objects bound once (functions,
 classes, bound methods), so routing through them adds no call layer. DTensor's
 attributes are read through one-line functions: one Python call, about 20 ns,
 on the unwrap of each parameter in a forward without grad (with grad, the unwrap
-is an autograd Function, microseconds). A C accessor (``operator.attrgetter``)
+makes a C++ autograd node, about a microsecond). A C accessor (``operator.attrgetter``)
 costs as much and breaks ``torch.compile(fullgraph=True)``, which cannot trace
 one built outside the graph.
 
