@@ -46,7 +46,7 @@
 //   the ranks that fit the CPUs yield that long; in the example model's
 //   2-rank training step, where a rank waits 0.5-10 ms for its peer several
 //   times per step, yielding 10 ms instead of 500 us took ~1 ms off the step
-//   (benchmark log, "The waiting policy and the peer").
+//   (docs/benchmark_log.md, "Training, a third stop").
 // A wait gives up when the peer has made no progress for the group's
 // timeout, or at once when the peer's process is gone (checked with kill(pid,
 // 0) and /proc, every few milliseconds), and then names the op and the rank.
