@@ -33,6 +33,8 @@
 
 #include <torch_tp/ops.h>
 
+#include "ops/gemv_cpu.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -359,6 +361,49 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, Embedding, ::testing::Values(1, 2, 3, 4),
 // rank is left waiting; after them all, one good call shows the ranks are
 // still in step. The expected fragments are the TORCH_CHECK messages of
 // linear.cpp, embedding.cpp and comm.cpp: the op, the argument and its value.
+
+// NOTE [few-row GEMV on the CPU]: every instruction-set variant this CPU runs
+// (AVX-512 BF16, AVX2) against ATen's linear in float64, for every row count
+// the kernel takes, K and N tails, with and without bias. The kernel sums in
+// float32 in its own order: each result is within 2 (K + 8) 2^-24 of
+// max_j sum_k |x_k w_jk| + |b_j| of the float64 value (at most K / 8 + 8
+// roundings per term: a lane's sum, the lanes' sum, the tail, the bias), plus,
+// for a bfloat16 output, its rounding: 2^-8 of max |y|, one bfloat16 ulp.
+TEST(SmallBatchGemv, EveryVariantThisCpuRunsMatchesLinear) {
+  const std::vector<torch_tp::GemvIsa> isas = torch_tp::supported_gemv_isas();
+  if (isas.empty()) {
+    GTEST_SKIP() << "no GEMV variant runs on this CPU";
+  }
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{100, 37}, {64, 16}, {512, 40}, {33, 1}, {1, 5},
+                                                           {70, 9},   {1024, 13}};
+  uint64_t seed = 0;
+  for (const torch_tp::GemvIsa isa : isas) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      for (const auto& [K, N] : shapes) {
+        const at::Tensor w = seeded_normal({N, K}, ++seed).to(dtype);
+        const at::Tensor b = seeded_normal({N}, ++seed).to(dtype);
+        for (int64_t M = 1; M <= torch_tp::kSmallBatchRows; ++M) {
+          const at::Tensor x = seeded_normal({M, K}, ++seed).to(dtype);
+          for (const bool with_bias : {true, false}) {
+            const std::optional<at::Tensor> bias = with_bias ? std::optional<at::Tensor>(b) : std::nullopt;
+            const std::optional<at::Tensor> y = torch_tp::small_batch_linear_cpu_with(isa, x, w, bias);
+            ASSERT_TRUE(y.has_value()) << torch_tp::gemv_isa_name(isa);
+            const at::Tensor xd = x.to(at::kDouble), wd = w.to(at::kDouble), bd = b.to(at::kDouble);
+            const at::Tensor expected = with_bias ? at::linear(xd, wd, bd) : at::linear(xd, wd);
+            const at::Tensor terms = at::linear(xd.abs(), wd.abs()) + (with_bias ? bd.abs() : at::zeros_like(bd));
+            double bound = 2.0 * static_cast<double>(K + 8) * std::ldexp(1.0, -24) * terms.max().item<double>();
+            if (dtype == at::kBFloat16) {
+              bound += std::ldexp(1.0, -8) * expected.abs().max().item<double>();
+            }
+            const double error = (y->to(at::kDouble) - expected).abs().max().item<double>();
+            EXPECT_LE(error, bound) << torch_tp::gemv_isa_name(isa) << " " << dtype << " M=" << M << " K=" << K
+                                    << " N=" << N << " bias=" << with_bias;
+          }
+        }
+      }
+    }
+  }
+}
 
 TEST(LinearErrors, ColumnParallelLinearMessagesNameTheOpTheArgumentAndTheValue) {
   run_ranks(2, [](int rank, const std::string& group) {
