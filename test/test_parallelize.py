@@ -645,6 +645,72 @@ def test_handed_dtensors(ranks, world_size):
     ranks(world_size).run(_check_handed_dtensors)
 
 
+def _check_parameter_gradient_paths():
+    """Every way a backward delivers a parameter's gradient gives torch's TP gradients: a plain
+    backward (where the unwrap's node sets .grad itself, NOTE [the gradient straight to .grad] in
+    csrc/python/parameters.cpp), accumulation into an existing .grad, tensor and
+    post-accumulate-grad hooks, backward(inputs=) and autograd.grad (which fill only the inputs'
+    .grad, or none)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    reference = MLP()
+    ours, theirs = (lib.parallelize_module(copy.deepcopy(reference), mesh,
+                                           {"w1": lib.ColwiseParallel(), "w2": lib.RowwiseParallel()})
+                    for lib in (torch_tp, torch_tp_api))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+
+    def loss(model):
+        return model(x).square().sum()
+
+    def check(got, name, factor, what):
+        want = factor * dict(theirs.named_parameters())[name].grad.full_tensor()
+        assert_close(got.full_tensor(), want, f"{what}: {name}", RTOL, floor=SCALE_FLOOR)
+
+    loss(theirs).backward()
+    loss(ours).backward()
+    for name, p in ours.named_parameters():
+        g = p.grad
+        assert isinstance(g, DTensor) and (g.placements, g.device_mesh) == (p.placements, p.device_mesh), name
+        assert (g.shape, g.stride()) == (p.shape, p.stride()), f"{name}: the gradient's layout is the parameter's"
+        assert not g.requires_grad and g.grad_fn is None, f"{name}: .grad is a leaf"
+        check(g, name, 1, "plain backward")
+
+    loss(ours).backward()
+    for name, p in ours.named_parameters():
+        check(p.grad, name, 2, "accumulated over two backwards")
+
+    ours.zero_grad(set_to_none=True)
+    seen = {}
+
+    def after_accumulation(param):
+        seen["w2.weight"] = param.grad
+
+    handles = [ours.w1.weight.register_hook(lambda g: seen.setdefault("w1.weight", g)),
+               ours.w2.weight.register_post_accumulate_grad_hook(after_accumulation)]
+    loss(ours).backward()
+    for handle in handles:
+        handle.remove()
+    for name, g in seen.items():
+        check(g, name, 1, "seen by a hook")
+        check(dict(ours.named_parameters())[name].grad, name, 1, "beside a hook")
+
+    ours.zero_grad(set_to_none=True)
+    loss(ours).backward(inputs=[ours.w1.weight])
+    assert [n for n, p in ours.named_parameters() if p.grad is not None] == ["w1.weight"]
+    check(ours.w1.weight.grad, "w1.weight", 1, "backward(inputs=)")
+
+    ours.zero_grad(set_to_none=True)
+    got = torch.autograd.grad(loss(ours), list(ours.parameters()))
+    assert all(p.grad is None for p in ours.parameters()), "autograd.grad set a .grad"
+    for (name, _), g in zip(ours.named_parameters(), got):
+        check(g, name, 1, "autograd.grad")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parameter_gradient_paths(ranks, world_size):
+    ranks(world_size).run(_check_parameter_gradient_paths)
+
+
 def _check_dtensor_inputs_and_src_rank():
     """DTensor inputs are accepted; src_data_rank=None keeps each rank's values."""
     world_size, rank = dist.get_world_size(), dist.get_rank()

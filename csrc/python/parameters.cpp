@@ -17,8 +17,28 @@
 // `wrap_grad(grad, spec)`, which decides between DTensor's constructor and the
 // differentiable from_local (create_graph). Pybind11 functions see no
 // __torch_function__, so loss_parallel() costs the unwrap nothing.
+//
+// NOTE [the gradient straight to .grad]
+// The parameter's AccumulateGrad would then take that DTensor as .grad by
+// detaching it, and a DTensor's detach runs DTensor's Python dispatch and
+// builds a second DTensor: one more Python round trip per parameter and step.
+// When AccumulateGrad would do nothing else, the node sets .grad itself and
+// passes AccumulateGrad an undefined gradient, which it ignores. That is when
+//   - the backward runs every node (no inputs= and not autograd.grad: the
+//     graph task's exec_info is empty), so nothing captures the gradient;
+//   - the parameter is a leaf whose .grad is None and that requires grad;
+//   - no hook of any kind is on the parameter or its AccumulateGrad
+//     (register_hook, post-accumulate-grad hooks, retain_grad, DDP's);
+//   - there is no create_graph, and the gradient is on the CPU. On CUDA the
+//     engine syncs the streams AccumulateGrad ran on at the end of the
+//     backward; keeping the .grad write on that node keeps that guarantee.
+// The .grad it sets is what AccumulateGrad's "steal" case sets: the fresh
+// gradient DTensor, with the parameter's layout (its spec). Anything else
+// (accumulating into an existing .grad, hooks, inputs=) takes AccumulateGrad.
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -70,15 +90,47 @@ class LocalParameterBackward : public torch::autograd::Node {
     if (!grads[0].defined()) {
       return {at::Tensor()};
     }
-    py::gil_scoped_acquire gil;
-    try {
-      return {refs_->wrap_grad(grads[0], refs_->spec).cast<at::Tensor>()};
-    } catch (py::error_already_set& e) {
-      TORCH_CHECK(false, "torch_tp: making a parameter's gradient DTensor failed: ", e.what());
+    at::Tensor grad;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        grad = refs_->wrap_grad(grads[0], refs_->spec).cast<at::Tensor>();
+      } catch (py::error_already_set& e) {
+        TORCH_CHECK(false, "torch_tp: making a parameter's gradient DTensor failed: ", e.what());
+      }
     }
+    if (auto* accumulator = sole_accumulator(grads[0])) {
+      accumulator->variable.mutable_grad() = std::move(grad);
+      return {at::Tensor()};
+    }
+    return {std::move(grad)};
   }
 
  private:
+  // The parameter's AccumulateGrad when this node may set .grad in its place,
+  // else nullptr (NOTE [the gradient straight to .grad]).
+  torch::autograd::AccumulateGrad* sole_accumulator(const at::Tensor& local_grad) {
+    if (at::GradMode::is_enabled() || !local_grad.device().is_cpu()) {
+      return nullptr;
+    }
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    if (exec_info == nullptr || !exec_info->empty()) {
+      return nullptr;
+    }
+    auto* accumulator = dynamic_cast<torch::autograd::AccumulateGrad*>(next_edge(0).function.get());
+    if (accumulator == nullptr) {
+      return nullptr;
+    }
+    const at::Tensor& param = accumulator->variable;
+    const bool hooked = !accumulator->pre_hooks().empty() || !accumulator->post_hooks().empty() ||
+        !accumulator->tensor_pre_hooks().empty() || !accumulator->retains_grad_hooks().empty() ||
+        accumulator->tensor_post_acc_grad_hooks() != nullptr;
+    if (hooked || !param.defined() || !param.requires_grad() || param.grad().defined()) {
+      return nullptr;
+    }
+    return accumulator;
+  }
+
   std::unique_ptr<PythonRefs> refs_;
 };
 
