@@ -124,6 +124,11 @@ def test_dtensor_internals(mesh):
     assert isinstance(wrapped, DTensor) and wrapped.placements == (Partial(),)
     assert private.dtensor_local(wrapped) is grad
     assert wrapped.grad_fn is None and not wrapped.requires_grad
+    # _layout.py's handed DTensors: the same for a DTensor subclass, and a leaf that requires grad.
+    Sub = type("Sub", (DTensor,), {})
+    made = private.dtensor_from_spec(grad, spec, requires_grad=True, subclass=Sub)
+    assert type(made) is Sub and made.placements == (Shard(0),) and made.shape == dt.shape
+    assert private.dtensor_local(made) is grad and made.requires_grad and made.grad_fn is None
 
 
 def test_dtensor_accessors_trace_under_compile(mesh):

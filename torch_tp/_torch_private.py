@@ -87,11 +87,23 @@ TensorMeta = _lookup("torch.distributed.tensor._dtensor_spec", "TensorMeta")
 :data:`DTensorSpec` describes; with it torch_tp builds the specs of the DTensors it hands
 back once per layout and shape (NOTE [DTensors handed between torch_tp modules] in parallel/_layout.py)."""
 
-dtensor_from_spec = _lookup("torch.distributed.tensor", "DTensor")
-"""``DTensor(local_tensor, spec, *, requires_grad)``: DTensor's own constructor, whose
-signature is not public (``from_local`` is); it wraps a local tensor with a given
-:data:`DTensorSpec` and no autograd node, for the gradients of parameters and of
-loss_parallel's input (NOTE [the input's gradient keeps its layout] in parallel/loss.py)."""
+_DTensor = _lookup("torch.distributed.tensor", "DTensor")
+
+
+def dtensor_from_spec(local: torch.Tensor, spec: Any, *, requires_grad: bool, subclass: Optional[type] = None) -> Any:
+    """``DTensor(local_tensor, spec, *, requires_grad)``: DTensor's own constructor, whose
+    signature is not public (``from_local`` is); it wraps a local tensor with a given
+    :data:`DTensorSpec` and no autograd node, for the gradients of parameters, of
+    loss_parallel's input (NOTE [the input's gradient keeps its layout] in parallel/loss.py)
+    and the DTensors torch_tp hands between its modules (``subclass``, a DTensor subclass).
+
+    Outside torch.export it runs DTensor's ``__new__`` alone: ``DTensor.__init__`` only
+    calls torch.export's constructor hook, behind ``torch._disable_dynamo``, ~3 us of
+    Python per DTensor, and torch_tp builds one per parameter and step."""
+    cls = subclass or _DTensor
+    if torch.compiler.is_exporting():
+        return cls(local, spec, requires_grad=requires_grad)
+    return cls.__new__(cls, local, spec, requires_grad=requires_grad)
 
 # DTensor declares both attributes in __slots__, so the class has them.
 _lookup("torch.distributed.tensor", "DTensor._local_tensor")

@@ -211,7 +211,7 @@ _ASTRAY_HOOKS = {0: _gradient_went_astray}
 def _hand(local: Optional[torch.Tensor], partial: Optional[torch.Tensor], rank: int, spec: DTensorSpec,
           requires_grad: bool) -> _HandedDTensor:
     source = local if local is not None else partial
-    handed = _HandedDTensor(source.detach(), spec, requires_grad=requires_grad)
+    handed = dtensor_from_spec(source.detach(), spec, requires_grad=requires_grad, subclass=_HandedDTensor)
     handed._tp_local, handed._tp_partial, handed._tp_rank, handed._tp_twin = local, partial, rank, None
     if requires_grad:
         with disable_torch_function_subclass():
