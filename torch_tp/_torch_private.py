@@ -105,6 +105,7 @@ def dtensor_from_spec(local: torch.Tensor, spec: Any, *, requires_grad: bool, su
         return cls(local, spec, requires_grad=requires_grad)
     return cls.__new__(cls, local, spec, requires_grad=requires_grad)
 
+
 # DTensor declares both attributes in __slots__, so the class has them.
 _lookup("torch.distributed.tensor", "DTensor._local_tensor")
 _lookup("torch.distributed.tensor", "DTensor._spec")

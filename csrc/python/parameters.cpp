@@ -38,8 +38,8 @@
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
@@ -109,7 +109,7 @@ class LocalParameterBackward : public torch::autograd::Node {
  private:
   // The parameter's AccumulateGrad when this node may set .grad in its place,
   // else nullptr (NOTE [the gradient straight to .grad]).
-  torch::autograd::AccumulateGrad* sole_accumulator(const at::Tensor& local_grad) {
+  torch::autograd::AccumulateGrad* sole_accumulator(const at::Tensor& local_grad) const {
     if (at::GradMode::is_enabled() || !local_grad.device().is_cpu()) {
       return nullptr;
     }
