@@ -276,6 +276,55 @@ def test_model_end_to_end(ranks, world_size, flat_input):
     ranks(world_size).run(_run_model_end_to_end, flat_input)
 
 
+def _run_handed_logits_reshaped():
+    """NOTE [reshaping the leading dims of a handed DTensor]: the logits torch_tp's ColwiseParallel
+    hands back, reshaped the ways losses reshape them, stay handed DTensors sharded on the class dim
+    (no DTensor dispatch), and the loss and every gradient match the unsharded model's. Reshapes that
+    touch the class dim go through DTensor and still give its values."""
+    from torch_tp.parallel._layout import _HandedDTensor
+
+    vocab = 10  # over 3 ranks: 4, 4, 2 classes
+    tp, ref, x = _models(vocab, api=torch_tp)
+    labels = _labels(vocab, (4,)).flatten()
+    reshapes = {
+        "flatten(0, 1)": lambda t: t.flatten(0, 1),
+        "torch.flatten(t, 0, -2)": lambda t: torch.flatten(t, 0, -2),
+        "view(-1, V)": lambda t: t.view(-1, vocab),
+        "reshape((b * s, V))": lambda t: t.reshape((BATCH * SEQ, vocab)),
+        "torch.reshape(t, (-1, V)).float()": lambda t: torch.reshape(t, (-1, vocab)).float(),
+    }
+    for name, reshape in reshapes.items():
+        x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        tp.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        with loss_parallel():
+            logits = reshape(tp(x_tp))
+            assert type(logits) is _HandedDTensor, (name, type(logits))
+            assert logits.shape == (BATCH * SEQ, vocab) and logits.placements == (Shard(1),), (name, logits)
+            loss = F.cross_entropy(logits, labels)
+        loss.backward()
+        ref_loss = F.cross_entropy(reshape(ref(x_ref)), labels)
+        ref_loss.backward()
+        assert_close(loss, ref_loss.detach(), f"{name}: loss", VS_UNSHARDED)
+        assert_close(x_tp.grad, x_ref.grad, f"{name}: grad x", VS_UNSHARDED)
+        for (param_name, p), q in zip(tp.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, f"{name}: grad {param_name}", VS_UNSHARDED)
+
+    logits = tp(x)
+    assert logits.float() is logits  # float32 already: Tensor.float() returns the tensor itself
+    full = ref(x).detach()
+    # The class dim merged: DTensor's own ops, values as torch computes them.
+    for name, reshape in {"flatten()": lambda t: t.flatten(), "flatten(1, 2)": lambda t: t.flatten(1, 2)}.items():
+        out = reshape(logits)
+        assert type(out) is not _HandedDTensor, name
+        assert_close(out.full_tensor(), reshape(full), name, VS_UNSHARDED)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_handed_logits_reshaped(ranks, world_size):
+    ranks(world_size).run(_run_handed_logits_reshaped)
+
+
 # ---------------------------------------------------------------- communication
 
 

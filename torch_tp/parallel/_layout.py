@@ -171,6 +171,11 @@ class _HandedDTensor(DTensor):
         if func in _NO_TWIN_NEEDED:
             with disable_torch_function_subclass():
                 return func(*args, **kwargs)
+        if func in _LEADING_DIMS_OPS and not kwargs:
+            with disable_torch_function_subclass():
+                reshaped = _reshape_leading_dims(func, args)
+            if reshaped is not None:
+                return reshaped
         args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
         return func(*args, **kwargs)
 
@@ -193,6 +198,83 @@ class _HandedDTensor(DTensor):
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         return self.twin().full_tensor(grad_placements=grad_placements)
+
+
+# NOTE [reshaping the leading dims of a handed DTensor]
+# A loss reshapes the logits that ColwiseParallel(use_local_output=False) hands
+# it (Shard on the class dim, the last) before it reads them: torchtitan's loss
+# takes logits.flatten(0, 1).float(), Hugging Face's logits.view(-1, V). On a
+# DTensor each is a pass through DTensor's dispatch and sharding propagation,
+# forward and again backward. When only the last dim is sharded, the leading
+# dims are whole on every rank, so the same op on the local tensor gives this
+# rank's piece of the result, sharded on its last dim, with the class dim
+# untouched:
+#     flatten(s, e), e < n - 1:   [.., V/p] -> [.., prod(dims s..e), .., V/p]   Shard(last)
+#     view/reshape(sizes), sizes[-1] == V (-1 inferred from the global size)
+#     float():                    the same shapes, float32
+# The result is handed on like its source, over the reshaped local tensor,
+# whose autograd history reaches the producer directly. Any other shape (the
+# class dim merged or split, a non-contiguous source, named dims, keyword
+# arguments) goes through the twin and DTensor, as before.
+
+_LEADING_DIMS_OPS = frozenset({torch.Tensor.flatten, torch.flatten, torch.Tensor.view, torch.Tensor.reshape,
+                               torch.reshape, torch.Tensor.float})
+
+
+def _flatten_dims(_input, start_dim=0, end_dim=-1):
+    return start_dim, end_dim
+
+
+def _reshape_leading_dims(func, args) -> Optional["_HandedDTensor"]:
+    """``func(*args)`` on a handed DTensor sharded on its last dim only, when it keeps that dim: the
+    same op on the local tensor, handed on (NOTE [reshaping the leading dims of a handed DTensor]);
+    None for anything else."""
+    x = args[0]
+    if type(x) is not _HandedDTensor or x._tp_local is None:
+        return None
+    spec = dtensor_spec(x)
+    shape = spec.shape
+    ndim = len(shape)
+    if spec.mesh.ndim != 1 or spec.placements[0] != Shard(ndim - 1) or ndim < 2 \
+            or spec.stride != contiguous_stride(shape):
+        return None
+    local = x._tp_local
+    if func is torch.Tensor.float:
+        if len(args) != 1:
+            return None
+        if local.dtype == torch.float32:
+            return x  # as Tensor.float() returns the tensor itself
+        out, new_shape = local.float(), shape
+    elif func is torch.Tensor.flatten or func is torch.flatten:
+        start, end = _flatten_dims(*args)
+        if type(start) is not int or type(end) is not int or not -ndim <= start < ndim or not -ndim <= end < ndim:
+            return None
+        start, end = start % ndim, end % ndim
+        if start > end or end == ndim - 1:
+            return None
+        merged = 1
+        for size in shape[start:end + 1]:
+            merged *= size
+        out, new_shape = local.flatten(start, end), (*shape[:start], merged, *shape[end + 1:])
+    else:  # view, reshape
+        sizes = args[1:]
+        if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+            sizes = tuple(sizes[0])
+        if not sizes or any(type(size) is not int for size in sizes) or sizes.count(-1) > 1:
+            return None
+        known = 1
+        for size in sizes:
+            known *= size if size != -1 else 1
+        numel = spec.tensor_meta.shape.numel()
+        if known <= 0 or numel % known:
+            return None
+        new_shape = tuple(numel // known if size == -1 else size for size in sizes)
+        if new_shape[-1] != shape[-1] or torch.Size(new_shape).numel() != numel:
+            return None
+        out = func(local, (*new_shape[:-1], local.size(-1)))
+    new_shape = torch.Size(new_shape)
+    return _hand(out, None, x._tp_rank, _spec(spec.mesh, Shard(len(new_shape) - 1), new_shape, out.dtype),
+                 out.requires_grad)
 
 
 def _gradient_went_astray(_tensor: torch.Tensor) -> None:

@@ -403,6 +403,15 @@ class _LocalShard(torch.autograd.Function):
         return dtensor_from_spec(grad, ctx.spec, requires_grad=False)
 
 
+def _local_shard(x: DTensor) -> torch.Tensor:
+    """The local shard of the loss input, on the input's autograd path. A DTensor torch_tp handed on
+    (the logits of its ColwiseParallel) carries its local tensor, whose gradient reaches the producer
+    directly (NOTE [DTensors handed between torch_tp modules] in _layout.py)."""
+    if type(x) is _HandedDTensor:
+        return x.local()
+    return _LocalShard.apply(x)
+
+
 # ---------------------------------------------------------------- handlers
 
 
@@ -460,7 +469,7 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
         loss = _CrossEntropy.apply(record.x, target, w, reduction, shard,
                                    (record.m, record.sum_exp, record.logp))
     else:
-        local = _LocalShard.apply(input).movedim(class_dim, -1)
+        local = _local_shard(input).movedim(class_dim, -1)
         if cross_entropy:
             loss = _CrossEntropy.apply(local, target, w, reduction, shard, None)
         else:
@@ -562,6 +571,10 @@ _HANDLERS: Dict[Callable, Callable[[tuple, dict], Any]] = {
 }
 
 
+# Handlers whose input (the first argument) reaches only _local_shard.
+_TAKE_HANDED_INPUT = frozenset({_cross_entropy, _nll_loss})
+
+
 @classmethod
 def _loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
     """DTensor's ``__torch_function__`` inside :func:`loss_parallel`: the handled functions on DTensor
@@ -572,8 +585,13 @@ def _loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
         handler = _HANDLERS.get(func)
         if handler is not None and _first_is_dtensor(args, kwargs):
             # The handlers pass DTensors to autograd Functions, which would bypass a handed
-            # DTensor's torch functions (NOTE [DTensors handed between torch_tp modules]).
-            args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
+            # DTensor's torch functions (NOTE [DTensors handed between torch_tp modules]); the
+            # losses' own input is the exception: they read its local tensor (_local_shard).
+            if handler in _TAKE_HANDED_INPUT and args and type(args[0]) is _HandedDTensor:
+                rest, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args[1:], kwargs))
+                args = (args[0], *rest)
+            else:
+                args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
             result = handler(args, kwargs)
             if result is not NotImplemented:
                 return result
