@@ -358,7 +358,7 @@ def _run_communication():
             loss.backward()
         counts[name] = (len(fwd.calls), len(bwd.calls))
     assert counts == {
-        "cross_entropy": (2, 0),          # max; [sum exp, target logit]
+        "cross_entropy": (1, 0),          # all-gather of [log-sum-exp, target logit]
         "log_softmax+nll_loss": (3, 0),   # max, sum exp; target logp (fused backward)
         "nll_loss": (1, 0),
         "log_softmax": (2, 1),            # backward: sum of the gradient over classes

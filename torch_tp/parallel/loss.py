@@ -21,22 +21,23 @@ process while it is open; it nests, and the outermost exit restores it.
 
 NOTE [vocab-parallel cross entropy]
     Rank r holds x_r = x[..., s_r : s_r + n_r], its torch.chunk piece of the V
-    classes (class dim moved last). With m = max_c x_c, S = sum_c exp(x_c - m):
+    classes (class dim moved last). With L = log sum_c exp(x_c), the
+    log-sum-exp over all classes:
 
-        loss = log S - (x_t - m)          t: the target class
+        loss = L - x_t                    t: the target class
 
-    forward:  m    = all_reduce_max(amax(x_r))                    [..]
-              [S, x_t - m] = all_reduce_sum([sum exp(x_r - m),    [2, ..], one call
-                                             (x_r - m)[t - s_r] if s_r <= t < s_r + n_r else 0])
-    backward: d loss / d x_r = softmax(x)_r - onehot(t)_r = exp(x_r - m) / S - onehot
-              with the global m and S saved from forward: no communication.
+    forward:  L_r = logsumexp(x_r)  (-inf for a rank holding no classes)      [..]
+              all_gather([L_r, x_t if s_r <= t < s_r + n_r else 0])           [p, 2, ..], one call
+              L = logsumexp over r of L_r,  x_t = the sum over r (one rank holds it)
+    backward: d loss / d x_r = softmax(x)_r - onehot(t)_r = exp(x_r - L) - onehot
+              with the global L saved from forward: no communication.
 
-    Two collectives forward (Megatron's vocab-parallel cross entropy has three:
-    the sum-exp and target-logit sums share one all-reduce here), none
-    backward. m carries no gradient (log-sum-exp does not depend on it), so
-    the max all-reduce needs no adjoint. Rows count with their weight
-    w_t = weight[t] (1 without weight) and 0 when t == ignore_index;
-    mean divides by sum(w_t), as F.cross_entropy does.
+    One collective forward (Megatron's vocab-parallel cross entropy has three
+    all-reduces: the max, the sum of exp, the target logit), none backward.
+    Each rank's own logsumexp is ATen's stable one, and the ranks' L_r
+    combine stably the same way, so no global max has to be agreed on first.
+    Rows count with their weight w_t = weight[t] (1 without weight) and 0
+    when t == ignore_index; mean divides by sum(w_t), as F.cross_entropy does.
 
 NOTE [log_softmax then nll_loss]
     ``F.nll_loss(F.log_softmax(x, c), t)`` is cross entropy in two calls. A
@@ -265,6 +266,19 @@ def _max_and_sum_exp(x: torch.Tensor, group: str) -> Tuple[torch.Tensor, torch.T
     return m, shifted, shifted.exp().sum(-1)
 
 
+def _log_sum_exp_and_target(x: torch.Tensor, index: torch.Tensor, here: torch.Tensor,
+                            group: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(L = log sum_c exp(x_c) over all classes, x_t) per row, from one all-gather of each rank's
+    (L_r, x_t or 0) (NOTE [vocab-parallel cross entropy])."""
+    if x.size(-1) == 0:  # a rank holding no classes: exp sums to 0
+        local_lse = x.new_full(x.shape[:-1], float("-inf"))
+    else:
+        local_lse = torch.logsumexp(x, -1)
+    gathered = torch.ops.torch_tp.all_gather(torch.stack([local_lse, _pick(x, index, here)]).unsqueeze(0), 0,
+                                             group)  # [p, 2, ..]
+    return torch.logsumexp(gathered[:, 0], 0), gathered[:, 1].sum(0)
+
+
 def _reduce(loss: torch.Tensor, w: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss
@@ -293,27 +307,25 @@ class _CrossEntropy(torch.autograd.Function):
         xc = x.to(_compute_dtype(x.dtype))
         index, here = _local_target(target, shard)
         if stats is None:
-            m, shifted, sum_exp_local = _max_and_sum_exp(xc, shard.group)
-            sums = torch.ops.torch_tp.all_reduce(
-                torch.stack([sum_exp_local, _pick(shifted, index, here)]), "sum", shard.group)
-            sum_exp, target_shifted = sums[0], sums[1]
-            loss = sum_exp.log() - target_shifted
+            lse, target_logit = _log_sum_exp_and_target(xc, index, here, shard.group)
+            loss = lse - target_logit
         else:
             m, sum_exp, logp = stats
+            lse = m + sum_exp.log()
             loss = -torch.ops.torch_tp.all_reduce(
                 _pick(logp.to(xc.dtype), index, here), "sum", shard.group)
         loss = torch.where(w != 0, loss * w, 0)
-        ctx.save_for_backward(x, m, sum_exp, index, here, w)
+        ctx.save_for_backward(x, lse, index, here, w)
         ctx.reduction = reduction
         return _reduce(loss, w, reduction).to(out_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # noqa: D102
-        x, m, sum_exp, index, here, w = ctx.saved_tensors
+        x, lse, index, here, w = ctx.saved_tensors
         scale = _row_grad_scale(grad.to(w.dtype), w, ctx.reduction)
-        # softmax from the forward's global max and sum: exp(x_r - m) / S.
-        grad_x = (x.to(w.dtype) - m.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1)).mul_(scale.unsqueeze(-1))
+        # softmax from the forward's global log-sum-exp: exp(x_r - L).
+        grad_x = (x.to(w.dtype) - lse.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
         if x.size(-1) > 0:  # - onehot(t) * scale, on the rank holding t
             grad_x.scatter_add_(-1, index.unsqueeze(-1), torch.where(here, -scale, 0).unsqueeze(-1))
         return grad_x.to(x.dtype), None, None, None, None, None
