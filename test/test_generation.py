@@ -32,6 +32,9 @@ from _compare import assert_close, assert_error_names
 from torch_tp import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 TOL = 1e-10
+# Hugging Face's causal-LM loss casts the logits to float32; the vocab split reorders its sums
+# (test_loss_parallel.py's float32 tolerance against the unsharded loss).
+TOL_FLOAT32_LOSS = 1e-5
 NEW_TOKENS = 5
 
 
@@ -84,6 +87,19 @@ def _training_step(kind, ours, unsharded, ids):
     assert_close(loss, expected, f"{kind}: loss", TOL)
     for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
         assert_close(_full(param.grad), reference.grad, f"{kind}: {name}.grad", TOL, floor=1e-12)
+    for model in (ours, unsharded):
+        model.zero_grad()
+    # The model's own loss (labels=): Hugging Face's causal-LM loss reshapes the logits
+    # (.float(), .view(-1, V)) and calls F.cross_entropy, all on the DTensor logits.
+    with torch_tp.loss_parallel():
+        loss = ours(input_ids=ids, position_ids=positions, labels=ids).loss
+        loss.backward()
+    expected = unsharded(input_ids=ids, labels=ids).loss
+    expected.backward()
+    assert_close(loss, expected, f"{kind}: the model's own loss", TOL_FLOAT32_LOSS)
+    for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
+        assert_close(_full(param.grad), reference.grad, f"{kind}: {name}.grad (the model's own loss)",
+                     TOL_FLOAT32_LOSS, floor=1e-12)
     for model in (ours, unsharded):
         model.zero_grad()
 
