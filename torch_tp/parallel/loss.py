@@ -631,8 +631,11 @@ def loss_parallel() -> Iterator[None]:
     the mesh size is split as ``torch.chunk`` splits it. Calls on plain tensors
     are unchanged.
 
-    Cross entropy takes two all-reduces forward (global max; sum of exp and
-    target logit together) and no communication backward.
+    Cross entropy takes one collective forward (an all-gather of each rank's
+    log-sum-exp and target logit) and no communication backward. Logits that
+    torch_tp's ``ColwiseParallel`` handed on may be reshaped first
+    (``flatten(0, 1)``, ``view(-1, V)``, ``.float()``) without leaving their
+    local tensor.
 
     Args (of the intercepted calls):
         input (DTensor): logits (log-probabilities for ``nll_loss``) with
