@@ -246,6 +246,8 @@ def _reshape_leading_dims(func, args) -> Optional["_HandedDTensor"]:
             return x  # as Tensor.float() returns the tensor itself
         out, new_shape = local.float(), shape
     elif func is torch.Tensor.flatten or func is torch.flatten:
+        if len(args) > 3:  # flatten(dims, out_dim): named dims
+            return None
         start, end = _flatten_dims(*args)
         if type(start) is not int or type(end) is not int or not -ndim <= start < ndim or not -ndim <= end < ndim:
             return None
