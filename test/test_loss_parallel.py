@@ -148,6 +148,36 @@ def test_cross_entropy(ranks, world_size, reduction, ignored):
     ranks(world_size).run(_run_cross_entropy, 10, reduction, ignored, True)
 
 
+def _run_masked_classes():
+    """Classes masked to -inf (a padded vocabulary's extra rows), so that on some rows one rank's whole
+    shard is -inf: each rank sums exp against its own max (NOTE [vocab-parallel cross entropy]), which
+    must not turn such a shard into nan. Against the unsharded loss and torch's loss_parallel."""
+    vocab = 12  # over 3 ranks: 4, 4, 4 classes
+    dt, full = _logits(vocab)
+    mask = torch.zeros(BATCH, SEQ, vocab, dtype=torch.bool)
+    mask[:, :2, 8:] = True  # the last rank's classes, on the first two positions
+    mask[:, 3, :4] = True  # the first rank's, on another
+    labels = _labels(vocab).masked_fill(mask[..., 8] & mask[..., 9], 0).masked_fill(mask[..., 0], 5)
+
+    def ce(logits):
+        return F.cross_entropy(logits.masked_fill(_like(logits, mask), float("-inf")).flatten(0, 1),
+                               labels.flatten(0, 1))
+
+    loss = _check_three_ways(dt, full, ce, ce)
+    assert torch.isfinite(loss), loss
+
+
+def _like(logits, mask):
+    """The mask as the logits hold them: a DTensor with the same placements for a DTensor."""
+    if isinstance(logits, DTensor):
+        return distribute_tensor(mask, logits.device_mesh, logits.placements)
+    return mask
+
+
+def test_masked_classes(ranks):
+    ranks(3).run(_run_masked_classes)
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_rank_without_classes(ranks, reduction):
     """5 classes on 4 ranks: torch.chunk gives 2, 2, 1, 0. (torch's loss_parallel
@@ -358,7 +388,7 @@ def _run_communication():
             loss.backward()
         counts[name] = (len(fwd.calls), len(bwd.calls))
     assert counts == {
-        "cross_entropy": (1, 0),          # all-gather of [log-sum-exp, target logit]
+        "cross_entropy": (1, 0),          # all-gather of [max, sum exp, target logit]
         "log_softmax+nll_loss": (3, 0),   # max, sum exp; target logp (fused backward)
         "nll_loss": (1, 0),
         "log_softmax": (2, 1),            # backward: sum of the gradient over classes
