@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Vocab-parallel cross entropy at LLM vocabularies: torch_tp's loss_parallel vs torch's vs the unsharded loss.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_loss.py [--quick] [--vocabs 32000,128256] [--dtypes float32]
+
+Logits ``[tokens, vocab]`` as ``ColwiseParallel(use_local_output=False)`` hands them to the loss: a leaf DTensor
+sharded on the class dim (``Shard(1)``), each rank holding its ``torch.chunk`` piece of the vocabulary. A step is
+``F.cross_entropy(logits, target)`` (mean over the tokens) and its backward to the logits:
+
+- **torch_tp**: inside ``torch_tp.loss_parallel()`` (NOTE [vocab-parallel cross entropy] in
+  torch_tp/parallel/loss.py: one all-gather forward, none backward);
+- **dtensor**: inside ``torch.distributed.tensor.parallel.loss_parallel()`` (DTensor's ``_log_softmax`` and
+  ``nll_loss`` handlers);
+- **unsharded**: ``F.cross_entropy`` on the whole ``[tokens, vocab]`` on rank 0 alone, the others idle.
+
+Before timing, both parallel losses' gradients are checked against the loss in float64 on the whole logits
+(1e-5 of the largest magnitude for float32 logits, 2e-2 for bfloat16; the unsharded float32 loss itself is off
+by ~3e-5 at vocabulary 128256, its sum of exp running over all classes in one float32 reduction). At these sizes the loss is bound by passes over the logits, so
+the step is compared with the unsharded one's halving (``unsharded / torch_tp``, ideally the rank count).
+
+Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+
+import harness
+import torch_tp
+
+IMPLS = ["unsharded", "torch_tp", "dtensor"]
+VOCABS = [32000, 128256]  # Llama 2's, Llama 3's
+TOKENS = 512
+
+
+def _step(loss_context, logits, target):
+    def step():
+        with loss_context():
+            F.cross_entropy(logits, target).backward()
+        out, logits.grad = logits.grad, None
+        return out
+    return step
+
+
+def _check(name, got, want, tol):
+    err = float((got.double() - want).abs().max() / want.abs().max())
+    if err > tol:
+        raise AssertionError(f"{name} differs from the float64 loss's by {err:.2e} (tolerance {tol:.0e})")
+
+
+def measure(args):
+    group = dist.group.WORLD
+    p, rank = group.size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (p,))
+    table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp")])
+    repeats = 3 if args.quick else 12
+    for vocab in args.vocabs:
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            gen = torch.Generator().manual_seed(vocab)
+            full = torch.randn(TOKENS, vocab, generator=gen).mul_(3).to(dtype)
+            target = torch.randint(0, vocab, (TOKENS,), generator=gen)
+            sharded = distribute_tensor(full, mesh, [Shard(1)]).detach().requires_grad_()
+            whole = full.clone().requires_grad_()
+            steps = {"torch_tp": _step(torch_tp.loss_parallel, sharded, target),
+                     "dtensor": _step(torch_loss_parallel, sharded, target),
+                     "unsharded": _step(lambda: torch.enable_grad(), whole, target) if rank == 0 else (lambda: None)}
+            exact = full.double().requires_grad_()
+            F.cross_entropy(exact, target).backward()
+            reference = exact.grad
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            for impl in ("torch_tp", "dtensor"):
+                grad = steps[impl]().full_tensor()
+                if rank == 0:
+                    _check(f"{impl} gradient ({vocab}, {dtype_name})", grad, reference, tol)
+            del exact, reference
+            samples = harness.time_interleaved(steps, repeats, group, order=harness.permutations(IMPLS), warmup=1)
+            logits_mib = TOKENS * vocab * full.element_size() / 2**20
+            table.add({"vocab": vocab, "dtype": dtype_name}, samples, extra={"logits MiB": logits_mib})
+            del full, sharded, whole, steps
+    return {
+        "tag": "bench_loss",
+        "stem": "loss",
+        "title": "Vocab-parallel cross entropy: torch_tp vs torch's loss_parallel vs unsharded",
+        "about": f"CPU, eager, {args.backend} backend, {p} ranks, one intra-op thread. Logits [{TOKENS}, vocab] as "
+        "a leaf DTensor sharded on the class dim; a step is `F.cross_entropy` (mean) forward and backward. "
+        "**torch_tp**: inside `torch_tp.loss_parallel()`; **dtensor**: inside torch's `loss_parallel()`; "
+        "**unsharded**: `F.cross_entropy` on the whole logits on rank 0 alone. Gradients checked against the "
+        "float64 loss's on the whole logits before timing (1e-5 float32, 2e-2 bfloat16, of the largest "
+        "magnitude).",
+        "tables": [table],
+        "notes": [],
+    }
+
+
+def main(argv) -> int:
+    p = harness.parser(__doc__, quick="smoke run: 3 repeats per case")
+    p.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="comma-separated vocabulary sizes")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated subset of %(default)s")
+    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
+                   help="process-group backend of both implementations (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.vocabs = [int(v) for v in args.vocabs.split(",")]
+    args.dtypes = harness.subset(p, "--dtypes", args.dtypes, ["float32", "bfloat16"])
+    return harness.run("bench_loss", args, lambda: measure(args), backend=args.backend)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
