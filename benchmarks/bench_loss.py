@@ -15,8 +15,9 @@ sharded on the class dim (``Shard(1)``), each rank holding its ``torch.chunk`` p
 
 Before timing, both parallel losses' gradients are checked against the loss in float64 on the whole logits
 (1e-5 of the largest magnitude for float32 logits, 2e-2 for bfloat16; the unsharded float32 loss itself is off
-by ~3e-5 at vocabulary 128256, its sum of exp running over all classes in one float32 reduction). At these sizes the loss is bound by passes over the logits, so
-the step is compared with the unsharded one's halving (``unsharded / torch_tp``, ideally the rank count).
+by ~3e-5 at vocabulary 128256, its sum of exp running over all classes in one float32 reduction). At these
+sizes the loss is bound by passes over the logits, so ``unsharded / torch_tp`` would ideally be the rank count;
+torch_tp reads its shard a chunk of rows at a time, so the float32 copies stay in cache.
 
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """

@@ -178,6 +178,26 @@ def test_masked_classes(ranks):
     ranks(3).run(_run_masked_classes)
 
 
+def _run_row_chunks(chunk_elements):
+    """The loss converts and reduces the logits a few rows at a time (loss.py's _CHUNK_ELEMENTS, ~1 MiB):
+    with chunks of one and of a few rows, bfloat16 logits and masked classes too, the same values."""
+    import torch_tp.parallel.loss as loss_module
+
+    saved = loss_module._CHUNK_ELEMENTS
+    loss_module._CHUNK_ELEMENTS = chunk_elements
+    try:
+        _run_cross_entropy(10, "mean", (0, 3, 4), True)
+        _run_masked_classes()
+        _run_bfloat16()
+    finally:
+        loss_module._CHUNK_ELEMENTS = saved
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 9], ids=["one_row", "a_few_rows"])
+def test_row_chunks(ranks, chunk_elements):
+    ranks(3).run(_run_row_chunks, chunk_elements)
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_rank_without_classes(ranks, reduction):
     """5 classes on 4 ranks: torch.chunk gives 2, 2, 1, 0. (torch's loss_parallel

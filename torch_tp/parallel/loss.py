@@ -268,20 +268,47 @@ def _max_and_sum_exp(x: torch.Tensor, group: str) -> Tuple[torch.Tensor, torch.T
     return m, shifted, shifted.exp().sum(-1)
 
 
-def _max_sum_exp_and_target(x: torch.Tensor, index: torch.Tensor, here: torch.Tensor,
-                            group: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m = max_c x_c, S = sum_c exp(x_c - m) over all classes, x_t) per row, from one all-gather of each
-    rank's (m_r, S_r, x_t or 0) (NOTE [vocab-parallel cross entropy])."""
-    if x.size(-1) == 0:  # a rank holding no classes
-        local_max = x.new_full(x.shape[:-1], float("-inf"))
-        local_sum = x.new_zeros(x.shape[:-1])
+# Rows of logits converted and reduced at a time: ~1 MiB of float32, so that the
+# compute-dtype copies and the exp stay in cache and the logits are read from
+# memory once, forward and backward, however large the vocabulary.
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def _row_chunks(rows: int, classes: int) -> range:
+    return range(0, rows, max(1, _CHUNK_ELEMENTS // max(1, classes)))
+
+
+def _local_max_and_sum_exp(rows: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(m_r, S_r) of ``rows`` [R, n_r], n_r > 0, in ``dtype``, a chunk of rows at a time."""
+    step = _row_chunks(rows.size(0), rows.size(1)).step
+    if step >= rows.size(0):
+        chunks = [rows.to(dtype)]
     else:
-        local_max = x.amax(-1)
+        chunks = (rows[start:start + step].to(dtype) for start in range(0, rows.size(0), step))
+    maxima, sums = [], []
+    for chunk in chunks:
+        chunk_max = chunk.amax(-1)
         # A row of -inf on this rank (masked classes) shifts by 0: its sum is 0, not nan.
-        shift = torch.where(local_max.isinf(), 0, local_max)
-        local_sum = (x - shift.unsqueeze(-1)).exp_().sum(-1)
+        shift = torch.where(chunk_max.isinf(), 0, chunk_max)
+        maxima.append(chunk_max)
+        sums.append((chunk - shift.unsqueeze(-1)).exp_().sum(-1))
+    if len(maxima) == 1:
+        return maxima[0], sums[0]
+    return torch.cat(maxima), torch.cat(sums)
+
+
+def _max_sum_exp_and_target(x: torch.Tensor, index: torch.Tensor, here: torch.Tensor, group: str,
+                            dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m = max_c x_c, S = sum_c exp(x_c - m) over all classes, x_t) per row in ``dtype``, from one all-gather
+    of each rank's (m_r, S_r, x_t or 0) (NOTE [vocab-parallel cross entropy])."""
+    if x.size(-1) == 0:  # a rank holding no classes
+        local_max = x.new_full(x.shape[:-1], float("-inf"), dtype=dtype)
+        local_sum = x.new_zeros(x.shape[:-1], dtype=dtype)
+    else:
+        local_max, local_sum = _local_max_and_sum_exp(x.reshape(-1, x.size(-1)), dtype)
+        local_max, local_sum = local_max.view(x.shape[:-1]), local_sum.view(x.shape[:-1])
     gathered = torch.ops.torch_tp.all_gather(
-        torch.stack([local_max, local_sum, _pick(x, index, here)]).unsqueeze(0), 0, group)  # [p, 3, ..]
+        torch.stack([local_max, local_sum, _pick(x, index, here).to(dtype)]).unsqueeze(0), 0, group)  # [p, 3, ..]
     m = gathered[:, 0].amax(0)
     sum_exp = (gathered[:, 1] * (gathered[:, 0] - m).exp()).sum(0)
     return m, sum_exp, gathered[:, 2].sum(0)
@@ -312,15 +339,15 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, w, reduction, shard, stats):  # noqa: D102
         out_dtype = x.dtype
-        xc = x.to(_compute_dtype(x.dtype))
+        dtype = _compute_dtype(x.dtype)
         index, here = _local_target(target, shard)
         if stats is None:
-            m, sum_exp, target_logit = _max_sum_exp_and_target(xc, index, here, shard.group)
+            m, sum_exp, target_logit = _max_sum_exp_and_target(x, index, here, shard.group, dtype)
             loss = sum_exp.log() - (target_logit - m)
         else:
             m, sum_exp, logp = stats
             loss = -torch.ops.torch_tp.all_reduce(
-                _pick(logp.to(xc.dtype), index, here), "sum", shard.group)
+                _pick(logp.to(dtype), index, here), "sum", shard.group)
         loss = torch.where(w != 0, loss * w, 0)
         ctx.save_for_backward(x, m, sum_exp, index, here, w)
         ctx.reduction = reduction
@@ -331,11 +358,24 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: D102
         x, m, sum_exp, index, here, w = ctx.saved_tensors
         scale = _row_grad_scale(grad.to(w.dtype), w, ctx.reduction)
-        # softmax from the forward's global max and sum, times the row's scale: exp(x_r - m) * (scale / S).
-        grad_x = (x.to(w.dtype) - m.unsqueeze(-1)).exp_().mul_((scale / sum_exp).unsqueeze(-1))
-        if x.size(-1) > 0:  # - onehot(t) * scale, on the rank holding t
-            grad_x.scatter_add_(-1, index.unsqueeze(-1), torch.where(here, -scale, 0).unsqueeze(-1))
-        return grad_x.to(x.dtype), None, None, None, None, None
+        # softmax from the forward's global max and sum, times the row's scale: exp(x_r - m) * (scale / S),
+        # less onehot(t) * scale on the rank holding t; a chunk of rows at a time.
+        factor = (scale / sum_exp).unsqueeze(-1)
+        onehot = torch.where(here, -scale, 0).unsqueeze(-1)
+        step = _row_chunks(x.shape[:-1].numel(), x.size(-1)).step
+        if x.size(-1) == 0 or step >= x.shape[:-1].numel():
+            grad_x = (x.to(w.dtype) - m.unsqueeze(-1)).exp_().mul_(factor)
+            if x.size(-1) > 0:
+                grad_x.scatter_add_(-1, index.unsqueeze(-1), onehot)
+            return grad_x.to(x.dtype), None, None, None, None, None
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rows, grad_rows = x.reshape(-1, x.size(-1)), grad_x.view(-1, x.size(-1))
+        m, factor, onehot, index = m.reshape(-1, 1), factor.reshape(-1, 1), onehot.reshape(-1, 1), index.reshape(-1, 1)
+        for start in range(0, rows.size(0), step):
+            end = start + step
+            chunk = (rows[start:end].to(w.dtype) - m[start:end]).exp_().mul_(factor[start:end])
+            grad_rows[start:end] = chunk.scatter_add_(-1, index[start:end], onehot[start:end])
+        return grad_x, None, None, None, None, None
 
 
 class _NLLLoss(torch.autograd.Function):
