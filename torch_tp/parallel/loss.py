@@ -37,7 +37,10 @@ NOTE [vocab-parallel cross entropy]
     global one after the gather, so no max has to be agreed on first. The
     shifts are by exact maxima, as in torch's loss_parallel and the unsharded
     loss: a shift by a rounded log-sum-exp instead (|L| ~ 20 at V = 128K)
-    costs the softmax an order of magnitude of accuracy. Rows count with their weight w_t = weight[t] (1
+    costs the softmax an order of magnitude of accuracy. Both passes over
+    the shard (m_r and S_r; the gradient) take ~1 MiB of rows at a time in
+    the compute dtype (_CHUNK_ELEMENTS), so a large vocabulary's float32
+    copies stay in cache and the shard is read from memory once. Rows count with their weight w_t = weight[t] (1
     without weight) and 0 when t == ignore_index; mean divides by sum(w_t),
     as F.cross_entropy does.
 
