@@ -24,6 +24,7 @@ Tolerances (fp32), relative to the largest magnitude of the reference:
                 ours is exp(x - m) / S: one or two roundings apart.
 """
 
+import itertools
 import re
 
 import pytest
@@ -343,7 +344,10 @@ def _run_handed_logits_reshaped():
         "reshape((b * s, V))": lambda t: t.reshape((BATCH * SEQ, vocab)),
         "torch.reshape(t, (-1, V)).float()": lambda t: torch.reshape(t, (-1, vocab)).float(),
     }
-    for name, reshape in reshapes.items():
+    losses = {"cross_entropy": F.cross_entropy,
+              "nll_loss(log_softmax)": lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target)}
+    for (name, reshape), (loss_name, loss_fn) in itertools.product(reshapes.items(), losses.items()):
+        name = f"{loss_name} of {name}"
         x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
         tp.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
@@ -351,9 +355,9 @@ def _run_handed_logits_reshaped():
             logits = reshape(tp(x_tp))
             assert type(logits) is _HandedDTensor, (name, type(logits))
             assert logits.shape == (BATCH * SEQ, vocab) and logits.placements == (Shard(1),), (name, logits)
-            loss = F.cross_entropy(logits, labels)
+            loss = loss_fn(logits, labels)
         loss.backward()
-        ref_loss = F.cross_entropy(reshape(ref(x_ref)), labels)
+        ref_loss = loss_fn(reshape(ref(x_ref)), labels)
         ref_loss.backward()
         assert_close(loss, ref_loss.detach(), f"{name}: loss", VS_UNSHARDED)
         assert_close(x_tp.grad, x_ref.grad, f"{name}: grad x", VS_UNSHARDED)

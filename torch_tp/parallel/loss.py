@@ -40,9 +40,9 @@ NOTE [vocab-parallel cross entropy]
     costs the softmax an order of magnitude of accuracy. Both passes over
     the shard (m_r and S_r; the gradient) take ~1 MiB of rows at a time in
     the compute dtype (_CHUNK_ELEMENTS), so a large vocabulary's float32
-    copies stay in cache and the shard is read from memory once. Rows count with their weight w_t = weight[t] (1
-    without weight) and 0 when t == ignore_index; mean divides by sum(w_t),
-    as F.cross_entropy does.
+    copies stay in cache and the shard is read from memory once. Rows count
+    with their weight w_t = weight[t] (1 without weight) and 0 when
+    t == ignore_index; mean divides by sum(w_t), as F.cross_entropy does.
 
 NOTE [log_softmax then nll_loss]
     ``F.nll_loss(F.log_softmax(x, c), t)`` is cross entropy in two calls. A
@@ -277,19 +277,16 @@ def _max_and_sum_exp(x: torch.Tensor, group: str) -> Tuple[torch.Tensor, torch.T
 _CHUNK_ELEMENTS = 1 << 18
 
 
-def _row_chunks(rows: int, classes: int) -> range:
-    return range(0, rows, max(1, _CHUNK_ELEMENTS // max(1, classes)))
+def _rows_per_chunk(classes: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, classes))
 
 
 def _local_max_and_sum_exp(rows: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """(m_r, S_r) of ``rows`` [R, n_r], n_r > 0, in ``dtype``, a chunk of rows at a time."""
-    step = _row_chunks(rows.size(0), rows.size(1)).step
-    if step >= rows.size(0):
-        chunks = [rows.to(dtype)]
-    else:
-        chunks = (rows[start:start + step].to(dtype) for start in range(0, rows.size(0), step))
+    step = _rows_per_chunk(rows.size(1))
     maxima, sums = [], []
-    for chunk in chunks:
+    for start in range(0, rows.size(0), step):
+        chunk = rows[start:start + step].to(dtype)
         chunk_max = chunk.amax(-1)
         # A row of -inf on this rank (masked classes) shifts by 0: its sum is 0, not nan.
         shift = torch.where(chunk_max.isinf(), 0, chunk_max)
@@ -361,23 +358,26 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: D102
         x, m, sum_exp, index, here, w = ctx.saved_tensors
         scale = _row_grad_scale(grad.to(w.dtype), w, ctx.reduction)
+        if x.size(-1) == 0:  # a rank holding no classes
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device), None, None, None, None, None
         # softmax from the forward's global max and sum, times the row's scale: exp(x_r - m) * (scale / S),
         # less onehot(t) * scale on the rank holding t; a chunk of rows at a time.
-        factor = (scale / sum_exp).unsqueeze(-1)
-        onehot = torch.where(here, -scale, 0).unsqueeze(-1)
-        step = _row_chunks(x.shape[:-1].numel(), x.size(-1)).step
-        if x.size(-1) == 0 or step >= x.shape[:-1].numel():
-            grad_x = (x.to(w.dtype) - m.unsqueeze(-1)).exp_().mul_(factor)
-            if x.size(-1) > 0:
-                grad_x.scatter_add_(-1, index.unsqueeze(-1), onehot)
-            return grad_x.to(x.dtype), None, None, None, None, None
-        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        rows, grad_rows = x.reshape(-1, x.size(-1)), grad_x.view(-1, x.size(-1))
-        m, factor, onehot, index = m.reshape(-1, 1), factor.reshape(-1, 1), onehot.reshape(-1, 1), index.reshape(-1, 1)
-        for start in range(0, rows.size(0), step):
-            end = start + step
+        rows = x.reshape(-1, x.size(-1))
+        m, index = m.reshape(-1, 1), index.reshape(-1, 1)
+        factor = (scale / sum_exp).reshape(-1, 1)
+        onehot = torch.where(here, -scale, 0).reshape(-1, 1)
+        step = _rows_per_chunk(rows.size(1))
+
+        def chunk_grad(start: int, end: int) -> torch.Tensor:
             chunk = (rows[start:end].to(w.dtype) - m[start:end]).exp_().mul_(factor[start:end])
-            grad_rows[start:end] = chunk.scatter_add_(-1, index[start:end], onehot[start:end])
+            return chunk.scatter_add_(-1, index[start:end], onehot[start:end])
+
+        if step >= rows.size(0):
+            return chunk_grad(0, rows.size(0)).to(x.dtype).view(x.shape), None, None, None, None, None
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        grad_rows = grad_x.view(-1, x.size(-1))
+        for start in range(0, rows.size(0), step):
+            grad_rows[start:start + step] = chunk_grad(start, start + step)
         return grad_x, None, None, None, None, None
 
 
@@ -589,7 +589,7 @@ def _log_softmax_dt(x: DTensor, dim: Any, dtype: Optional[torch.dtype]) -> Any:
         raise ValueError(_err(fn, "input must have a class dim, got a 0-d DTensor"))
     dim = dim % x.ndim
     shard = _class_shard(x, dim, fn, "input")
-    local = _LocalShard.apply(x)
+    local = _local_shard(x)
     if dtype is not None:
         local = local.to(dtype)
     if not local.is_floating_point():
@@ -633,10 +633,6 @@ _HANDLERS: Dict[Callable, Callable[[tuple, dict], Any]] = {
 }
 
 
-# Handlers whose input (the first argument) reaches only _local_shard.
-_TAKE_HANDED_INPUT = frozenset({_cross_entropy, _nll_loss})
-
-
 @classmethod
 def _loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
     """DTensor's ``__torch_function__`` inside :func:`loss_parallel`: the handled functions on DTensor
@@ -648,12 +644,10 @@ def _loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
         if handler is not None and _first_is_dtensor(args, kwargs):
             # The handlers pass DTensors to autograd Functions, which would bypass a handed
             # DTensor's torch functions (NOTE [DTensors handed between torch_tp modules]); the
-            # losses' own input is the exception: they read its local tensor (_local_shard).
-            if handler in _TAKE_HANDED_INPUT and args and type(args[0]) is _HandedDTensor:
-                rest, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args[1:], kwargs))
-                args = (args[0], *rest)
-            else:
-                args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
+            # input itself, given first, is the exception: the handlers read its local tensor
+            # through _local_shard.
+            rest, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args[1:], kwargs))
+            args = args[:1] + rest
             result = handler(args, kwargs)
             if result is not NotImplemented:
                 return result
