@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import torch.distributed.tensor.parallel as torch_tp_api
@@ -742,6 +744,103 @@ def _check_dtensor_inputs_and_src_rank():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dtensor_inputs_and_src_data_rank(ranks, world_size):
     ranks(world_size).run(_check_dtensor_inputs_and_src_rank)
+
+
+class _RecordTorchFunctions(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _RecordDispatch(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _TaggedTensor(torch.Tensor):
+    """A subclass with a __torch_function__ of its own, which records the calls it sees."""
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _check_linear_entries():
+    """The modules' plain-tensor path calls the ops through torch_tp._C's entries (NOTE [calling
+    the sharded linears from the modules] in csrc/python/linear_entry.cpp). They must be the ops:
+    the unsharded model's values and gradients, dispatch modes and the profiler see the ops,
+    __torch_function__ (a mode, a subclass) and errors are torch.ops', and torch.compile traces
+    the ops with no graph break."""
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    group = mesh.get_group().group_name
+    torch.manual_seed(0)
+    reference = MLP()
+    model = torch_tp.parallelize_module(copy.deepcopy(reference), mesh,
+                                        {"w1": torch_tp.ColwiseParallel(), "w2": torch_tp.RowwiseParallel()})
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+
+    expected = reference(x)
+    expected.square().sum().backward()
+    out = model(x)
+    assert type(out) is torch.Tensor
+    assert_close(out, expected, "output", RTOL, floor=SCALE_FLOOR)
+    out.square().sum().backward()
+    for name, param in reference.named_parameters():
+        assert_close(_full_param(model.get_parameter(name).grad), param.grad, f"{name} gradient", RTOL,
+                     floor=SCALE_FLOOR)
+
+    with torch.no_grad(), _RecordDispatch() as dispatch:
+        assert_close(model(x), expected, "output under a TorchDispatchMode", RTOL, floor=SCALE_FLOOR)
+    assert "torch_tp.column_parallel_linear.default" in dispatch.seen, dispatch.seen
+    assert "torch_tp.row_parallel_linear.default" in dispatch.seen, dispatch.seen
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        model(x)
+    names = {event.key for event in prof.key_averages()}
+    assert {"torch_tp::column_parallel_linear", "torch_tp::row_parallel_linear"} <= names, names
+
+    with torch.no_grad(), _RecordTorchFunctions() as functions:
+        assert_close(model(x), expected, "output under a TorchFunctionMode", RTOL, floor=SCALE_FLOOR)
+    assert "torch_tp.column_parallel_linear" in functions.seen, functions.seen
+    assert "torch_tp.row_parallel_linear" in functions.seen, functions.seen
+
+    weight = model.w1.weight.to_local().detach()
+    _TaggedTensor.seen.clear()
+    tagged = torch_tp._C._column_parallel_linear(x, weight.as_subclass(_TaggedTensor), None, group)
+    assert _TaggedTensor.seen == ["torch_tp.column_parallel_linear"], _TaggedTensor.seen
+    assert torch.equal(tagged.as_subclass(torch.Tensor), torch_tp._C._column_parallel_linear(x, weight, None, group))
+
+    # Arguments beyond the entry's (gather_dim) are handed to torch.ops as they are.
+    assert torch.equal(torch_tp._C._column_parallel_linear(x, weight, None, group, 1),
+                       torch.ops.torch_tp.column_parallel_linear(x, weight, None, group, 1))
+    # Bad input: the error torch.ops gives, from the entry's own call or its hand-over.
+    for args in ((x[..., :5], weight, None, group), (x, weight, None, "no such group"), (x, "weight", None, group)):
+        with pytest.raises(Exception) as from_ops:
+            torch.ops.torch_tp.column_parallel_linear(*args)
+        with pytest.raises(Exception) as from_entry:
+            torch_tp._C._column_parallel_linear(*args)
+        assert type(from_entry.value) is type(from_ops.value), (args[1:], from_entry.value, from_ops.value)
+        assert str(from_entry.value) == str(from_ops.value), (args[1:], from_entry.value, from_ops.value)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert_close(compiled(x), expected, "compiled output", RTOL, floor=SCALE_FLOOR)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_linear_entries(ranks, world_size):
+    ranks(world_size).run(_check_linear_entries)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

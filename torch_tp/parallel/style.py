@@ -74,6 +74,7 @@ from ._layout import (
     to_dtensor,
     tp_group,
 )
+from .._C import _column_parallel_linear, _row_parallel_linear
 from ._params import distribute_parameters, local_tensor, module_path
 from ._replicated_grad import complete_partial_grads_after_backward
 
@@ -272,7 +273,33 @@ class _ColwiseModule(_ShardedModule):
 # none): a 1-token decode step is bound by memory bandwidth and by per-call
 # cost, and the general path costs ~6 us of Python per linear on top of the op.
 # Nothing else changes: the same op with the same arguments, the same record
-# of a sequence shard's global size.
+# of a sequence shard's global size. Two per-call costs are cut further there:
+# the op is called through an entry of torch_tp._C instead of torch.ops'
+# Python call (NOTE [calling the sharded linears from the modules] in
+# csrc/python/linear_entry.cpp), and weight and bias are read from
+# _parameters, not through nn.Module.__getattr__, which on Python 3.11 is
+# reached only after a failed attribute lookup has formatted an
+# AttributeError (~7K instructions each).
+
+
+@torch.compiler.substitute_in_graph(_column_parallel_linear)
+def _column_parallel_linear_traced(x, weight, bias, group_name):
+    # What dynamo traces in place of the C entry (it does not trace C functions).
+    return torch.ops.torch_tp.column_parallel_linear(x, weight, bias, group_name)
+
+
+@torch.compiler.substitute_in_graph(_row_parallel_linear)
+def _row_parallel_linear_traced(x, weight, bias, group_name, scatter_dim):
+    return torch.ops.torch_tp.row_parallel_linear(x, weight, bias, group_name, scatter_dim)
+
+
+def _weight_and_bias(module: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``module.weight, module.bias``, read from ``_parameters``; a parametrized one is a property."""
+    params = module._parameters
+    try:
+        return params["weight"], params["bias"]
+    except KeyError:
+        return module.weight, module.bias
 
 
 class _ColwiseLinear(_ColwiseModule):
@@ -281,17 +308,17 @@ class _ColwiseLinear(_ColwiseModule):
         if state.replicated_in_local_out:
             if type(x) is torch.Tensor:
                 # NOTE [plain tensors in the layouts the plan declares]: [.., in] -> [.., out/p]
-                out = torch.ops.torch_tp.column_parallel_linear(x, local_tensor(self.weight),
-                                                                 local_tensor(self.bias), state.group.name)
+                weight, bias = _weight_and_bias(self)
+                out = _column_parallel_linear(x, local_tensor(weight), local_tensor(bias), state.group.name)
                 state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
                 return out
             if type(x) is _HandedDTensor and x._tp_partial is not None:
                 # The same for the Replicate DTensor a PrepareModuleInput gather handed on (torchtitan's
                 # plan): what _tp_replicated_input and _tp_output_sharded_on_last do, without the layout
                 # machinery.
-                out = torch.ops.torch_tp.column_parallel_linear(x._tp_partial, local_tensor(self.weight),
-                                                                 local_tensor(self.bias), state.group.name,
-                                                                 partial_grad_input=True)
+                weight, bias = _weight_and_bias(self)
+                out = torch.ops.torch_tp.column_parallel_linear(x._tp_partial, local_tensor(weight), local_tensor(bias),
+                                                                 state.group.name, partial_grad_input=True)
                 state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
                 return out
         group_name = state.group.name
@@ -342,8 +369,8 @@ class _RowwiseLinear(_RowwiseModule):
             if isinstance(layout, Replicate) or dim is not None and 0 <= dim < x.dim() - 1:
                 if state.records.replicate_sequence:  # generation_layouts(): the whole sequence
                     dim = None
-                out = torch.ops.torch_tp.row_parallel_linear(x, local_tensor(self.weight), local_tensor(self.bias),
-                                                             group.name, dim)
+                weight, bias = _weight_and_bias(self)
+                out = _row_parallel_linear(x, local_tensor(weight), local_tensor(bias), group.name, dim)
                 if dim is not None:
                     state.records.shard_sizes[(group.name, out.dim(), dim)] = x.size(dim)
                 return out
