@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import style as _torch_style
 
+from .._C import _column_parallel_linear, _row_parallel_linear
 from ._layout import (
     ForwardRecords,
     _HandedDTensor,
@@ -74,7 +75,6 @@ from ._layout import (
     to_dtensor,
     tp_group,
 )
-from .._C import _column_parallel_linear, _row_parallel_linear
 from ._params import distribute_parameters, local_tensor, module_path
 from ._replicated_grad import complete_partial_grads_after_backward
 
