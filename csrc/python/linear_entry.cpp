@@ -38,22 +38,13 @@ namespace py = pybind11;
 namespace torch_tp::python {
 namespace {
 
-// An argument the entry can pass to the dispatcher itself: a torch.Tensor or
-// nn.Parameter, not a subclass (whose __torch_function__ only torch.ops would
-// call), with no TorchFunctionMode on; or None, where the op takes an optional
-// tensor.
-bool is_plain_tensor(PyObject* arg) {
-  return THPVariable_CheckExact(arg) && !at::impl::torch_function_mode_enabled();
-}
-
-bool is_plain_optional_tensor(PyObject* arg) {
-  return arg == Py_None || is_plain_tensor(arg);
-}
-
 // x, weight, bias and group_name, the arguments both linears start with: whether
-// the entry takes them itself.
+// the entry can pass them to the dispatcher itself. With no TorchFunctionMode
+// on, the tensors must be torch.Tensor or nn.Parameter, not a subclass (whose
+// __torch_function__ only torch.ops would call); bias may be None.
 bool takes_linear_args(PyObject* const* args) {
-  return is_plain_tensor(args[0]) && is_plain_tensor(args[1]) && is_plain_optional_tensor(args[2]) &&
+  return !at::impl::torch_function_mode_enabled() && THPVariable_CheckExact(args[0]) &&
+         THPVariable_CheckExact(args[1]) && (args[2] == Py_None || THPVariable_CheckExact(args[2])) &&
          PyUnicode_Check(args[3]);
 }
 

@@ -306,9 +306,9 @@ class _ColwiseLinear(_ColwiseModule):
     def forward(self, x):
         state = self._tp_state
         if state.replicated_in_local_out:
+            weight, bias = _weight_and_bias(self)
             if type(x) is torch.Tensor:
                 # NOTE [plain tensors in the layouts the plan declares]: [.., in] -> [.., out/p]
-                weight, bias = _weight_and_bias(self)
                 out = _column_parallel_linear(x, local_tensor(weight), local_tensor(bias), state.group.name)
                 state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
                 return out
@@ -316,7 +316,6 @@ class _ColwiseLinear(_ColwiseModule):
                 # The same for the Replicate DTensor a PrepareModuleInput gather handed on (torchtitan's
                 # plan): what _tp_replicated_input and _tp_output_sharded_on_last do, without the layout
                 # machinery.
-                weight, bias = _weight_and_bias(self)
                 out = torch.ops.torch_tp.column_parallel_linear(x._tp_partial, local_tensor(weight), local_tensor(bias),
                                                                  state.group.name, partial_grad_input=True)
                 state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
