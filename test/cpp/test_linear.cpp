@@ -364,7 +364,8 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, Embedding, ::testing::Values(1, 2, 3, 4),
 
 // NOTE [few-row GEMV on the CPU]: every instruction-set variant this CPU runs
 // (AVX-512 BF16, AVX2) against ATen's linear in float64, for every row count
-// the kernel takes, K and N tails, with and without bias. The kernel sums in
+// the kernel takes, K and N tails (K = 56 and 48: the one-row loop's single
+// vectors after its 4-vector steps), with and without bias. The kernel sums in
 // float32 in its own order: each result is within 2 (K + 8) 2^-24 of
 // max_j sum_k |x_k w_jk| + |b_j| of the float64 value (at most K / 8 + 8
 // roundings per term: a lane's sum, the lanes' sum, the tail, the bias), plus,
@@ -375,7 +376,7 @@ TEST(SmallBatchGemv, EveryVariantThisCpuRunsMatchesLinear) {
     GTEST_SKIP() << "no GEMV variant runs on this CPU";
   }
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{100, 37}, {64, 16}, {512, 40}, {33, 1}, {1, 5},
-                                                           {70, 9},   {1024, 13}};
+                                                           {70, 9},   {1024, 13}, {56, 7},  {48, 3}};
   uint64_t seed = 0;
   for (const torch_tp::GemvIsa isa : isas) {
     for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
