@@ -433,6 +433,19 @@ def _count_all_reduces(fn):
                if e.name.startswith("c10d::allreduce") or e.name == "torch_tp_backend::all_reduce")
 
 
+class _DTensorDetaches(TorchDispatchMode):
+    """Counts the detaches of DTensors dispatched while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default and isinstance(args[0], DTensor):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _check_replicated_grad_reduction():
     """NOTE [partial gradients of sequence-parallel parameters]: the norms' gradients
     equal torch's (summed), and after a backward they are Replicate DTensors, all
@@ -481,6 +494,16 @@ def _check_replicated_grad_reduction():
         (out.to_local() if isinstance(out, DTensor) else out).square().sum().backward()
     for name, p in ours.named_parameters():
         assert_close(_grad_as_param(p), expected[name], f"reentrant checkpoint grad {name}", RTOL, floor=SCALE_FLOOR)
+
+    # A plain backward: the parameter unwrap's node sets each norm parameter's Partial
+    # .grad itself and records it (NOTE [the gradient straight to .grad] in
+    # csrc/python/parameters.cpp), so no AccumulateGrad detaches a gradient DTensor
+    # through DTensor's dispatch; the end of the backward completes them.
+    ours.zero_grad(set_to_none=True)
+    with _DTensorDetaches() as detaches:
+        loss(ours, xs[0]).backward()
+    assert detaches.count == 0, f"{detaches.count} gradient DTensors detached by AccumulateGrad"
+    assert all(p.grad.placements == p.placements for p in ours.parameters())
 
     # A backward that raises part-way never reaches its end: what it recorded
     # stays recorded (Partial, still correct as DTensors), and the next backward

@@ -35,6 +35,11 @@
 // The .grad it sets is what AccumulateGrad's "steal" case sets: the fresh
 // gradient DTensor, with the parameter's layout (its spec). Anything else
 // (accumulating into an existing .grad, hooks, inputs=) takes AccumulateGrad.
+// One hook is allowed: the recording hook of a sequence-parallel parameter,
+// whose gradient arrives as Partial sums (NOTE [partial gradients of
+// sequence-parallel parameters] in torch_tp/parallel/_replicated_grad.py).
+// Such a node holds `take_partial`, which does what that hook would and says
+// whether it is the parameter's only hook; the node then sets .grad itself.
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -70,10 +75,12 @@ NodePtr make_node(Args&&... args) {
 struct PythonRefs {
   py::object wrap_grad;
   py::object spec;
+  py::object take_partial;  // None unless the gradient is Partial sums (NOTE [the gradient straight to .grad])
   ~PythonRefs() {
     py::gil_scoped_acquire gil;
     wrap_grad = py::object();
     spec = py::object();
+    take_partial = py::object();
   }
 };
 
@@ -90,16 +97,21 @@ class LocalParameterBackward : public torch::autograd::Node {
     if (!grads[0].defined()) {
       return {at::Tensor()};
     }
+    auto* accumulator = sole_accumulator(grads[0]);
     at::Tensor grad;
     {
       py::gil_scoped_acquire gil;
       try {
         grad = refs_->wrap_grad(grads[0], refs_->spec).cast<at::Tensor>();
+        if (accumulator != nullptr && !refs_->take_partial.is_none() &&
+            !refs_->take_partial(accumulator->variable).cast<bool>()) {
+          accumulator = nullptr;
+        }
       } catch (py::error_already_set& e) {
         TORCH_CHECK(false, "torch_tp: making a parameter's gradient DTensor failed: ", e.what());
       }
     }
-    if (auto* accumulator = sole_accumulator(grads[0])) {
+    if (accumulator != nullptr) {
       accumulator->variable.mutable_grad() = std::move(grad);
       return {at::Tensor()};
     }
@@ -122,8 +134,10 @@ class LocalParameterBackward : public torch::autograd::Node {
       return nullptr;
     }
     const at::Tensor& param = accumulator->variable;
+    // A Partial gradient's node leaves the tensor hooks to take_partial, which checks them.
+    const bool tensor_hooked = refs_->take_partial.is_none() && !accumulator->tensor_pre_hooks().empty();
     const bool hooked = !accumulator->pre_hooks().empty() || !accumulator->post_hooks().empty() ||
-        !accumulator->tensor_pre_hooks().empty() || !accumulator->retains_grad_hooks().empty() ||
+        tensor_hooked || !accumulator->retains_grad_hooks().empty() ||
         accumulator->tensor_post_acc_grad_hooks() != nullptr;
     if (hooked || !param.defined() || !param.requires_grad() || param.grad().defined()) {
       return nullptr;
@@ -136,9 +150,11 @@ class LocalParameterBackward : public torch::autograd::Node {
 
 // `param` (a DTensor), `local` (its local tensor) -> `local` itself when no
 // gradient is needed (grad mode off, or `param` does not require grad), else an
-// alias of `local` whose gradient reaches `param` as `wrap_grad(grad, spec)`.
+// alias of `local` whose gradient reaches `param` as `wrap_grad(grad, spec)`;
+// `take_partial`: None, or for Partial gradients as NOTE [the gradient straight
+// to .grad] says.
 at::Tensor local_parameter(const at::Tensor& param, const at::Tensor& local, py::object spec,
-                           py::object wrap_grad) {
+                           py::object wrap_grad, py::object take_partial) {
   if (!at::GradMode::is_enabled() || !param.requires_grad()) {
     return local;
   }
@@ -147,7 +163,7 @@ at::Tensor local_parameter(const at::Tensor& param, const at::Tensor& local, py:
   // gradient reaches it through `param`'s own grad_fn.
   at::Tensor out = local.detach();
   NodePtr node = make_node<LocalParameterBackward>(
-      std::unique_ptr<PythonRefs>(new PythonRefs{std::move(wrap_grad), std::move(spec)}));
+      std::unique_ptr<PythonRefs>(new PythonRefs{std::move(wrap_grad), std::move(spec), std::move(take_partial)}));
   node->set_next_edges(torch::autograd::collect_next_edges(param));
   torch::autograd::set_history(out, node);
   return out;
@@ -157,10 +173,11 @@ at::Tensor local_parameter(const at::Tensor& param, const at::Tensor& local, py:
 
 void init_parameters(py::module_& m) {
   m.def("_local_parameter", &local_parameter, py::arg("param"), py::arg("local"), py::arg("spec"),
-        py::arg("wrap_grad"),
+        py::arg("wrap_grad"), py::arg("take_partial") = py::none(),
         "A DTensor parameter's local tensor: as it is when no gradient is needed, else an autograd alias whose "
         "gradient reaches the parameter as wrap_grad(grad, spec) (NOTE [the parameter unwrap in C++] in "
-        "csrc/python/parameters.cpp).");
+        "csrc/python/parameters.cpp); take_partial(param) -> bool for a gradient of Partial sums (NOTE [the "
+        "gradient straight to .grad]).");
 }
 
 } // namespace torch_tp::python

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, distribute_ten
 
 from .._C import _local_parameter as local_parameter
 from .._torch_private import DTensorSpec, dtensor_from_spec, dtensor_local, dtensor_spec, fused_adam_ops
+from ._replicated_grad import take_partial_grad
 
 # The qualified name (from the module parallelize_module was given) of the
 # module a style is being applied to, for error messages.
@@ -145,8 +146,10 @@ def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> O
     # The C++ unwrap reads requires_grad itself (no torch function on the way, which
     # loss_parallel() turns on for DTensors) and returns the local tensor as it is when the
     # parameter does not require grad.
-    spec = _partial_twin(param) if partial_grad else dtensor_spec(param)
-    return local_parameter(param, dtensor_local(param), spec, _gradient_dtensor)
+    if partial_grad:
+        return local_parameter(param, dtensor_local(param), _partial_twin(param), _gradient_dtensor,
+                               take_partial_grad)
+    return local_parameter(param, dtensor_local(param), dtensor_spec(param), _gradient_dtensor)
 
 
 # A spec's Partial() twin, while the spec lives (the specs of the DTensor views
