@@ -212,10 +212,10 @@ namespace avx2 {
 //   x rows        1           2          4       8
 //   float32       1.05-1.26x  2.3-2.6x   4.1x    2.4x    (18-22 GB/s at 1 row)
 //   bfloat16      1.3-1.5x    2.4x       4.3x    4.9x    (10-15 GB/s at 1 row)
-// One x row now takes a loop of its own, NOTE [one x row on AVX2]: through
-// torch_tp's op over the dim 512 decode shapes (54 MiB of W), against
-// F.linear in the same run, float32 1.26x alone and 1.24x with a second rank
-// streaming at once, bfloat16 1.56x with the second rank.
+// One and two x rows now read W row by row, NOTE [W row by row on AVX2]: at
+// one row, through torch_tp's op over the dim 512 decode shapes (54 MiB of
+// W), against F.linear in the same run, float32 1.26x alone and 1.24x with a
+// second rank streaming at once, bfloat16 1.56x with the second rank.
 template <typename T>
 struct Lanes256;
 
@@ -228,10 +228,10 @@ struct Lanes256<c10::BFloat16> {
   };
   static constexpr int64_t kStep = 16;
   static constexpr int kPrefetchFromRows = 1;
-  // W rows per block for M >= 2 x rows (one: NOTE [one x row on AVX2]): M * R
-  // accumulators, 2 for an x vector, 2 R for W's.
+  // W rows per block for M >= 3 x rows (fewer: NOTE [W row by row on AVX2]):
+  // M * R accumulators, 2 for an x vector, 2 R for W's.
   static constexpr int rows_per_block(int M) {
-    return M == 2 ? 3 : M <= 4 ? 2 : 1;
+    return M <= 4 ? 2 : 1;
   }
   [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline Vec load(const c10::BFloat16* p) {
     const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -248,9 +248,9 @@ struct Lanes256<float> {
   using Vec = __m256;
   static constexpr int64_t kStep = 8;
   static constexpr int kPrefetchFromRows = 2;
-  // M >= 2: M * R accumulators, 1 for an x vector, R for W's.
+  // M >= 3: M * R accumulators, 1 for an x vector, R for W's.
   static constexpr int rows_per_block(int M) {
-    return M == 2 ? 4 : M == 3 ? 3 : M <= 5 ? 2 : 1;
+    return M == 3 ? 3 : M <= 5 ? 2 : 1;
   }
   [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline Vec load(const float* p) {
     return _mm256_loadu_ps(p);
@@ -332,70 +332,90 @@ template <typename T, int M>
   }
 }
 
-// NOTE [one x row on AVX2]
-// With one x row no W load is shared between x rows, and gemv_rows' blocks
-// read R rows of W side by side: R short streams (a row is 1-2 KiB at the
-// models' K) that the hardware prefetcher picks up anew at every block. Read a
-// row at a time, front to back like a sum, W streams faster. Standalone loops
-// over the decode shapes' weights (dim 512: [256|688, 512] and [512, 256|688],
-// 56 MiB cycled from DRAM; GB/s of W, median of 25; two processes, one per
-// core, at once; four runs) on the Zen 3 VM:
-//                 blocks of R rows      a row at a time     a plain AVX2 sum
-//   float32       7.9-10.2 (R = 6)      10.1-13.9           10.8-15.1
-//   bfloat16      7.4-8.6 (R = 4)       10.0-13.1
-// A step reads 128 bytes (2 cache lines) into four accumulators, which cover
-// the multiply-add latency. bfloat16 gains from a software prefetch 1 KiB
-// ahead (past the row's end it fetches the next row's start); float32 runs
-// best on the hardware prefetcher alone (1-4 KiB ahead cost it 3-25%).
+// NOTE [W row by row on AVX2]
+// With one or two x rows, gemv_rows' blocks read R rows of W side by side: R
+// short streams (a row is 1-2 KiB at the models' K) that the hardware
+// prefetcher picks up anew at every block. Read a row at a time, front to
+// back like a sum, W streams faster. Standalone loops over the decode shapes'
+// weights (dim 512: [256|688, 512] and [512, 256|688], 56 MiB cycled from
+// DRAM; GB/s of W, median of 25; two processes, one per core, at once) on the
+// Zen 3 VM:
+//   x rows  dtype      blocks of R rows     row by row      a plain AVX2 sum
+//   1       float32    7.9-10.2 (R = 6)     10.1-13.9       10.8-15.1 (4 runs)
+//   1       bfloat16   7.4-8.6 (R = 4)      10.0-13.1
+//   2       float32    11.1-15.0 (R = 4)    12.2-17.6       (2 runs)
+//   2       bfloat16   9.4-11.4 (R = 3)     14.4-14.8
+// Through torch_tp's op at two rows, both ranks at once, the blocks against
+// row by row: float32 7.5-9.8 -> 12.2-12.9 GB/s (2 pairs of runs), bfloat16
+// -19% to +27% (5 pairs, median +9%; the op's call costs more of a bfloat16
+// GEMV). At 4 x rows it was a wash in bfloat16 (+6-25% in float32), and at 8
+// slower in both, so from 3 rows on the blocks stay. A step reads 128 bytes of
+// W (2 cache lines) into four accumulators per x row, which cover the
+// multiply-add latency. A software prefetch 1 KiB ahead (past the row's end:
+// the next row's start) helps bfloat16 and two float32 rows; one float32 row
+// runs best on the hardware prefetcher alone (1-4 KiB ahead cost it 3-25%).
 // Widening x to float32 once per call instead of in every row did not pay.
-template <typename T>
-constexpr int64_t kOneRowPrefetchBytes = std::is_same_v<T, c10::BFloat16> ? 1024 : 0;
+template <typename T, int M>
+constexpr int64_t kRowByRowPrefetchBytes = (std::is_same_v<T, c10::BFloat16> || M >= 2) ? 1024 : 0;
 
-// out[n] = x . w[n] + bias[n] for n in [n_begin, n_end): GemvRows at one x row
-// (so ldx and ldo are unused).
-template <typename T>
-[[TORCH_TP_GEMV_AVX2]] void gemv_one_row(const T* x, int64_t /*ldx*/, const T* w, const T* bias, T* out,
-                                         int64_t /*ldo*/, int64_t K, int64_t n_begin, int64_t n_end) {
+// out[m][n] = x[m] . w[n] + bias[n] for M (1 or 2) x rows and n in [n_begin, n_end):
+// GemvRows reading W row by row.
+template <typename T, int M>
+[[TORCH_TP_GEMV_AVX2]] void gemv_row_by_row(const T* x, int64_t ldx, const T* w, const T* bias, T* out,
+                                            int64_t ldo, int64_t K, int64_t n_begin, int64_t n_end) {
   constexpr int64_t kStep = Lanes256<T>::kStep;
-  constexpr int kVectors = 4;  // per step, each into its own accumulator: 128 bytes of W
+  constexpr int kVectors = 4;  // W vectors per step (128 bytes), each into its own accumulator per x row
   for (int64_t n = n_begin; n < n_end; ++n) {
     const T* row = w + n * K;
-    __m256 acc[kVectors];
-    #pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v) {
-      acc[v] = _mm256_setzero_ps();
+    __m256 acc[M][kVectors];
+    #pragma GCC unroll 2
+    for (int m = 0; m < M; ++m) {
+      #pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) {
+        acc[m][v] = _mm256_setzero_ps();
+      }
     }
     int64_t k = 0;
     for (; k + kVectors * kStep <= K; k += kVectors * kStep) {
-      if constexpr (kOneRowPrefetchBytes<T> > 0) {
-        const char* ahead = reinterpret_cast<const char*>(row + k) + kOneRowPrefetchBytes<T>;  // never faults
+      if constexpr (kRowByRowPrefetchBytes<T, M> > 0) {
+        const char* ahead = reinterpret_cast<const char*>(row + k) + kRowByRowPrefetchBytes<T, M>;  // never faults
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
       }
       #pragma GCC unroll 4
       for (int v = 0; v < kVectors; ++v) {
-        acc[v] = Lanes256<T>::multiply_add(acc[v], Lanes256<T>::load(x + k + v * kStep),
-                                           Lanes256<T>::load(row + k + v * kStep));
+        const typename Lanes256<T>::Vec wv = Lanes256<T>::load(row + k + v * kStep);
+        #pragma GCC unroll 2
+        for (int m = 0; m < M; ++m) {
+          acc[m][v] = Lanes256<T>::multiply_add(acc[m][v], Lanes256<T>::load(x + m * ldx + k + v * kStep), wv);
+        }
       }
     }
     for (; k + kStep <= K; k += kStep) {
-      acc[0] = Lanes256<T>::multiply_add(acc[0], Lanes256<T>::load(x + k), Lanes256<T>::load(row + k));
-    }
-    float tail = 0.0f;  // the K elements after the last full vector
-    for (; k < K; ++k) {
-      tail += static_cast<float>(x[k]) * static_cast<float>(row[k]);
+      const typename Lanes256<T>::Vec wv = Lanes256<T>::load(row + k);
+      #pragma GCC unroll 2
+      for (int m = 0; m < M; ++m) {
+        acc[m][0] = Lanes256<T>::multiply_add(acc[m][0], Lanes256<T>::load(x + m * ldx + k), wv);
+      }
     }
     const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    out[n] = static_cast<T>(sum_lanes(sum) + tail + b);  // bfloat16: rounded to nearest even
+    #pragma GCC unroll 2
+    for (int m = 0; m < M; ++m) {
+      float tail = 0.0f;  // the K elements after the last full vector
+      for (int64_t j = k; j < K; ++j) {
+        tail += static_cast<float>(x[m * ldx + j]) * static_cast<float>(row[j]);
+      }
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
+      out[m * ldo + n] = static_cast<T>(sum_lanes(sum) + tail + b);  // bfloat16: rounded to nearest even
+    }
   }
 }
 
-// Output rows [n_begin, n_end) of M x rows (NOTE [one x row on AVX2] for M = 1).
+// Output rows [n_begin, n_end) of M x rows (NOTE [W row by row on AVX2] up to 2).
 template <typename T, int M>
 constexpr GemvRows<T> rows_for() {
-  if constexpr (M == 1) {
-    return gemv_one_row<T>;
+  if constexpr (M <= 2) {
+    return gemv_row_by_row<T, M>;
   } else {
     return gemv_rows<T, M>;
   }
