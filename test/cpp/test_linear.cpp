@@ -364,7 +364,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, Embedding, ::testing::Values(1, 2, 3, 4),
 
 // NOTE [few-row GEMV on the CPU]: every instruction-set variant this CPU runs
 // (AVX-512 BF16, AVX2) against ATen's linear in float64, for every row count
-// the kernel takes, K and N tails (K = 56 and 48: the one-row loop's single
+// the kernel takes, K and N tails (K = 56 and 48: the row-by-row loop's single
 // vectors after its 4-vector steps), with and without bias. The kernel sums in
 // float32 in its own order: each result is within 2 (K + 8) 2^-24 of
 // max_j sum_k |x_k w_jk| + |b_j| of the float64 value (at most K / 8 + 8
