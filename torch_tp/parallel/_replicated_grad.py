@@ -133,7 +133,8 @@ def take_partial_grad(param: nn.Parameter) -> bool:
     node calls this when it may set ``.grad`` itself (NOTE [the gradient straight to .grad] in
     csrc/python/parameters.cpp), which spares AccumulateGrad's detach of the gradient DTensor, a
     round trip through DTensor's dispatch, and the hook's own call."""
-    hooks = param._backward_hooks
+    with disable_torch_function_subclass():  # loss_parallel() has DTensor's on; reading the hooks needs none
+        hooks = param._backward_hooks
     if not hooks or len(hooks) != 1:
         return False
     (hook,) = hooks.values()
