@@ -26,6 +26,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -370,4 +371,6 @@ def run(name: str, args: argparse.Namespace, measure: Callable[[], Dict[str, Any
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        if not torchrun:
+            shutil.rmtree(store, ignore_errors=True)
     return 0

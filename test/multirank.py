@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -89,6 +90,12 @@ def rank_context() -> "mp.context.BaseContext":
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch_tp"])
     return ctx
+
+
+def torchrun_command(log_dir: Any, *args: str) -> List[str]:
+    """``python -m torch.distributed.run *args``, with torchrun's logs under ``log_dir`` (a
+    test's tmp_path): without --log-dir every launch leaves a /tmp/torchelastic_* behind."""
+    return [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(log_dir), *args]
 
 
 class RankPool:

@@ -24,13 +24,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
 import pytest
 
-from multirank import rank_context
+from multirank import rank_context, torchrun_command
 
 TIMEOUT_S = 6.0
 # Scheduling slack on 2 busy cores: the error must come within TIMEOUT_S + SLACK_S.
@@ -142,17 +141,23 @@ def _rank_main(rank, world_size, init_file, scenario, env, events):
                                         "threads_after": len(os.listdir("/proc/self/task"))}, 0.0))
 
 
-class Job:
-    """``world_size`` ranks of one scenario, each a process of its own reporting events."""
+# The jobs the running test started: its teardown kills any rank still running (a
+# failed test's), so none lives on holding segments into the next test.
+_started_jobs = []
 
-    def __init__(self, world_size, scenario, env=None):
-        self.tmp = tempfile.mkdtemp(prefix="torch_tp_faults_")
+
+class Job:
+    """``world_size`` ranks of one scenario, each a process of its own reporting events;
+    the FileStore's file goes in ``store_dir`` (the test's tmp_path)."""
+
+    def __init__(self, world_size, scenario, store_dir, env=None):
+        _started_jobs.append(self)
         ctx = rank_context()
         self.events = ctx.Queue()
         self.history = {}
         env = {**SMALL_BUFFER_ENV, **(env or {})}
         self.procs = [ctx.Process(target=_rank_main, daemon=True,
-                                  args=(r, world_size, os.path.join(self.tmp, "store"), scenario, env, self.events))
+                                  args=(r, world_size, os.path.join(store_dir, "store"), scenario, env, self.events))
                       for r in range(world_size)]
         for proc in self.procs:
             proc.start()
@@ -197,12 +202,18 @@ class Job:
 def _no_segments_left():
     assert shm_segments() == [], f"/dev/shm not empty before the test: {shm_segments()}"
     yield
+    for job in _started_jobs:
+        for proc in job.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+    _started_jobs.clear()
     assert shm_segments() == [], f"/dev/shm holds torch_tp segments: {shm_segments()}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_rank_killed_mid_collective(world_size):
-    job = Job(world_size, "killed_mid_collective")
+def test_rank_killed_mid_collective(world_size, tmp_path):
+    job = Job(world_size, "killed_mid_collective", tmp_path)
     ready = job.wait_for({"ready"}, world_size, STARTUP_S)
     for rank, (_, segments, _) in ready.items():
         assert segments == [], f"rank {rank}: segments still named in /dev/shm once the group is up: {segments}"
@@ -220,7 +231,7 @@ def test_rank_killed_mid_collective(world_size):
 
 
 @pytest.mark.parametrize("run", range(3))
-def test_survivor_exits_cleanly_after_peer_killed_with_subgroups(run):
+def test_survivor_exits_cleanly_after_peer_killed_with_subgroups(run, tmp_path):
     """With three sub-groups on the torch_tp backend and a rank SIGKILLed
     mid-all_reduce, every survivor raises the error, destroy_process_group joins
     every thread the four groups started, and the survivor exits with status 0.
@@ -230,7 +241,7 @@ def test_survivor_exits_cleanly_after_peer_killed_with_subgroups(run):
     still inside a blocking c10d call when the interpreter exits (docs/architecture.md,
     "Exit"), and gloo aborts the same way."""
     world_size = 3
-    job = Job(world_size, "killed_mid_collective_subgroups")
+    job = Job(world_size, "killed_mid_collective_subgroups", tmp_path)
     job.wait_for({"ready"}, world_size, STARTUP_S)
     job.wait_for({"entered"}, world_size - 1, STARTUP_S)
     time.sleep(0.3 + 0.1 * run)  # vary where in the wait the kill lands
@@ -249,8 +260,8 @@ def test_survivor_exits_cleanly_after_peer_killed_with_subgroups(run):
     assert all(code == 0 for code in codes.values()), f"survivors' exit codes (negative: the signal): {codes}"
 
 
-def test_rank_killed_while_peer_in_recv():
-    job = Job(2, "killed_in_recv")
+def test_rank_killed_while_peer_in_recv(tmp_path):
+    job = Job(2, "killed_in_recv", tmp_path)
     job.wait_for({"ready"}, 2, STARTUP_S)
     job.wait_for({"entered"}, 2, STARTUP_S)
     time.sleep(0.5)
@@ -263,8 +274,8 @@ def test_rank_killed_while_peer_in_recv():
 
 
 @pytest.mark.parametrize("scenario, op", [("stuck_peer", "all_reduce"), ("stuck_in_recv", "recv")])
-def test_stuck_peer_times_out(scenario, op):
-    job = Job(2, scenario)
+def test_stuck_peer_times_out(scenario, op, tmp_path):
+    job = Job(2, scenario, tmp_path)
     job.wait_for({"ready"}, 2, STARTUP_S)
     events = job.wait_for({"error", "ok"}, 1, STARTUP_S)
     kind, message, seconds = events[0]
@@ -280,8 +291,8 @@ def test_stuck_peer_times_out(scenario, op):
     ("dtype_mismatch", ["float", "double"]),
     ("op_mismatch", ["broadcast", "all_reduce"]),
 ])
-def test_mismatch_across_ranks_is_an_error(scenario, fragments):
-    job = Job(2, scenario)
+def test_mismatch_across_ranks_is_an_error(scenario, fragments, tmp_path):
+    job = Job(2, scenario, tmp_path)
     job.wait_for({"ready"}, 2, STARTUP_S)
     events = job.wait_for({"error", "ok"}, 2, STARTUP_S)
     for rank in range(2):
@@ -295,8 +306,8 @@ def test_mismatch_across_ranks_is_an_error(scenario, fragments):
     job.join(30)
 
 
-def test_clean_shutdown_leaves_nothing():
-    job = Job(2, "clean_shutdown")
+def test_clean_shutdown_leaves_nothing(tmp_path):
+    job = Job(2, "clean_shutdown", tmp_path)
     events = job.wait_for({"ok", "error"}, 2, STARTUP_S)
     for rank in range(2):
         kind, info, _ = events[rank]
@@ -306,8 +317,8 @@ def test_clean_shutdown_leaves_nothing():
     job.join(30)
 
 
-def test_too_little_shm_is_refused():
-    job = Job(2, "clean_shutdown", env={"TORCH_TP_SHM_BUFFER_BYTES": str(1 << 39)})  # 512 GiB per rank
+def test_too_little_shm_is_refused(tmp_path):
+    job = Job(2, "clean_shutdown", tmp_path, env={"TORCH_TP_SHM_BUFFER_BYTES": str(1 << 39)})  # 512 GiB per rank
     events = job.wait_for({"init_error", "ok"}, 2, STARTUP_S)
     for rank in range(2):
         kind, message, _ = events[rank]
@@ -316,8 +327,8 @@ def test_too_little_shm_is_refused():
     job.join(30)
 
 
-def test_bad_buffer_size_is_refused():
-    job = Job(2, "clean_shutdown", env={"TORCH_TP_SHM_BUFFER_BYTES": "lots"})
+def test_bad_buffer_size_is_refused(tmp_path):
+    job = Job(2, "clean_shutdown", tmp_path, env={"TORCH_TP_SHM_BUFFER_BYTES": "lots"})
     events = job.wait_for({"init_error", "ok"}, 2, STARTUP_S)
     for rank in range(2):
         kind, message, _ = events[rank]
@@ -337,9 +348,9 @@ def test_two_nodes(tmp_path):
     launches = []
     for node in range(2):
         env = {**os.environ, **SMALL_BUFFER_ENV, "TORCH_TP_HOST_KEY": f"test-node-{node}", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               os.path.join(HERE, "backend_two_node_job.py"), str(tmp_path)]
+        cmd = torchrun_command(tmp_path / "torchrun", "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               os.path.join(HERE, "backend_two_node_job.py"), str(tmp_path))
         launches.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     for launch in launches:

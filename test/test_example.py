@@ -17,7 +17,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
+
+from multirank import torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_llama.py")
@@ -28,8 +29,8 @@ LOSS_RTOL = 1e-5
 
 def _train(out_dir, nproc, *extra):
     """One torchrun job of the example; its metrics.json's losses."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", EXAMPLE,
-           *SMALL, "--out-dir", str(out_dir), *extra]
+    cmd = torchrun_command(f"{out_dir}_torchrun", "--standalone", f"--nproc-per-node={nproc}", EXAMPLE, *SMALL,
+                           "--out-dir", str(out_dir), *extra)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr[-4000:]}"
@@ -64,8 +65,8 @@ def test_resume_at_other_layouts(tmp_path):
 
 def _refused(tmp_path, *extra):
     """A 2-rank job of the example that must fail; its stderr."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", EXAMPLE, *SMALL,
-           "--out-dir", str(tmp_path), *extra]
+    cmd = torchrun_command(tmp_path / "torchrun", "--standalone", "--nproc-per-node=2", EXAMPLE, *SMALL,
+                           "--out-dir", str(tmp_path), *extra)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     return done.stderr

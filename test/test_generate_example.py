@@ -28,6 +28,7 @@ import sys
 import pytest
 import torch
 
+from multirank import torchrun_command
 from test_example import _train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,10 +38,9 @@ NEW_TOKENS = 8
 MARGIN = 1e-3
 
 
-def _generate(nproc, *args, expect_ok=True):
+def _generate(tmp_path, nproc, *args, expect_ok=True):
     """One torchrun job of generate.py; the finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", GENERATE,
-           *args]
+    cmd = torchrun_command(tmp_path / "torchrun", "--standalone", f"--nproc-per-node={nproc}", GENERATE, *args)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if expect_ok:
@@ -51,7 +51,7 @@ def _generate(nproc, *args, expect_ok=True):
 def _figures(tmp_path, name, nproc, *args):
     """generate.py's --json figures of one run."""
     path = tmp_path / f"{name}.json"
-    _generate(nproc, *args, "--json", str(path))
+    _generate(tmp_path, nproc, *args, "--json", str(path))
     with open(path) as f:
         return json.load(f)
 
@@ -126,7 +126,7 @@ def test_hugging_face_model(tmp_path):
 
 def test_missing_checkpoint_is_an_error(tmp_path):
     missing = tmp_path / "never_trained"
-    done = _generate(2, "--out-dir", str(missing), expect_ok=False)
+    done = _generate(tmp_path, 2, "--out-dir", str(missing), expect_ok=False)
     assert done.returncode != 0
     assert f"{missing}/checkpoint/train_state.json is missing" in done.stderr, done.stderr[-2000:]
 
