@@ -41,14 +41,17 @@ GRAD_FLOOR = 1e-12
 
 def _model(kind: str, world_size: int, layers: int = 2):
     """A small float64 *ForCausalLM with two query heads and one KV head per rank; ``qwen3_tied``
-    shares the input embedding with lm_head."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    shares the input embedding with lm_head; ``apertus`` has an activation with parameters."""
+    from transformers import (ApertusConfig, ApertusForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, vocab_size=128,
                  num_attention_heads=2 * world_size, num_key_value_heads=world_size)
     torch.manual_seed(0)  # the same weights on every rank and in every copy
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**sizes))
+    elif kind == "apertus":  # its MLP's xIELU activation has two parameters, alpha_p and alpha_n
+        model = ApertusForCausalLM(ApertusConfig(head_dim=16, **sizes))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, tie_word_embeddings=kind == "qwen3_tied", **sizes))
     return model.double()
@@ -66,10 +69,11 @@ def _full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-# The placements HF's plans give (torch_tp's must be the same), by the module's name.
+# The placements HF's plans give (torch_tp's must be the same), by the module's name; and act_fn's,
+# which HF's plans leave out (NOTE [an MLP activation's parameters] in hf_plan.py).
 _PLACEMENTS = {"q_proj": Shard(0), "k_proj": Shard(0), "v_proj": Shard(0), "gate_proj": Shard(0), "up_proj": Shard(0),
                "lm_head": Shard(0), "embed_tokens": Shard(0), "o_proj": Shard(1), "down_proj": Shard(1),
-               "q_norm": Replicate(), "k_norm": Replicate()}
+               "q_norm": Replicate(), "k_norm": Replicate(), "act_fn": Replicate()}
 
 
 def forward_backward_match(ours, unsharded, ids, what: str) -> None:
@@ -92,7 +96,7 @@ def _check_model(kind: str):
         # HF's apply_tensor_parallelism looks the planned parameters up by name and fails on the
         # tied lm_head.weight, which named_parameters() does not list: no HF copy here.
         ours.lm_head.weight = ours.model.embed_tokens.weight
-    else:
+    elif kind != "apertus":  # HF's own TP leaves xIELU's gradients this rank's part only
         copies["hf"] = _hf_parallelize(copy.deepcopy(unsharded), mesh)
     sharded = [name for name in copies if name != "unsharded"]
 
@@ -117,7 +121,7 @@ def _check_model(kind: str):
 
     # replicated_with_grad_allreduce: complete (all-reduced) gradients, left Replicate.
     for name, param in ours.named_parameters():
-        if name.endswith("_norm.weight") and "self_attn" in name:
+        if (name.endswith("_norm.weight") and "self_attn" in name) or ".act_fn." in name:
             assert param.grad.placements == (Replicate(),), f"{kind}: {name}.grad is {param.grad.placements}"
 
     for model in copies.values():
@@ -129,7 +133,8 @@ def _check_model(kind: str):
                          f"{param_name} after AdamW", TOL, floor=PARAM_FLOOR)
 
 
-@pytest.mark.parametrize("kind, world_size", [("llama", 2), ("qwen3", 2), ("qwen3_tied", 2), ("qwen3", 4)])
+@pytest.mark.parametrize("kind, world_size", [("llama", 2), ("qwen3", 2), ("qwen3_tied", 2), ("qwen3", 4),
+                                              ("apertus", 2)])
 def test_model_plan(ranks, kind, world_size):
     ranks(world_size).run(_check_model, kind, timeout=300)
 

@@ -14,7 +14,14 @@ from .._torch_private import current_mesh
 from . import style as _style
 from ._layout import records_root
 from ._params import naming_module
-from .hf_plan import check_hf_parameter_entry, hf_style, localize_attention, reading_config
+from .hf_plan import (
+    ReplicatedWithGradAllReduce,
+    activations_on_local_columns,
+    check_hf_parameter_entry,
+    hf_style,
+    localize_attention,
+    reading_config,
+)
 
 __all__ = ["parallelize_module"]
 
@@ -88,6 +95,9 @@ def parallelize_module(
     strings] in ``hf_plan.py``), so a transformers model's own plan applies
     as it is: ``parallelize_module(model, tp_mesh, model.tp_plan)``. A string
     torch_tp does not implement is an error naming the module and the string.
+    Where HF's meaning would not give the unsharded model's numbers, torch_tp
+    departs from it: KV heads fewer than the ranks are replicated, and an MLP
+    activation with parameters of its own gets its gradients summed.
 
     Args:
         module (nn.Module): the module to parallelize, in place.
@@ -125,12 +135,21 @@ def parallelize_module(
 
     with reading_config(module):
         _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
+    if _names_hf_strings(parallelize_plan):
+        # NOTE [an MLP activation's parameters] in hf_plan.py
+        for path, act_fn in list(activations_on_local_columns(module)):
+            _parallelize(act_fn, device_mesh, ReplicatedWithGradAllReduce(), src_data_rank, path)
     _share_records(module)
     localize_attention(module)
     if not getattr(module, "_tp_checks_loads", False):
         module.register_load_state_dict_pre_hook(_check_load)
         module._tp_checks_loads = True
     return module
+
+
+def _names_hf_strings(plan) -> bool:
+    """Whether ``plan`` gives any module a Hugging Face plan string."""
+    return isinstance(plan, str) or (isinstance(plan, dict) and any(_names_hf_strings(v) for v in plan.values()))
 
 
 def _share_records(module: nn.Module) -> None:

@@ -43,6 +43,14 @@ in ``kv_heads.py``), and sets each attention's ``num_key_value_groups`` (the
 ``n_rep`` of its eager ``repeat_kv``) to its local query heads per local KV
 head (:func:`localize_attention`).
 
+An MLP's activation can have parameters of its own (Apertus' xIELU has two
+scalars, ``alpha_p`` and ``alpha_n``); HF's plans leave them out, and under
+``colwise`` up/gate projections it runs on this rank's columns, so its
+gradients would hold this rank's part only (HF's own TP leaves them so).
+torch_tp gives such an ``act_fn`` ``replicated_with_grad_allreduce``
+(:func:`activations_on_local_columns`), and its gradients are the unsharded
+model's.
+
 HF's plans gather the output of a fused projection (Phi3's ``qkv_proj``
 ``[q | k | v]`` and ``gate_up_proj`` ``[gate | up]`` are ``colwise_gather_output``),
 so every rank computes the whole attention and MLP. :func:`packed_tp_plan`
@@ -71,7 +79,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from ._layout import tp_group
 from ._params import local_tensor
@@ -85,9 +93,11 @@ from .style import (
     RowwiseParallel,
     SequenceParallel,
     TPState,
+    _ColwiseModule,
     _module_state,
     _parallel_class,
     _ParallelModule,
+    _RowwiseModule,
     replicate_with_partial_grads,
     restore_parameters,
     swap_in_local_parameters,
@@ -266,6 +276,36 @@ def localize_attention(root: nn.Module) -> None:
         rows = k_proj._tp_state.rows  # one KV head's rows: head_dim of them
         local_q_rows = local_tensor(q_proj.weight).shape[0]
         attention.num_key_value_groups = local_q_rows // (rows.stop - rows.start)
+
+
+# NOTE [an MLP activation's parameters]
+# An HF MLP computes down_proj(act_fn(gate_proj(x)) * up_proj(x)), or
+# down_proj(act_fn(up_proj(x))), or over a fused gate_up_proj. With the input
+# projections column-parallel (local output, Shard(-1)) and down_proj
+# row-parallel on that local input, act_fn runs elementwise on this rank's
+# columns: its output is right, but a parameter of its own (a learned
+# activation: Apertus' xIELU alpha_p/alpha_n) gets the gradient of this rank's
+# columns only, where the unsharded model sums over all of them. That is
+# ReplicatedWithGradAllReduce's case (HF's string for Qwen3's per-head norms),
+# which HF's plans do not name for the activation.
+_MLP_INPUT_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj")
+
+
+def activations_on_local_columns(root: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """(path, module) of each MLP ``act_fn`` below ``root`` that has parameters, no style, and
+    runs on this rank's columns: its MLP's input projections are column-parallel with local
+    outputs and its ``down_proj`` row-parallel on them (NOTE [an MLP activation's parameters])."""
+    for path, mlp in root.named_modules():
+        act_fn = mlp._modules.get("act_fn")
+        if act_fn is None or hasattr(act_fn, "_tp_state") or not any(True for _ in act_fn.parameters()):
+            continue
+        down_proj = mlp._modules.get("down_proj")
+        inputs = [mlp._modules[name] for name in _MLP_INPUT_PROJECTIONS if mlp._modules.get(name) is not None]
+        if not (isinstance(down_proj, _RowwiseModule) and down_proj._tp_state.input_layout == Shard(-1) and inputs):
+            continue
+        if all(isinstance(proj, _ColwiseModule) and proj._tp_state.output_layout == Shard(-1)
+               and proj._tp_state.use_local_output for proj in inputs):
+            yield (f"{path}.act_fn" if path else "act_fn"), act_fn
 
 
 # A fused projection (by module name) -> the layer that consumes its output in the same parent.
