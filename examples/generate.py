@@ -239,9 +239,7 @@ def run_hf(args, mesh, device) -> Dict:
     if not os.path.isfile(os.path.join(args.hf, "config.json")):
         raise FileNotFoundError(f"--hf {args.hf}: no config.json there (a directory written by save_pretrained)")
     model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=DTYPES[args.dtype]).to(device).eval()
-    torch_tp.parallelize_module(model, mesh, model.tp_plan)
-    if model.config.tie_word_embeddings:  # re-tie, as after torch's parallelize_module
-        model.lm_head.weight = model.model.embed_tokens.weight
+    torch_tp.parallelize_module(model, mesh, model.tp_plan)  # keeps a tied lm_head tied, as HF's own TP does
     tokenizer = None
     if os.path.isfile(os.path.join(args.hf, "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(args.hf)

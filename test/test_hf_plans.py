@@ -18,6 +18,7 @@ a gradient's roundoff by at most lr / eps = 10.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -92,10 +93,10 @@ def _check_model(kind: str):
     ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, unsharded.tp_plan)
     copies = {"unsharded": unsharded, "torch_tp": ours}
     if unsharded.config.tie_word_embeddings:
-        # Each module's weight was sharded on its own (Shard(0) both): re-tie, as with torch's TP.
-        # HF's apply_tensor_parallelism looks the planned parameters up by name and fails on the
-        # tied lm_head.weight, which named_parameters() does not list: no HF copy here.
-        ours.lm_head.weight = ours.model.embed_tokens.weight
+        # Still tied (NOTE [tied weights under a Hugging Face plan] in api.py). HF's
+        # apply_tensor_parallelism looks the planned parameters up by name and fails on the tied
+        # lm_head.weight, which named_parameters() does not list: no HF copy here.
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight, f"{kind}: the tie was not kept"
     elif kind != "apertus":  # HF's own TP leaves xIELU's gradients this rank's part only
         copies["hf"] = _hf_parallelize(copy.deepcopy(unsharded), mesh)
     sharded = [name for name in copies if name != "unsharded"]
@@ -231,6 +232,33 @@ def _check_refused():
 
 def test_refused_strings(ranks):
     ranks(2).run(_check_refused)
+
+
+def _check_ties():
+    """A tie is kept where an HF plan gives both modules one layout, warned about where it does not;
+    torch's styles shard the two modules separately, as torch's parallelize_module does."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    hf_rows = {"model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
+    hf_columns = {"model.embed_tokens": "embedding_colwise", "lm_head": "colwise_gather_output"}
+    torch_styles = {"model.embed_tokens": torch_tp.RowwiseParallel(input_layouts=Replicate()),
+                    "lm_head": torch_tp.ColwiseParallel(output_layouts=Replicate())}
+    for plan, tied in ((hf_rows, True), (hf_columns, False), (torch_styles, False)):
+        model = _model("qwen3_tied", dist.get_world_size(), layers=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch_tp.parallelize_module(model, mesh, plan)
+        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+        assert (embedding is head) == tied, f"{plan}: tied {embedding is head}"
+        messages = [str(w.message) for w in caught if "tied weights" in str(w.message)]
+        if plan is hf_columns:  # Shard(1) against Shard(0)
+            assert len(messages) == 1 and "'model.embed_tokens.weight' ((Shard(dim=1),))" in messages[0] \
+                and "'lm_head.weight' ((Shard(dim=0),))" in messages[0], messages
+        else:
+            assert messages == [], messages
+
+
+def test_tied_weights(ranks):
+    ranks(2).run(_check_ties)
 
 
 # ---------------------------------------------------------------- Phi3's fused projections, block by block

@@ -2,7 +2,7 @@
 
 import warnings
 from fnmatch import fnmatch
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -97,7 +97,10 @@ def parallelize_module(
     torch_tp does not implement is an error naming the module and the string.
     Where HF's meaning would not give the unsharded model's numbers, torch_tp
     departs from it: KV heads fewer than the ranks are replicated, and an MLP
-    activation with parameters of its own gets its gradients summed.
+    activation with parameters of its own gets its gradients summed. Tied
+    weights (an embedding shared with ``lm_head``) stay tied under a plan of
+    HF strings, as after transformers' ``from_pretrained(tp_plan=...)``; under
+    torch's styles they are sharded separately, as by torch, and need re-tying.
 
     Args:
         module (nn.Module): the module to parallelize, in place.
@@ -133,12 +136,15 @@ def parallelize_module(
                       "so this parallelize_module call will do nothing.", stacklevel=2)
         return module
 
+    hf_plan = _names_hf_strings(parallelize_plan)
+    tied = _tied_parameters(module) if hf_plan else []
     with reading_config(module):
         _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
-    if _names_hf_strings(parallelize_plan):
+    if hf_plan:
         # NOTE [an MLP activation's parameters] in hf_plan.py
         for path, act_fn in list(activations_on_local_columns(module)):
             _parallelize(act_fn, device_mesh, ReplicatedWithGradAllReduce(), src_data_rank, path)
+        _retie(tied)
     _share_records(module)
     localize_attention(module)
     if not getattr(module, "_tp_checks_loads", False):
@@ -150,6 +156,49 @@ def parallelize_module(
 def _names_hf_strings(plan) -> bool:
     """Whether ``plan`` gives any module a Hugging Face plan string."""
     return isinstance(plan, str) or (isinstance(plan, dict) and any(_names_hf_strings(v) for v in plan.values()))
+
+
+# NOTE [tied weights under a Hugging Face plan]
+# A style replaces each module's parameter with a DTensor of its own, so two
+# modules that shared one parameter (an input embedding tied to lm_head) hold
+# two after parallelize_module, each trained on its own gradient. torch's
+# parallelize_module leaves them so, and torch_tp does too for torch's plans
+# (re-tie by hand, as torchtitan does). transformers' from_pretrained(tp_plan=)
+# ties them again after sharding, so under a plan of HF strings torch_tp does
+# the same: where the modules' new parameters have one mesh, placements and
+# shape (embedding_rowwise and colwise_gather_output both shard the [vocab,
+# dim] weight on dim 0), every module gets the first one.
+
+
+def _tied_parameters(root: nn.Module) -> List[List[Tuple[str, nn.Module, str]]]:
+    """The (module path, module, name) slots of each parameter that more than one slot below
+    ``root`` holds."""
+    slots: Dict[int, Tuple[torch.Tensor, List[Tuple[str, nn.Module, str]]]] = {}
+    for path, module in root.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), (param, []))[1].append((path, module, name))
+    return [places for _, places in slots.values() if len(places) > 1]
+
+
+def _retie(tied: List[List[Tuple[str, nn.Module, str]]]) -> None:
+    """NOTE [tied weights under a Hugging Face plan]: point every slot of a tie at its first slot's
+    parameter where the plan gave them the same layout; warn where it did not."""
+    for (first_path, first, first_name), *others in tied:
+        kept = first._parameters[first_name]
+        for path, module, name in others:
+            param = module._parameters[name]
+            if param is kept:
+                continue
+            if (isinstance(kept, DTensor) and isinstance(param, DTensor) and param.device_mesh == kept.device_mesh
+                    and param.placements == kept.placements and param.shape == kept.shape):
+                setattr(module, name, kept)
+                continue
+            layouts = [f"'{f'{p}.{n}' if p else n}' "
+                       f"({tuple(t.placements) if isinstance(t, DTensor) else 'not distributed'})"
+                       for p, n, t in ((first_path, first_name, kept), (path, name, param))]
+            warnings.warn(f"torch_tp.parallelize_module: {layouts[0]} and {layouts[1]} were one parameter (tied "
+                          "weights); the plan gave them different layouts, so they are two now", stacklevel=3)
 
 
 def _share_records(module: nn.Module) -> None:
