@@ -74,8 +74,10 @@ cmake -S "$WORK/src/examples/cpp" -B "$WORK/example-cpp" -G Ninja -DCMAKE_PREFIX
   > "$WORK/example-cpp.log" 2>&1 || { cat "$WORK/example-cpp.log"; exit 1; }
 cmake --build "$WORK/example-cpp" >> "$WORK/example-cpp.log" 2>&1 || { cat "$WORK/example-cpp.log"; exit 1; }
 for ranks in 2 3; do
-  # torchrun, from the environment's Python (a venv reusing the system's torch has no torchrun script)
-  "$VENV_PYTHON" -m torch.distributed.run --nproc-per-node "$ranks" --no-python "$WORK/example-cpp/train_tp_mlp" \
+  # torchrun, from the environment's Python (a venv reusing the system's torch has no torchrun script);
+  # its logs under $WORK, not a /tmp/torchelastic_* of its own
+  "$VENV_PYTHON" -m torch.distributed.run --log-dir "$WORK/torchrun-logs" --nproc-per-node "$ranks" --no-python \
+    "$WORK/example-cpp/train_tp_mlp" \
     2> "$WORK/torchrun.log" | tail -n 1 || { cat "$WORK/torchrun.log"; status=1; }
 done
 phase "done"
