@@ -122,9 +122,14 @@ def _record(param: nn.Parameter, number: int, grad: torch.Tensor):
     previous = param.grad
     if isinstance(previous, DTensor) and not _is_partial(previous):
         param.grad = _as_partial(previous)
+    _mark_pending(param, number)
+    return None
+
+
+def _mark_pending(param: nn.Parameter, number: int) -> None:
+    """``param``'s ``.grad`` holds Partial sums: complete it at the end of this backward."""
     _pending[id(param)] = (number, param)
     queue_autograd_callback(_complete_pending)
-    return None
 
 
 def take_partial_grad(param: nn.Parameter) -> bool:
@@ -140,8 +145,7 @@ def take_partial_grad(param: nn.Parameter) -> bool:
     (hook,) = hooks.values()
     if not (isinstance(hook, functools.partial) and hook.func is _record and hook.args[0] is param):
         return False
-    _pending[id(param)] = (hook.args[1], param)
-    queue_autograd_callback(_complete_pending)
+    _mark_pending(param, hook.args[1])
     return True
 
 
