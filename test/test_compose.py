@@ -375,18 +375,19 @@ def test_fused_adam_on_local_tensors_is_dtensors_update(ranks, world_size):
 # ---------------------------------------------------------------- mixed precision
 
 
-def _check_autocast(device_type, dtype, steps=3):
+def _check_autocast(device_type, dtype, libs=tuple(LIBS), steps=3):
     """float32 parameters under torch.autocast, the standard AMP recipe: torch_tp's linear ops
     run in ``dtype`` as aten::linear does (NOTE [sharded linear under autocast]), the parameters
     and their gradients stay float32, and the losses track the unsharded model's under the same
-    autocast, as torch's TP's do, within AMP_RTOL. float16 goes with a GradScaler (its recipe)."""
+    autocast, as torch's TP's do, within AMP_RTOL. float16 goes with a GradScaler (its recipe).
+    ``libs``: the TP implementations run beside the unsharded model."""
     device = torch.device(device_type, dist.get_rank() % torch.cuda.device_count()) if device_type == "cuda" \
         else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     models = {"reference": _llama(0).float().to(device),
-              **{lib: _parallelize(_llama(0).float().to(device), lib, mesh) for lib in LIBS}}
+              **{lib: _parallelize(_llama(0).float().to(device), lib, mesh) for lib in libs}}
     optimizers = {name: _adamw(m) for name, m in models.items()}
     scalers = {name: torch.amp.GradScaler(device_type, enabled=dtype == torch.float16) for name in models}
     losses = {name: [] for name in models}
@@ -406,7 +407,7 @@ def _check_autocast(device_type, dtype, steps=3):
             scalers[name].update()
             optimizers[name].zero_grad()
             losses[name].append(_full(loss).item())
-    for lib in LIBS:
+    for lib in libs:
         for step, (got, want) in enumerate(zip(losses[lib], losses["reference"])):
             assert abs(got - want) <= AMP_RTOL * abs(want), f"{lib} {dtype} step {step}: {got} vs unsharded {want}"
 
@@ -429,8 +430,11 @@ def test_bf16_autocast_tracks_unsharded(ranks, world_size):
 @needs_cuda
 @pytest.mark.parametrize("world_size", [2])
 def test_fp16_autocast_with_grad_scaler_cuda(ranks, world_size):
-    # gloo moves CUDA tensors, so two ranks may share one GPU.
-    ranks(world_size, "gloo").run(_check_autocast, "cuda", torch.float16, timeout=300)
+    # gloo moves CUDA tensors, so two ranks may share one GPU. torch_tp against the unsharded
+    # model only: torch's TP segfaults here (torch 2.11.0 on an H200, 2026-11-27: gloo::allgather
+    # copies from the device pointer of the all-gather that DTensor's redistribute runs), and
+    # the CPU test above already runs torch's TP beside it.
+    ranks(world_size, "gloo").run(_check_autocast, "cuda", torch.float16, ("torch_tp",), timeout=300)
 
 
 # ---------------------------------------------------------------- torch.compile
