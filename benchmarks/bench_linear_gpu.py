@@ -4,7 +4,9 @@
     python benchmarks/bench_linear_gpu.py [--device cuda] [--size 4096] [--tokens 8192] [--dtype bfloat16]
 
 One process, a process group of world size 1, so the ops do no communication: what is measured is their own
-GEMM path against torch's. Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+GEMM path against torch's. On a GPU the device's two ceilings are measured the same way first (a large square
+matmul in the dtype, a large device-to-device copy), and each row gives the FLOP rate both sides reached.
+Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
 
 import sys
@@ -17,9 +19,29 @@ import harness
 import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
 
 
+def limits(device, dtype, gen, repeats=20):
+    """The ceilings a linear layer is judged against, timed with CUDA events as the rows are (median of
+    ``repeats`` single calls after a warm-up): a [8192, 8192] @ [8192, 8192] matmul in ``dtype`` (TFLOP/s),
+    and a 1 GiB device-to-device copy (GB/s, bytes read plus bytes written). Random data: zeros run faster."""
+    a = torch.randn(8192, 8192, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(8192, 8192, device=device, dtype=dtype, generator=gen)
+    src = torch.randn(2**28, device=device, generator=gen)  # 1 GiB of float32
+    dst = torch.empty_like(src)
+
+    def median_s(fn):
+        fn()
+        return sorted(harness.cuda_time(fn, 1)[0] for _ in range(repeats))[repeats // 2]
+
+    tflops = 2 * 8192**3 / median_s(lambda: torch.mm(a, b)) / 1e12
+    copy_gbs = 2 * src.numel() * src.element_size() / median_s(lambda: dst.copy_(src)) / 1e9
+    return tflops, copy_gbs
+
+
 def measure(args):
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda":
+        if device.index is None:  # torch 2.11's set_device wants an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     group = dist.group.WORLD.group_name
     gen = torch.Generator(device=device).manual_seed(0)
@@ -57,14 +79,27 @@ def measure(args):
             {"torch_tp": mode(variants[ours]), "reference": mode(variants[theirs])}, args.repeats, dist.group.WORLD,
             warmup=args.warmup, barrier=lambda name: None,
             timer=harness.cuda_time if device.type == "cuda" else harness.wall_time)
-        table.add({"comparison": label, "torch_tp": ours, "reference": theirs}, samples)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        # x @ W^T is 2mn^2 FLOP; the backward adds dx and dW, 4mn^2 more (the bias and GELU are noise).
+        flop = (6 if mode is fwd_bwd else 2) * m * n * n
+        extra = {f"{impl} TFLOP/s": flop / samples.median(impl, "s") / 1e12 for impl in ("torch_tp", "reference")}
+        table.add({"comparison": label, "torch_tp": ours, "reference": theirs}, samples, extra=extra)
+    name, notes = "CPU", []
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops, copy_gbs = limits(device, dtype, gen)
+        extra_bytes = 2 * m * n * dtype.itemsize
+        notes = [f"Ceilings on this device: an 8192^3 {args.dtype} matmul ran at {tflops:.0f} TFLOP/s; a 1 GiB "
+                 f"device-to-device copy moved {copy_gbs:.0f} GB/s (read plus written). The unfused GELU reads "
+                 f"and writes the [{m}, {n}] output once more than the fused epilogue: {extra_bytes / 2**20:.0f} "
+                 f"MiB, {extra_bytes / copy_gbs / 1e3:.0f} us at that copy rate."]
     return {
-        "tag": "bench_linear_gpu", "stem": "linear_gpu",
+        # bfloat16, the default, keeps the plain names; another dtype gets a section and files of its own.
+        "tag": "bench_linear_gpu" + ("" if args.dtype == "bfloat16" else f" {args.dtype}"),
+        "stem": "linear_gpu" + ("" if args.dtype == "bfloat16" else f"_{args.dtype}"),
         "title": "Linear ops on one device: torch_tp's GEMM path against nn.Linear, and the fused epilogue",
         "about": f"Device: {name}, {args.dtype}, x [{m}, {n}] @ W [{n}, {n}]^T + b; world size 1 (no "
         "communication). Each call timed with CUDA events (perf_counter on the CPU), no barrier.",
-        "tables": [table],
+        "tables": [table], "notes": notes,
     }
 
 

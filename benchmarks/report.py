@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from typing import Any, Dict, List
 
 # Plots are kept in git and shown in RESULTS.md: small, then quantized to 256 colours.
@@ -115,7 +116,10 @@ def plot(data: Dict[str, Any], path: str) -> bool:
             ax.set_yscale("log")
             ax.set_xlabel("size, bytes", fontsize=8)
         else:
-            ax.set_xticks(range(len(rows)), [" ".join(map(str, r["case"].values())) for r in rows], fontsize=7)
+            labels = [" ".join(map(str, r["case"].values())) for r in rows]
+            long_labels = max(map(len, labels)) * len(labels) > 60  # more than a panel's width holds flat
+            ax.set_xticks(range(len(rows)), [textwrap.fill(label, 24) for label in labels], fontsize=7,
+                          rotation=30 if long_labels else 0, ha="right" if long_labels else "center")
         ax.set_title(name, fontsize=9)
         ax.set_ylabel(f"{t['unit']}, median (p10-p90)", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
@@ -123,7 +127,7 @@ def plot(data: Dict[str, Any], path: str) -> bool:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     m = data["machine"]
-    fig.suptitle(f"{data['title']}\n{m['backend']}, world size {m['world_size']}, {m['cpu_model']}, "
+    fig.suptitle(f"{textwrap.fill(data['title'], 13 * 5 * ncols)}\n{m['backend']}, world size {m['world_size']}, {m['cpu_model']}, "
                  f"torch {m['torch_version']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)
