@@ -83,6 +83,20 @@ def measure(args):
         flop = (6 if mode is fwd_bwd else 2) * m * n * n
         extra = {f"{impl} TFLOP/s": flop / samples.median(impl, "s") / 1e12 for impl in ("torch_tp", "reference")}
         table.add({"comparison": label, "torch_tp": ours, "reference": theirs}, samples, extra=extra)
+
+    # The row op's forward taken apart (its GEMM carries no bias: the bias is added after the reduction),
+    # each piece against nn.Linear, whose bias rides in the GEMM's epilogue: which kernel the plain GEMM
+    # gets, what the separate bias pass costs, and what the op adds around them.
+    pieces = harness.Table("us", ["piece", "nn.Linear"], ratios=[("piece", "nn.Linear")],
+                           title="The row op's forward, piece by piece, against nn.Linear")
+    for label, piece in [("torch.mm(x, W^T)", lambda: torch.mm(x, w.t())),
+                         ("torch.mm(x, W^T).add_(b)", lambda: torch.mm(x, w.t()).add_(b)),
+                         ("row_parallel_linear", variants["row_parallel_linear"])]:
+        samples = harness.time_interleaved(
+            {"piece": fwd(piece), "nn.Linear": fwd(variants["nn.Linear"])}, args.repeats, dist.group.WORLD,
+            warmup=args.warmup, barrier=lambda name: None,
+            timer=harness.cuda_time if device.type == "cuda" else harness.wall_time)
+        pieces.add({"forward": label}, samples)
     name, notes = "CPU", []
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -99,7 +113,7 @@ def measure(args):
         "title": "Linear ops on one device: torch_tp's GEMM path against nn.Linear, and the fused epilogue",
         "about": f"Device: {name}, {args.dtype}, x [{m}, {n}] @ W [{n}, {n}]^T + b; world size 1 (no "
         "communication). Each call timed with CUDA events (perf_counter on the CPU), no barrier.",
-        "tables": [table], "notes": notes,
+        "tables": [table, pieces], "notes": notes,
     }
 
 

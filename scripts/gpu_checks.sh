@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one go, for a machine lent for minutes:
 # build torch_tp against that machine's torch, run every CUDA test, run the
-# CUDA tests of the linear ops under compute-sanitizer, and benchmark the
-# linear ops against nn.Linear and the device's own ceilings.
+# CUDA tests of the linear ops under compute-sanitizer, benchmark the linear
+# ops against nn.Linear and the device's own ceilings, and run the main job
+# and the generation example on the GPU (one rank: NCCL takes one GPU per
+# rank).
 #
 #   bash scripts/gpu_checks.sh [LOG_DIR]        (default: build/gpu)
 #
@@ -39,6 +41,17 @@ for dtype in bfloat16 float32; do
   "$PYTHON" benchmarks/bench_linear_gpu.py --dtype "$dtype" --no-results-md --out-dir "$LOG_DIR/$dtype" \
     2>&1 | tail -20 || status=1
 done
+
+# The examples as a user runs them, on one GPU: a short training run (bf16
+# autocast, DCP checkpoint), then generation from that checkpoint.
+phase "examples on CUDA"
+RUN_DIR=$(mktemp -d)
+PYTHONUNBUFFERED=1 timeout 300 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 examples/train_llama.py \
+  --device cuda --amp --steps 40 --out-dir "$RUN_DIR" >"$LOG_DIR/examples.log" 2>&1 &&
+  PYTHONUNBUFFERED=1 timeout 120 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 examples/generate.py \
+    --device cuda --out-dir "$RUN_DIR" --max-new-tokens 64 >>"$LOG_DIR/examples.log" 2>&1 || status=1
+tail -12 "$LOG_DIR/examples.log"
+rm -rf "$RUN_DIR"
 
 # memcheck over the cuBLASLt path (fused epilogues, misaligned, offset and
 # non-contiguous operands): the CUDA linear checks in one process of world
