@@ -583,10 +583,11 @@ def _check_cuda_ops():
         torch.testing.assert_close(torch.ops.torch_tp.all_reduce(x, "sum", group).cpu().double(),
                                    full.double().sum(0), **tol)
         assert torch.equal(torch.ops.torch_tp.all_gather(x, 1, group).cpu(), torch.cat(list(full), 1))
-        if dist.get_backend() != "gloo":
-            torch.testing.assert_close(
-                torch.ops.torch_tp.reduce_scatter(x, 0, "sum", group).cpu().double(),
-                full.double().sum(0).chunk(world_size, 0)[rank], **tol)
+        # On gloo the op runs as an all_to_all (NOTE [reduce-scatter on gloo]), which gloo stages
+        # through host memory for CUDA tensors (seen working at 2 ranks on an H200).
+        torch.testing.assert_close(
+            torch.ops.torch_tp.reduce_scatter(x, 0, "sum", group).cpu().double(),
+            full.double().sum(0).chunk(world_size, 0)[rank], **tol)
     x = _rank_input(rank, (3, 4), torch.float64).to(device).requires_grad_()
     torch.ops.torch_tp.all_gather(x, 0, group).sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, world_size), **GRAD_TOL)
