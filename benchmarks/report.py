@@ -127,7 +127,8 @@ def plot(data: Dict[str, Any], path: str) -> bool:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     m = data["machine"]
-    fig.suptitle(f"{textwrap.fill(data['title'], 13 * 5 * ncols)}\n{m['backend']}, world size {m['world_size']}, {m['cpu_model']}, "
+    title = textwrap.fill(data["title"], 13 * 5 * ncols)  # about 13 characters an inch at this size
+    fig.suptitle(f"{title}\n{m['backend']}, world size {m['world_size']}, {m['cpu_model']}, "
                  f"torch {m['torch_version']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)

@@ -10,10 +10,12 @@
 #
 # It uses the python3 on PATH and the torch installed there, as a GPU image
 # carries one (no virtual environment, nothing downloaded). LOG_DIR receives
-# build.log, tests.log, sanitizer.log and the benchmarks' JSON and plots; turn
-# a JSON into its RESULTS.md section with
-#   python benchmarks/report.py LOG_DIR/bf16/linear_gpu.json --results-md benchmarks/RESULTS.md
-# Exit status: nonzero when the build, a test or the sanitizer failed.
+# build.log, tests.log, examples.log, sanitizer.log and the benchmarks' JSON
+# and plots; turn a JSON into its RESULTS.md section with
+#   python benchmarks/report.py LOG_DIR/bfloat16/linear_gpu.json --results-md benchmarks/RESULTS.md
+# (and LOG_DIR/float32/linear_gpu_float32.json).
+# Exit status: nonzero when the build, a test, a benchmark, an example or the
+# sanitizer failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=$(mkdir -p "${1:-build/gpu}" && cd "${1:-build/gpu}" && pwd)
