@@ -87,9 +87,23 @@ def measure(args):
     # The row op's forward taken apart (its GEMM carries no bias: the bias is added after the reduction),
     # each piece against nn.Linear, whose bias rides in the GEMM's epilogue: which kernel the plain GEMM
     # gets, what the separate bias pass costs, and what the op adds around them.
+    # On CUDA, torch.mm once more through cuBLASLt (torch's preferred BLAS library, set around the call):
+    # ATen's plain GEMM goes through cuBLAS, nn.Linear's bias-epilogue GEMM through cuBLASLt.
+    def through_cublaslt(fn):
+        def run():
+            previous = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                return fn()
+            finally:
+                torch.backends.cuda.preferred_blas_library(previous)
+        return run
+
     pieces = harness.Table("us", ["piece", "nn.Linear"], ratios=[("piece", "nn.Linear")],
                            title="The row op's forward, piece by piece, against nn.Linear")
     for label, piece in [("torch.mm(x, W^T)", lambda: torch.mm(x, w.t())),
+                         *([("torch.mm(x, W^T), cuBLASLt", through_cublaslt(lambda: torch.mm(x, w.t())))]
+                           if device.type == "cuda" else []),
                          ("torch.mm(x, W^T).add_(b)", lambda: torch.mm(x, w.t()).add_(b)),
                          ("row_parallel_linear", variants["row_parallel_linear"])]:
         samples = harness.time_interleaved(
