@@ -30,7 +30,7 @@ def limits(device, dtype, gen, repeats=20):
 
     def median_s(fn):
         fn()
-        return sorted(harness.cuda_time(fn, 1)[0] for _ in range(repeats))[repeats // 2]
+        return harness.quantile([harness.cuda_time(fn, 1)[0] for _ in range(repeats)], 0.5)
 
     tflops = 2 * 8192**3 / median_s(lambda: torch.mm(a, b)) / 1e12
     copy_gbs = 2 * src.numel() * src.element_size() / median_s(lambda: dst.copy_(src)) / 1e9
@@ -63,6 +63,11 @@ def measure(args):
                 forward()
         return step
 
+    def side_by_side(steps):
+        return harness.time_interleaved(
+            steps, args.repeats, dist.group.WORLD, warmup=args.warmup, barrier=lambda name: None,
+            timer=harness.cuda_time if device.type == "cuda" else harness.wall_time)
+
     variants = {
         "nn.Linear": lambda: F.linear(x, w, b),
         "column_parallel_linear": lambda: torch.ops.torch_tp.column_parallel_linear(x, w, b, group),
@@ -75,10 +80,7 @@ def measure(args):
                                       ("row fwd+bwd", "row_parallel_linear", "nn.Linear", fwd_bwd),
                                       ("bias+GELU fwd", "fused epilogue", "unfused linear+gelu", fwd),
                                       ("bias+GELU fwd+bwd", "fused epilogue", "unfused linear+gelu", fwd_bwd)]:
-        samples = harness.time_interleaved(
-            {"torch_tp": mode(variants[ours]), "reference": mode(variants[theirs])}, args.repeats, dist.group.WORLD,
-            warmup=args.warmup, barrier=lambda name: None,
-            timer=harness.cuda_time if device.type == "cuda" else harness.wall_time)
+        samples = side_by_side({"torch_tp": mode(variants[ours]), "reference": mode(variants[theirs])})
         # x @ W^T is 2mn^2 FLOP; the backward adds dx and dW, 4mn^2 more (the bias and GELU are noise).
         flop = (6 if mode is fwd_bwd else 2) * m * n * n
         extra = {f"{impl} TFLOP/s": flop / samples.median(impl, "s") / 1e12 for impl in ("torch_tp", "reference")}
@@ -106,11 +108,7 @@ def measure(args):
                            if device.type == "cuda" else []),
                          ("torch.mm(x, W^T).add_(b)", lambda: torch.mm(x, w.t()).add_(b)),
                          ("row_parallel_linear", variants["row_parallel_linear"])]:
-        samples = harness.time_interleaved(
-            {"piece": fwd(piece), "nn.Linear": fwd(variants["nn.Linear"])}, args.repeats, dist.group.WORLD,
-            warmup=args.warmup, barrier=lambda name: None,
-            timer=harness.cuda_time if device.type == "cuda" else harness.wall_time)
-        pieces.add({"forward": label}, samples)
+        pieces.add({"forward": label}, side_by_side({"piece": fwd(piece), "nn.Linear": fwd(variants["nn.Linear"])}))
     name, notes = "CPU", []
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
