@@ -297,7 +297,7 @@ def activations_on_local_columns(root: nn.Module) -> Iterator[Tuple[str, nn.Modu
     outputs and its ``down_proj`` row-parallel on them (NOTE [an MLP activation's parameters])."""
     for path, mlp in root.named_modules():
         act_fn = mlp._modules.get("act_fn")
-        if act_fn is None or hasattr(act_fn, "_tp_state") or not any(True for _ in act_fn.parameters()):
+        if act_fn is None or hasattr(act_fn, "_tp_state") or next(act_fn.parameters(), None) is None:
             continue
         down_proj = mlp._modules.get("down_proj")
         inputs = [mlp._modules[name] for name in _MLP_INPUT_PROJECTIONS if mlp._modules.get(name) is not None]
