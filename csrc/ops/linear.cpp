@@ -68,6 +68,7 @@
 
 #include "ops/comm.h"
 #include "ops/common.h"
+#include "ops/gemm_cpu.h"
 #include "ops/gemv_cpu.h"
 
 #include <torch_tp/ops.h>
@@ -95,13 +96,13 @@ Activation parse_activation(const char* op, c10::string_view activation) {
 // small_batch_linear_cpu, which streams W from DRAM at 24-32 GB/s (bfloat16)
 // and 27-36 (float32) with one x row and one thread, where ATen's GEMV gets
 // 11-18 and 16-22, and ATen's float32 GEMM with 2-8 rows only 8-13 (NOTE
-// [few-row GEMV on the CPU] in gemv_cpu.cpp). Everything else goes to ATen.
+// [few-row GEMV on the CPU] in gemv_cpu.cpp). Everything else goes to ATen,
+// except bfloat16 and float16 on a CPU where ATen's GEMM for them is its scalar
+// fallback (local_mm, NOTE [half-precision GEMMs through float32 panels]).
 GemmResult linear_gemm_aten(const char* /*op*/, const at::Tensor& x2d, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, Activation activation) {
   std::optional<at::Tensor> gemv = small_batch_linear_cpu(x2d, weight, bias);
-  at::Tensor pre = gemv ? *std::move(gemv)
-                   : bias ? at::addmm(*bias, x2d, weight.t())
-                          : at::mm(x2d, weight.t());
+  at::Tensor pre = gemv ? *std::move(gemv) : local_mm(x2d, weight.t(), bias);
   if (activation == Activation::None) {
     return {pre, at::Tensor()};
   }
@@ -193,7 +194,8 @@ at::Tensor row_parallel_linear_forward(const at::Tensor& x, const at::Tensor& we
 
 namespace {
 
-// The backward kernels use ATen GEMMs on every device. See NOTE [backward
+// The backward kernels run ATen's GEMMs on every device, through local_mm
+// (NOTE [half-precision GEMMs through float32 panels]). See NOTE [backward
 // overlap] and NOTE [skipped gradients].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_kernel(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& pre_activation,
@@ -217,7 +219,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
   // grad [.., N/p] @ W_r [N/p, K] -> this rank's partial sum of grad_x [.., K]
   // (gathered length under sequence parallelism); overlaps the gather of x.
   at::Tensor grad_x =
-      want_x ? grad2d.mm(weight).view(with_features(grad_pre.sizes(), weight.size(1))) : skipped_gradient(grad_out);
+      want_x ? local_mm(grad2d, weight).view(with_features(grad_pre.sizes(), weight.size(1)))
+             : skipped_gradient(grad_out);
   const at::Tensor x_full = x_gather ? x_gather->wait() : x;
 
   // partial_grad_input: the caller reduces grad_x later (see NOTE [partial grad_x]).
@@ -228,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> column_parallel_linear_backward_k
                             : start_all_reduce(op, group, true, grad_x, grad_x, Reduction::Sum));
   }
   // Overlaps the grad-input collective.
-  at::Tensor grad_weight = want_weight ? grad2d.t().mm(rows2d(x_full)) : skipped_gradient(grad_out);
+  at::Tensor grad_weight = want_weight ? local_mm(grad2d.t(), rows2d(x_full)) : skipped_gradient(grad_out);
   at::Tensor grad_bias = want_bias ? grad2d.sum(0) : skipped_gradient(grad_out);
   if (grad_x_comm) {
     grad_x = grad_x_comm->wait();
@@ -248,8 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_kern
     grad_full = start_all_gather(op, group, false, grad_out, dim, x.size(dim), "scatter_dim").wait();
   }
   const at::Tensor grad2d = rows2d(grad_full);
-  at::Tensor grad_x = want_x ? grad2d.mm(weight).view(x.sizes()) : skipped_gradient(grad_out);
-  at::Tensor grad_weight = want_weight ? grad2d.t().mm(rows2d(x)) : skipped_gradient(grad_out);
+  at::Tensor grad_x = want_x ? local_mm(grad2d, weight).view(x.sizes()) : skipped_gradient(grad_out);
+  at::Tensor grad_weight = want_weight ? local_mm(grad2d.t(), rows2d(x)) : skipped_gradient(grad_out);
   at::Tensor grad_bias = want_bias ? grad2d.sum(0) : skipped_gradient(grad_out);
   return {grad_x, grad_weight, grad_bias};
 }

@@ -33,6 +33,7 @@
 
 #include <torch_tp/ops.h>
 
+#include "ops/gemm_cpu.h"
 #include "ops/gemv_cpu.h"
 
 #include <ATen/ATen.h>
@@ -402,6 +403,55 @@ TEST(SmallBatchGemv, EveryVariantThisCpuRunsMatchesLinear) {
           }
         }
       }
+    }
+  }
+}
+
+// NOTE [half-precision GEMMs through float32 panels]: on a CPU without a native
+// bfloat16 / float16 GEMM, local_mm computes the product in float32 and rounds
+// each entry once. So every entry is within half an ulp of the float64 product
+// of the same half-precision inputs (2^-8 of it in bfloat16, 2^-11 in float16),
+// plus the float32 sum's own error, 2 (K + 8) 2^-24 sum_k |a_ik b_kj| (+ |bias_j|)
+// as in the GEMV's bound above (ATen's GEMMs meet it too). The bound is per
+// entry: a lost or doubled panel column, a shifted panel, a bias added twice or
+// a second rounding breaks it. The layouts are the linear ops' GEMMs: x @ W^T
+// (forward, with and without bias), grad @ W (grad_x) and grad^T @ x
+// (grad_weight); K = 2048 and N = 600 give several panels of ~2 MiB.
+TEST(HalfPrecisionGemm, EachEntryIsTheFloat32ProductRoundedOnce) {
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    if (!torch_tp::half_gemm_through_float32(dtype)) {
+      continue;  // ATen's own GEMM (oneDNN) runs this dtype here
+    }
+    const double half_ulp = std::ldexp(1.0, dtype == at::kBFloat16 ? -8 : -11);
+    constexpr int64_t M = 24, K = 2048, N = 600;
+    const at::Tensor x = seeded_normal({M, K}, 1).to(dtype);
+    const at::Tensor w = seeded_normal({N, K}, 2).to(dtype);
+    const at::Tensor grad = seeded_normal({M, N}, 3).to(dtype);
+    const at::Tensor bias = seeded_normal({N}, 4).to(dtype);
+    struct Case {
+      const char* what;
+      at::Tensor a, b;
+      std::optional<at::Tensor> bias;
+    };
+    const std::vector<Case> cases = {{"x @ W^T", x, w.t(), std::nullopt},
+                                     {"x @ W^T + b", x, w.t(), bias},
+                                     {"grad @ W", grad, w, std::nullopt},
+                                     {"grad^T @ x", grad.t(), x, std::nullopt}};
+    for (const Case& c : cases) {
+      const at::Tensor y = torch_tp::local_mm(c.a, c.b, c.bias);
+      ASSERT_EQ(y.scalar_type(), dtype) << c.what;
+      const at::Tensor ad = c.a.to(at::kDouble), bd = c.b.to(at::kDouble);
+      at::Tensor expected = ad.mm(bd), terms = ad.abs().mm(bd.abs());
+      if (c.bias) {
+        expected = expected + c.bias->to(at::kDouble);
+        terms = terms + c.bias->to(at::kDouble).abs();
+      }
+      const int64_t k = c.a.size(1);
+      const at::Tensor bound =
+          expected.abs() * half_ulp + terms * (2.0 * static_cast<double>(k + 8) * std::ldexp(1.0, -24));
+      const at::Tensor excess = (y.to(at::kDouble) - expected).abs() - bound;
+      EXPECT_LE(excess.max().item<double>(), 0.0) << dtype << " " << c.what << ": "
+                                                  << (excess > 0).sum().item<int64_t>() << " entries off";
     }
   }
 }
