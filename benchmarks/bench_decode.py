@@ -4,7 +4,7 @@ plan without sequence parallelism, applied by torch_tp and by torch's DTensor TP
 on one rank and beside the memory-bandwidth limit (CPU, eager, one intra-op thread per rank).
 
     torchrun --nproc-per-node 2 benchmarks/bench_decode.py [--quick] [--configs dim1024x4,dim512x8]
-        [--dtypes float32,bfloat16] [--backend torch_tp]
+        [--dtypes float32,bfloat16] [--backend torch_tp] [--prefill]
 
 A decode step is bandwidth bound: it streams every weight once per token. The limit is measured the way the
 step is, in the same run: ``gemv`` runs only the step's weight GEMVs (each linear's local weight times one
@@ -16,6 +16,11 @@ allows on this machine, ``unsharded gemv / unsharded gemv torch_tp op`` what the
 from torch.profiler on rank 0 (a few untimed steps, per token): the GEMVs (aten::mm/addmm and torch_tp's
 kernel), the collectives (torch_tp_backend::* and c10d::* events: their time includes waiting for the peer),
 and everything else (dispatch, Python, attention, norms).
+
+With --prefill a step is the prompt's forward instead: the PROMPT tokens into an empty cache, so every linear
+is a GEMM of PROMPT rows, not a GEMV (no GEMV-only rows then). There torch's bfloat16 on a CPU without a native
+bfloat16 GEMM is its scalar fallback and torch_tp's linears are not (NOTE [half-precision GEMMs through float32
+panels] in csrc/ops/gemm_cpu.cpp); the float32 rows show the same step where both run SGEMM.
 
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
@@ -45,6 +50,7 @@ VOCAB = 8192
 PROMPT = 64  # tokens in the cache when a step decodes the next one
 IMPLS = ["unsharded", "torch_tp", "dtensor", "unsharded gemv", "tp gemv", "unsharded gemv torch_tp op",
          "tp gemv torch_tp op"]
+PREFILL_IMPLS = IMPLS[:3]
 # The GEMVs' profiler events: ATen's, and torch_tp's own small-batch kernel (NOTE [few-row GEMV on the CPU]).
 GEMV_EVENTS = ("aten::mm", "aten::addmm", "torch_tp::small_batch_linear_cpu")
 
@@ -79,9 +85,10 @@ def _gemvs(weights: List[torch.Tensor], torch_tp_op: bool = False) -> Callable[[
 class Case:
     """One (configuration, dtype): the unsharded model and its copies parallelized by each implementation, with
     a KV cache holding a PROMPT-token prompt; ``steps[impl]()`` decodes the next token (the cache rewound to
-    PROMPT first, so every sample does the same work)."""
+    PROMPT first, so every sample does the same work), or with ``prefill`` runs the prompt (the cache rewound
+    to 0)."""
 
-    def __init__(self, name: str, dtype: torch.dtype, mesh) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, mesh, prefill: bool) -> None:
         c = self.config = lm.LlamaConfig(vocab_size=VOCAB, max_seq_len=PROMPT + 8, **CONFIGS[name])
         torch.manual_seed(1234)
         reference = lm.Llama(c).to(dtype)
@@ -93,6 +100,7 @@ class Case:
             api.parallelize_module(model, mesh, lm.tp_plan(api, sequence_parallel=False, loss_parallel=False))
             self.models[impl] = model
         self.rank = dist.get_rank()
+        self.weight_mib = sum(w.numel() * w.element_size() for w in _linears(reference)) / 2**20
         self.steps: Dict[str, Callable[[], None]] = {}
         self.outputs: Dict[str, torch.Tensor] = {}
         for impl, model in self.models.items():
@@ -102,20 +110,22 @@ class Case:
             cache = lm.KVCache(c.max_seq_len)
             with torch.no_grad():
                 model(prompt, cache)
-            self.steps[impl] = self._decode(model, cache, prompt[:, -1:])
+            self.steps[impl] = self._decode(model, cache, prompt, 0) if prefill else \
+                self._decode(model, cache, prompt[:, -1:], PROMPT)
             self.outputs[impl] = self.steps[impl]()
+        if prefill:
+            return
         for suffix, op in (("", False), (" torch_tp op", True)):
             self.steps["unsharded gemv" + suffix] = _gemvs(_linears(reference), op) if self.rank == 0 \
                 else (lambda: None)
             self.steps["tp gemv" + suffix] = _gemvs(_linears(self.models["torch_tp"]), op)
-        self.weight_mib = sum(w.numel() * w.element_size() for w in _linears(reference)) / 2**20
-
     @staticmethod
-    def _decode(model, cache, token):
+    def _decode(model, cache, tokens, start: int):
+        """The forward of ``tokens`` at positions ``start ..`` of the cache."""
         @torch.no_grad()
         def step():
-            cache.pos = PROMPT
-            return harness.materialize(model(token, cache))  # DTensor's gather may still be in flight
+            cache.pos = start
+            return harness.materialize(model(tokens, cache))  # DTensor's gather may still be in flight
         return step
 
     def check(self) -> float:
@@ -143,19 +153,25 @@ def breakdown(step: Callable[[], None], tokens: int = 10) -> Dict[str, float]:
 def measure(args):
     group = dist.group.WORLD
     mesh = init_device_mesh("cpu", (group.size(),), mesh_dim_names=("tp",))
-    table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp"),
-                                               ("unsharded gemv", "tp gemv"),
-                                               ("unsharded gemv", "unsharded gemv torch_tp op"),
-                                               ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
-                          paired=[("torch_tp", "tp gemv torch_tp op")])
-    repeats = 15 if args.quick else 100
+    if args.prefill:
+        impls = PREFILL_IMPLS
+        table = harness.Table("ms", impls, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp")])
+    else:
+        impls = IMPLS
+        table = harness.Table("ms", impls, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp"),
+                                                   ("unsharded gemv", "tp gemv"),
+                                                   ("unsharded gemv", "unsharded gemv torch_tp op"),
+                                                   ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
+                              paired=[("torch_tp", "tp gemv torch_tp op")])
+    repeats = (10 if args.quick else 30) if args.prefill else (15 if args.quick else 100)
+    mm = "gemm" if args.prefill else "gemv"
     for name in args.configs:
         for dtype_name in args.dtypes:
-            case = Case(name, getattr(torch, dtype_name), mesh)
+            case = Case(name, getattr(torch, dtype_name), mesh, args.prefill)
             error = case.check()
             if error > 5e-2 if dtype_name == "bfloat16" else error > 1e-4:
                 raise AssertionError(f"{name} {dtype_name}: TP logits differ from the unsharded model's by {error:.2e}")
-            samples = harness.time_interleaved(case.steps, repeats, group, order=harness.permutations(IMPLS),
+            samples = harness.time_interleaved(case.steps, repeats, group, order=harness.permutations(impls),
                                                warmup=3)
             parts = [breakdown(case.steps["torch_tp"]) if dist.get_rank() == 0 else None]
             if dist.get_rank() != 0:
@@ -164,22 +180,38 @@ def measure(args):
             parts = parts[0]
             tp = samples.median("torch_tp", "ms")
             extra = {"weights MiB": case.weight_mib,
-                     "torch_tp tokens/s": 1e3 / tp,
-                     "torch_tp: gemv ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
+                     "torch_tp tokens/s": (PROMPT if args.prefill else 1) * 1e3 / tp,
+                     f"torch_tp: {mm} ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
                      "torch_tp: rest ms": tp - parts["mm"] - parts["collectives"]}
             table.add({"config": name, "dtype": dtype_name}, samples, extra=extra)
             del case
     shapes = "; ".join(f"{name}: {c['n_layers']} layers, dim {c['dim']}, {c['n_heads']} heads, ffn "
                        f"{lm.LlamaConfig(**c).ffn_hidden_dim}" for name, c in CONFIGS.items() if name in args.configs)
+    about = (f"CPU, eager, {args.backend} backend. `examples/llama_model.py`'s model, `tp_plan(api, "
+             "sequence_parallel=False, loss_parallel=False)` applied to copies of one model by **torch_tp** and "
+             f"**dtensor** (torch.distributed.tensor.parallel) over the {dist.get_world_size()} ranks; "
+             f"**unsharded**: the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). ")
+    checked = ("Before timing, the TP logits are checked against the unsharded model's (1e-4 fp32, 5e-2 bf16 of "
+               "the largest logit).")
+    if args.prefill:
+        return {
+            "tag": "bench_decode prefill",
+            "stem": "decode_prefill",
+            "title": f"Prefill of a {PROMPT}-token prompt: torch_tp vs DTensor TP vs unsharded",
+            "about": about + f"A step runs the {PROMPT}-token prompt into an empty `KVCache` (rewound before each "
+            f"sample), logits gathered: every linear a GEMM of {PROMPT} rows. `torch_tp tokens/s`: prompt tokens. "
+            "`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self times per step over 10 untimed steps "
+            "(gemm: aten::mm/addmm, in bfloat16 on this CPU the float32 GEMMs of NOTE [half-precision GEMMs "
+            "through float32 panels]; collectives include waiting for the peer; rest = the step's median minus "
+            "both). " + checked,
+            "tables": [table],
+            "notes": [],
+        }
     return {
         "tag": "bench_decode",
         "stem": "decode",
         "title": "Decode with a KV cache: torch_tp vs DTensor TP vs unsharded",
-        "about": f"CPU, eager, {args.backend} backend. `examples/llama_model.py`'s model, `tp_plan(api, "
-        "sequence_parallel=False, loss_parallel=False)` applied to copies of one model by **torch_tp** and "
-        f"**dtensor** (torch.distributed.tensor.parallel) over the {dist.get_world_size()} ranks; **unsharded**: "
-        f"the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). A step decodes one token with `KVCache` "
-        f"holding {PROMPT} (cache rewound "
+        "about": about + f"A step decodes one token with `KVCache` holding {PROMPT} (cache rewound "
         "before each sample), logits gathered. **unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
         "(`F.linear` of one token with each linear's weight: whole on rank 0 alone / each rank's shard at once), "
         "the bandwidth limit measured like the step; **... torch_tp op**: the same GEMVs through torch_tp's "
@@ -188,8 +220,7 @@ def measure(args):
         "linears run that op, while the unsharded model runs F.linear. `torch_tp: gemv/collectives/rest`: rank "
         "0's torch.profiler self times per token over 10 untimed steps (gemv: aten::mm/addmm and the torch_tp "
         "kernel; collectives include waiting for the peer; rest = the step's median minus both: dispatch, "
-        "Python, attention, norms). Before timing, the TP logits are checked "
-        "against the unsharded model's (1e-4 fp32, 5e-2 bf16 of the largest logit).",
+        "Python, attention, norms). " + checked,
         "tables": [table],
         "notes": [],
     }
@@ -201,6 +232,8 @@ def main(argv) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated subset of %(default)s")
     p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
                    help="process-group backend of both TP implementations (default: %(default)s)")
+    p.add_argument("--prefill", action="store_true",
+                   help=f"time the {PROMPT}-token prompt's forward instead of one token; writes decode_prefill.*")
     args = p.parse_args(argv)
     args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
     args.dtypes = harness.subset(p, "--dtypes", args.dtypes, ["float32", "bfloat16"])

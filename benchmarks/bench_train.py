@@ -3,12 +3,18 @@
 perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded model on rank 0 alone, with one
 intra-op thread and with one per core (what a CPU user tries first), side by side (CPU, eager).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024] [--compile]
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024] [--compile] [--amp]
 
 A step is forward, loss (inside loss_parallel() for the TP models), backward and a fused AdamW step. Scaling
 efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its time.
 Rank 0's torch.profiler view of a few untimed torch_tp steps splits a step into the GEMMs (aten::mm, addmm,
 bmm), the collectives (torch_tp_backend::* and c10d::* events, waiting for the peer included) and the rest.
+
+With --amp every side runs its forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the CPU
+AMP recipe, and the unsharded float32 step runs beside them (**unsharded float32**): on a CPU without a native
+bfloat16 GEMM, torch's bfloat16 GEMMs are its scalar fallback and torch_tp's linears are not (NOTE
+[half-precision GEMMs through float32 panels] in csrc/ops/gemm_cpu.cpp), so the float32 step is the fair
+unsharded baseline there.
 
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
@@ -35,13 +41,14 @@ CONFIGS = {
 VOCAB = 256  # the example's byte vocabulary
 IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp", "dtensor"]
 COMPILED_IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp"]  # torch 2.14's TP fails compiled (RESULTS.md)
+AMP_IMPLS = IMPLS + ["unsharded float32"]  # --amp: the unsharded step without autocast beside them
 
 
 class Case:
     """One configuration: the unsharded model on rank 0 and its copies parallelized by each implementation;
     ``steps[impl]()`` is one training step, ``resets[impl]()`` clears the gradients."""
 
-    def __init__(self, name: str, mesh, impls, compile_blocks: bool) -> None:
+    def __init__(self, name: str, mesh, impls, compile_blocks: bool, amp: bool) -> None:
         overrides, batch, seq, _ = CONFIGS[name]
         c = self.config = lm.LlamaConfig(vocab_size=VOCAB, max_seq_len=seq, **overrides)
         torch.manual_seed(1234)
@@ -54,30 +61,37 @@ class Case:
         for impl in impls:
             if impl.startswith("unsharded"):
                 threads = 2 if impl.endswith("2 threads") else 1
+                autocast = amp and not impl.endswith("float32")
                 model = copy.deepcopy(reference)
-                self.steps[impl] = self._step(model, None, inputs, targets, threads) if rank0 else (lambda: None)
+                self.steps[impl] = (self._step(model, None, inputs, targets, threads, autocast) if rank0
+                                    else (lambda: None))
             else:
                 api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
                 model = copy.deepcopy(reference)
                 api.parallelize_module(model, mesh, lm.tp_plan(api))
-                self.steps[impl] = self._step(model, api, inputs, targets, 1)
+                self.steps[impl] = self._step(model, api, inputs, targets, 1, amp)
             if compile_blocks:  # torchtitan's recipe, on every side alike
                 for block in model.layers.values():
                     block.compile(fullgraph=True)
             self.resets[impl] = lambda model=model: model.zero_grad(set_to_none=True)
 
     @staticmethod
-    def _step(model, api, inputs, targets, threads: int):
+    def _step(model, api, inputs, targets, threads: int, autocast: bool):
         optimizer = lm.make_optimizer(model, lr=1e-5)  # small: hundreds of repeats stay far from divergence
+
+        def forward_backward() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = lm.cross_entropy_loss(model(inputs), targets)
+            loss.backward()
 
         def step() -> None:
             torch.set_num_threads(threads)
             try:
                 if api is None:
-                    lm.cross_entropy_loss(model(inputs), targets).backward()
+                    forward_backward()
                 else:
                     with api.loss_parallel():
-                        lm.cross_entropy_loss(model(inputs), targets).backward()
+                        forward_backward()
                     harness.complete_grads(model.parameters())
                 optimizer.step()
             finally:
@@ -105,13 +119,17 @@ def measure(args):
     group = dist.group.WORLD
     p = group.size()
     mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
-    impls = COMPILED_IMPLS if args.compile else IMPLS
-    table = harness.Table("ms", impls, ratios=[("unsharded", "torch_tp"), ("unsharded 2 threads", "torch_tp"),
-                                               ("dtensor", "torch_tp")])
+    impls = COMPILED_IMPLS if args.compile else AMP_IMPLS if args.amp else IMPLS
+    ratios = [("unsharded", "torch_tp"), ("unsharded 2 threads", "torch_tp"), ("dtensor", "torch_tp")]
+    if args.amp:
+        ratios.append(("unsharded float32", "torch_tp"))
+    table = harness.Table("ms", impls, ratios=ratios)
     notes = []
     for name in args.configs:
         overrides, batch, seq, repeats = CONFIGS[name]
-        case = Case(name, mesh, impls, args.compile)
+        case = Case(name, mesh, impls, args.compile, args.amp)
+        if args.amp:  # torch's bfloat16 steps take seconds where its GEMMs are the scalar fallback
+            repeats = max(5, repeats // 4)
         repeats = max(3, repeats // 5) if args.quick else repeats
         # Two phases: the 2-thread run leaves an OpenMP worker spinning on the other core for a while after
         # it (GOMP's spin-wait), which would slow whichever TP step ran next; so it is timed on its own, beside
@@ -131,6 +149,8 @@ def measure(args):
         extra = {"torch_tp scaling": unsharded / (p * tp)}
         if "dtensor" in impls:
             extra["dtensor scaling"] = unsharded / (p * samples.median("dtensor", "ms"))
+        if args.amp:
+            extra["torch_tp scaling against float32"] = samples.median("unsharded float32", "ms") / (p * tp)
         extra |= {"torch_tp: gemm ms": parts["gemm"], "torch_tp: collectives ms": parts["collectives"],
                  "torch_tp: rest ms": tp - parts["gemm"] - parts["collectives"]}
         table.add({"config": name}, samples, extra=extra)
@@ -144,12 +164,16 @@ def measure(args):
         del case
     compiled = ("; every side's blocks compiled (`block.compile(fullgraph=True)`, torchtitan's recipe; DTensor TP "
                 "left out: torch 2.14's own TP fails compiled in backward)") if args.compile else ""
+    amp = ("; every side but **unsharded float32** runs its forward and loss under `torch.autocast(\"cpu\", "
+           "dtype=torch.bfloat16)` (float32 parameters and optimizer); `torch_tp scaling against float32` = "
+           f"unsharded float32 / ({p} x torch_tp)") if args.amp else ""
+    mode = " compile" if args.compile else " amp" if args.amp else ""
     return {
-        "tag": "bench_train" + (" compile" if args.compile else ""),
-        "stem": "train" + ("_compile" if args.compile else ""),
+        "tag": "bench_train" + mode,
+        "stem": "train" + mode.replace(" ", "_"),
         "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded"
-        + (", blocks compiled" if args.compile else ""),
-        "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}, {args.backend} backend, "
+        + (", blocks compiled" if args.compile else ", bfloat16 autocast" if args.amp else ""),
+        "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}{amp}, {args.backend} backend, "
         f"{p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
         "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
         "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
@@ -171,7 +195,11 @@ def main(argv) -> int:
     p.add_argument("--compile", action="store_true",
                    help="compile every model's blocks (torch_tp and the unsharded model; not DTensor TP); writes "
                    "train_compile.*")
+    p.add_argument("--amp", action="store_true",
+                   help="bfloat16 autocast on every side, beside the unsharded float32 step; writes train_amp.*")
     args = p.parse_args(argv)
+    if args.amp and args.compile:
+        p.error("--amp and --compile are separate runs")
     args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
     return harness.run("bench_train", args, lambda: measure(args), backend=args.backend)
 

@@ -87,9 +87,16 @@ bool half_gemm_through_float32(at::ScalarType dtype) {
 }
 
 at::Tensor local_mm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
+  // One or two rows of a against b = W^T of a row-major W [N, K] stay ATen's:
+  // its fallback computes them as dot products of contiguous rows, faster than
+  // the panels' conversions at that size (float16, the decode shapes of
+  // bench_decode's dim512x8 on the Zen 3 VM: 3.2 against 5.1 ms a token at one
+  // row, 5.2 against 6.9 at two, 11.4 against 7.9 at four). bfloat16 rows
+  // there mostly go to the decode GEMV first (linear_gemm_aten).
+  const bool aten_dot_products = a.size(0) <= 2 && b.stride(0) == 1 && b.stride(1) == b.size(0);
   const bool panels = a.device().is_cpu() && b.device().is_cpu() && (!bias || bias->device().is_cpu()) &&
       b.scalar_type() == a.scalar_type() && (!bias || bias->scalar_type() == a.scalar_type()) &&
-      a.numel() > 0 && b.numel() > 0 && half_gemm_through_float32(a.scalar_type());
+      a.numel() > 0 && b.numel() > 0 && !aten_dot_products && half_gemm_through_float32(a.scalar_type());
   if (panels) {
     return mm_through_float32_panels(a, b, bias);
   }

@@ -416,7 +416,8 @@ TEST(SmallBatchGemv, EveryVariantThisCpuRunsMatchesLinear) {
 // entry: a lost or doubled panel column, a shifted panel, a bias added twice or
 // a second rounding breaks it. The layouts are the linear ops' GEMMs: x @ W^T
 // (forward, with and without bias), grad @ W (grad_x) and grad^T @ x
-// (grad_weight); K = 2048 and N = 600 give several panels of ~2 MiB.
+// (grad_weight); K = 2048 and N = 600 give several panels of ~2 MiB. Three rows
+// are the fewest the panels take against a row-major W; two stay ATen's.
 TEST(HalfPrecisionGemm, EachEntryIsTheFloat32ProductRoundedOnce) {
   for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
     if (!torch_tp::half_gemm_through_float32(dtype)) {
@@ -436,7 +437,9 @@ TEST(HalfPrecisionGemm, EachEntryIsTheFloat32ProductRoundedOnce) {
     const std::vector<Case> cases = {{"x @ W^T", x, w.t(), std::nullopt},
                                      {"x @ W^T + b", x, w.t(), bias},
                                      {"grad @ W", grad, w, std::nullopt},
-                                     {"grad^T @ x", grad.t(), x, std::nullopt}};
+                                     {"grad^T @ x", grad.t(), x, std::nullopt},
+                                     {"3 rows @ W^T", x.narrow(0, 0, 3), w.t(), std::nullopt},
+                                     {"2 rows @ W^T (ATen's dot products)", x.narrow(0, 0, 2), w.t(), bias}};
     for (const Case& c : cases) {
       const at::Tensor y = torch_tp::local_mm(c.a, c.b, c.bias);
       ASSERT_EQ(y.scalar_type(), dtype) << c.what;
