@@ -6,7 +6,8 @@
 // 2.14's fallback ran x @ W^T at 6-11 GFLOP/s and grad @ W (W not transposed,
 // the input gradient) at 0.5-1.3, where float32 SGEMM runs at 60-72: a
 // bfloat16 model (autocast training, a bfloat16 prompt, batched decode above
-// kSmallBatchRows rows) spent 7-100x its float32 GEMM time there. On such a CPU
+// kSmallBatchRows rows) spent 5-12x its float32 GEMM time in the forward
+// GEMMs there and 45-140x in the input gradient's. On such a CPU
 // local_mm computes a [M, K] @ b [K, N] as
 //     a32 = float32(a)                                   (once)
 //     for each panel of b's columns [n0, n1):            (~2 MiB in float32)
