@@ -119,6 +119,7 @@ class Case:
             self.steps["unsharded gemv" + suffix] = _gemvs(_linears(reference), op) if self.rank == 0 \
                 else (lambda: None)
             self.steps["tp gemv" + suffix] = _gemvs(_linears(self.models["torch_tp"]), op)
+
     @staticmethod
     def _decode(model, cache, tokens, start: int):
         """The forward of ``tokens`` at positions ``start ..`` of the cache."""
@@ -153,15 +154,15 @@ def breakdown(step: Callable[[], None], tokens: int = 10) -> Dict[str, float]:
 def measure(args):
     group = dist.group.WORLD
     mesh = init_device_mesh("cpu", (group.size(),), mesh_dim_names=("tp",))
+    ratios = [("unsharded", "torch_tp"), ("dtensor", "torch_tp")]
     if args.prefill:
         impls = PREFILL_IMPLS
-        table = harness.Table("ms", impls, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp")])
+        table = harness.Table("ms", impls, ratios=ratios)
     else:
         impls = IMPLS
-        table = harness.Table("ms", impls, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp"),
-                                                   ("unsharded gemv", "tp gemv"),
-                                                   ("unsharded gemv", "unsharded gemv torch_tp op"),
-                                                   ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
+        table = harness.Table("ms", impls, ratios=ratios + [("unsharded gemv", "tp gemv"),
+                                                            ("unsharded gemv", "unsharded gemv torch_tp op"),
+                                                            ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
                               paired=[("torch_tp", "tp gemv torch_tp op")])
     repeats = (10 if args.quick else 30) if args.prefill else (15 if args.quick else 100)
     mm = "gemm" if args.prefill else "gemv"
