@@ -152,16 +152,18 @@ def test_row_parallel_linear(ranks, world_size):
     pool.run(_check_row, torch.float32, 3, 5, 2, True, True)  # more ranks than rows and features
 
 
-# The CPU decode GEMV (csrc/ops/gemv_cpu.cpp) takes the forward of bfloat16 and
-# float32 inputs with at most 8 rows of x on a CPU with AVX-512 BF16 (elsewhere
-# ATen computes them and these tests check ATen). Its sum is float32 (rounded
-# once to bfloat16 for bfloat16), so it is compared with F.linear computed in
-# float32 (and then rounded), on tolerances far tighter than TOL's:
-#   bfloat16, GEMV_TOL 2^-7: the two float32 sums differ only in their order
-#            (~K * 2^-24), but one may round up and the other down where they
-#            straddle a rounding boundary: one bfloat16 ulp of an entry, at
-#            most 2^-7 of max |y|. A lost K element (a tail) is ~1/sqrt(K) of
-#            |y|, far above.
+# The CPU decode GEMV (csrc/ops/gemv_cpu.cpp) takes the forward of bfloat16,
+# float16 and float32 inputs with at most 8 rows of x on an x86-64 CPU with
+# AVX-512 BF16 or AVX2 (elsewhere ATen computes them and these tests check
+# ATen). Its sum is float32 (rounded once to the half-precision dtype), so it
+# is compared with F.linear computed in float32 (and then rounded), on
+# tolerances far tighter than TOL's:
+#   bfloat16, float16, GEMV_TOL: the two float32 sums differ only in their
+#            order (~K * 2^-24), but one may round up and the other down where
+#            they straddle a rounding boundary: one ulp of an entry, at most
+#            2^-7 of max |y| in bfloat16 (8 significant bits), 2^-10 in
+#            float16 (11). A lost K element (a tail) is ~1/sqrt(K) of |y|, far
+#            above.
 #   float32, _float32_gemv_tol: nothing is rounded but the sums, and the two
 #            differ only in their order. A float32 sum of products, in any
 #            order, is within d * 2^-24 * sum |term| of the exact one, d the
@@ -175,7 +177,7 @@ def test_row_parallel_linear(ranks, world_size):
 #   twice those after a second operation: GELU (slope <= 1.13) of the GEMM
 #            output, or the row-parallel bias added after the reduction (one
 #            more rounding, in bfloat16 one bfloat16 ulp).
-GEMV_TOL = 2**-7
+GEMV_TOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
 GEMV_MAX_ROWS = 8  # kSmallBatchRows in csrc/ops/gemv_cpu.h
 
 
@@ -194,7 +196,7 @@ def _assert_gemv_close(actual, x, weight, b, what, activation="none", operations
     """actual against F.linear in float32 (rounded to x's dtype), on the
     tolerance above for x's dtype times the operations after the sum's."""
     expected = _rounded_linear(x, weight, b, activation)
-    tol = _float32_gemv_tol(x, weight, b, expected) if x.dtype == torch.float32 else GEMV_TOL
+    tol = _float32_gemv_tol(x, weight, b, expected) if x.dtype == torch.float32 else GEMV_TOL[x.dtype]
     assert_close(actual, expected, what, operations * tol)
 
 
@@ -224,20 +226,19 @@ def _check_decode_gemv_fallback():
     """Inputs the decode GEMV does not take go to the ops' general GEMM, local_mm
     (ATen's, or on a CPU without a native bfloat16 / float16 GEMM its float32
     panels, NOTE [half-precision GEMMs through float32 panels]): x's rows
-    strided in K, a transposed (non-contiguous) weight or bias, float16. Either
-    way each entry is F.linear's in float32 rounded once, so within GEMV_TOL."""
+    strided in K, a transposed (non-contiguous) weight or bias. Either way each
+    entry is F.linear's in float32 rounded once, so within GEMV_TOL."""
     gen_w, gen_x = _full((40, 100), 1, torch.bfloat16), _full((2, 200), 2, torch.bfloat16)
     b = _full((80,), 3, torch.bfloat16)[::2]  # non-contiguous bias
     cases = {
         "x strided in K": (gen_x[:, ::2], gen_w, b.contiguous()),
         "weight transposed": (gen_x[:, :100], gen_w.t().contiguous().t(), b.contiguous()),
         "bias strided": (gen_x[:, :100], gen_w, b),
-        "float16": (gen_x[:, :100].half(), gen_w.half(), b.half()),
     }
     for what, (x, weight, bias) in cases.items():
-        assert not (x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous()) or x.dtype == torch.float16
+        assert not (x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous())
         y = torch.ops.torch_tp.column_parallel_linear(x, weight, bias, _group())
-        assert_close(y, _rounded_linear(x, weight, bias), f"column vs float32, {what}", GEMV_TOL)
+        assert_close(y, _rounded_linear(x, weight, bias), f"column vs float32, {what}", GEMV_TOL[x.dtype])
 
 
 def _check_decode_gemv_threads(dtype):
@@ -255,9 +256,11 @@ def _check_decode_gemv_threads(dtype):
 
 
 @pytest.mark.parametrize("check, args", [
-    (_check_decode_gemv, (torch.bfloat16,)), (_check_decode_gemv, (torch.float32,)), (_check_decode_gemv_fallback, ()),
-    (_check_decode_gemv_threads, (torch.bfloat16,)), (_check_decode_gemv_threads, (torch.float32,)),
-], ids=["bf16", "fp32", "fallback", "threads-bf16", "threads-fp32"])
+    (_check_decode_gemv, (torch.bfloat16,)), (_check_decode_gemv, (torch.float16,)),
+    (_check_decode_gemv, (torch.float32,)), (_check_decode_gemv_fallback, ()),
+    (_check_decode_gemv_threads, (torch.bfloat16,)), (_check_decode_gemv_threads, (torch.float16,)),
+    (_check_decode_gemv_threads, (torch.float32,)),
+], ids=["bf16", "fp16", "fp32", "fallback", "threads-bf16", "threads-fp16", "threads-fp32"])
 def test_decode_gemv(ranks, check, args):
     ranks(1).run(check, *args)
 

@@ -92,8 +92,9 @@ at::Tensor local_mm(const at::Tensor& a, const at::Tensor& b, const std::optiona
   // its fallback computes them as dot products of contiguous rows, faster than
   // the panels' conversions at that size (float16, the decode shapes of
   // bench_decode's dim512x8 on the Zen 3 VM: 3.2 against 5.1 ms a token at one
-  // row, 5.2 against 6.9 at two, 11.4 against 7.9 at four). bfloat16 rows
-  // there mostly go to the decode GEMV first (linear_gemm_aten).
+  // row, 5.2 against 6.9 at two, 11.4 against 7.9 at four). The linear ops'
+  // forward rows go to the decode GEMV first (linear_gemm_aten); these are the
+  // ones it does not take, such as x strided in K.
   const bool aten_dot_products = a.size(0) <= 2 && b.stride(0) == 1 && b.stride(1) == b.size(0);
   const bool panels = a.device().is_cpu() && b.device().is_cpu() && (!bias || bias->device().is_cpu()) &&
       b.scalar_type() == a.scalar_type() && (!bias || bias->scalar_type() == a.scalar_type()) &&

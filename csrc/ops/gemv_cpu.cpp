@@ -38,9 +38,15 @@
 //     with one intra-op thread, as each rank runs).
 // It takes up to kSmallBatchRows = 8 rows: at 8 it still beat at::mm by
 // 1.2-1.8x (bfloat16) and 1.5-3.3x (float32) cache-resident, 1.15-2.2x and
-// 1.5-2.8x from DRAM; at 9 ATen takes over. Other dtypes go to ATen. A CPU
-// without AVX-512 BF16 but with AVX2 and FMA runs the variant of NOTE
-// [few-row GEMV on AVX2]; one with neither, ATen's GEMM.
+// 1.5-2.8x from DRAM; at 9 ATen takes over. float16 runs the float32 loop on
+// half the bytes, widened as it loads (vcvtph2ps): ATen's float16 GEMV is no
+// faster than its bfloat16 one (an Intel Xeon with AVX-512 FP16 and AMX, one
+// thread, the dim 512 decode shapes' 54 MiB cycled from DRAM, GB/s of W through
+// the op against F.linear, one run: 1 row 13.8 against 6.3, 2 rows 11.3
+// against 3.6, 4 rows 10.0 against 3.8, 8 rows 5.8 against 2.8; bfloat16 in
+// the same run 14.7, 12.9, 11.0 and 7.4). Other dtypes go to ATen. A CPU
+// without AVX-512 BF16 but with AVX2, FMA and F16C runs the variant of NOTE
+// [few-row GEMV on AVX2]; one without, ATen's GEMM.
 
 #include "ops/gemv_cpu.h"
 
@@ -48,6 +54,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -86,6 +93,25 @@ struct Lanes<c10::BFloat16> {
   // Pairs of products, each pair summed into one float32 lane.
   [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline __m512 multiply_add(__m512 acc, Vec x, Vec w) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+};
+
+// 16 float16 (32 bytes) a step, widened to float32 as they load (vcvtph2ps):
+// the float32 loop over half the bytes, so an x or W vector is one register.
+// It prefetches from one x row on, as bfloat16 does: prefetching from two
+// instead cost one row 10-30% (the dim 512 decode shapes, 3 runs each).
+template <>
+struct Lanes<c10::Half> {
+  using Vec = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kStep = 16;
+  static constexpr int kPrefetchFromRows = 1;
+  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline Vec load(Mask mask, const c10::Half* p) {
+    // The maskz form: GCC 12's plain _mm512_cvtph_ps trips -Wmaybe-uninitialized (as in sum_lanes).
+    return _mm512_maskz_cvtph_ps(mask, _mm256_maskz_loadu_epi16(mask, p));
+  }
+  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline __m512 multiply_add(__m512 acc, Vec x, Vec w) {
+    return _mm512_fmadd_ps(x, w, acc);
   }
 };
 
@@ -167,7 +193,7 @@ template <typename T, int M, int R>
     const float b = bias ? static_cast<float>(bias[r]) : 0.0f;
     #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
-      out[m * ldo + r] = static_cast<T>(sum_lanes(acc[m][r]) + b);  // bfloat16: rounded to nearest even
+      out[m * ldo + r] = static_cast<T>(sum_lanes(acc[m][r]) + b);  // bfloat16, float16: rounded to nearest even
     }
   }
 }
@@ -189,7 +215,7 @@ template <typename T, int M>
 
 // ---------------------------------------------------------------- AVX2 (with FMA)
 
-#define TORCH_TP_GEMV_AVX2 gnu::target("avx2,fma")
+#define TORCH_TP_GEMV_AVX2 gnu::target("avx2,fma,f16c")
 
 // A kernel's output rows [n_begin, n_end): (x, ldx, w, bias, out, ldo, K, n_begin, n_end).
 template <typename T>
@@ -205,7 +231,8 @@ namespace avx2 {
 // registers instead of vdpbf16ps: 16 elements read as 8 words, the low halves
 // shifted up and the high halves masked are exactly their float32 values, and
 // x and W split alike, so the two halves' products are the pairs vdpbf16ps
-// sums. Measured on an AMD EPYC of the Zen 3 generation (one thread, 58-117
+// sums. float16 is widened by F16C's vcvtph2ps, 8 elements a load, into the
+// float32 loop. Measured on an AMD EPYC of the Zen 3 generation (one thread, 58-117
 // MB of W cycled from DRAM, GB/s of W, this kernel / ATen, two runs; the VM's
 // speed drifts by 15% between runs, so the prefetch choices are the AVX-512
 // variant's, not tuned here):
@@ -240,6 +267,24 @@ struct Lanes256<c10::BFloat16> {
   }
   [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline __m256 multiply_add(__m256 acc, Vec x, Vec w) {
     return _mm256_fmadd_ps(x.odd, w.odd, _mm256_fmadd_ps(x.even, w.even, acc));
+  }
+};
+
+// 8 float16 a step, widened to float32 as they load (F16C's vcvtph2ps): the
+// float32 loop over half the bytes.
+template <>
+struct Lanes256<c10::Half> {
+  using Vec = __m256;
+  static constexpr int64_t kStep = 8;
+  static constexpr int kPrefetchFromRows = 1;
+  static constexpr int rows_per_block(int M) {
+    return M == 3 ? 3 : M <= 5 ? 2 : 1;
+  }
+  [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline Vec load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline __m256 multiply_add(__m256 acc, Vec x, Vec w) {
+    return _mm256_fmadd_ps(x, w, acc);
   }
 };
 
@@ -314,7 +359,7 @@ template <typename T, int M, int R>
       for (int64_t j = k; j < K; ++j) {
         tail += static_cast<float>(x[m * ldx + j]) * static_cast<float>(w[r * K + j]);
       }
-      out[m * ldo + r] = static_cast<T>(sum_lanes(acc[m][r]) + tail + b);  // bfloat16: rounded to nearest even
+      out[m * ldo + r] = static_cast<T>(sum_lanes(acc[m][r]) + tail + b);  // bfloat16, float16: rounded to nearest even
     }
   }
 }
@@ -355,8 +400,9 @@ template <typename T, int M>
 // the next row's start) helps bfloat16 and two float32 rows; one float32 row
 // runs best on the hardware prefetcher alone (1-4 KiB ahead cost it 3-25%).
 // Widening x to float32 once per call instead of in every row did not pay.
+// float16 takes bfloat16's prefetch (as many bytes a row; not measured here).
 template <typename T, int M>
-constexpr int64_t kRowByRowPrefetchBytes = (std::is_same_v<T, c10::BFloat16> || M >= 2) ? 1024 : 0;
+constexpr int64_t kRowByRowPrefetchBytes = (!std::is_same_v<T, float> || M >= 2) ? 1024 : 0;
 
 // out[m][n] = x[m] . w[n] + bias[n] for M (1 or 2) x rows and n in [n_begin, n_end):
 // GemvRows reading W row by row.
@@ -379,8 +425,10 @@ template <typename T, int M>
     for (; k + kVectors * kStep <= K; k += kVectors * kStep) {
       if constexpr (kRowByRowPrefetchBytes<T, M> > 0) {
         const char* ahead = reinterpret_cast<const char*>(row + k) + kRowByRowPrefetchBytes<T, M>;  // never faults
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        #pragma GCC unroll 2
+        for (int64_t line = 0; line < kVectors * kStep * static_cast<int64_t>(sizeof(T)); line += 64) {
+          _mm_prefetch(ahead + line, _MM_HINT_T0);  // the step's 128 bytes (64 in float16)
+        }
       }
       #pragma GCC unroll 4
       for (int v = 0; v < kVectors; ++v) {
@@ -406,7 +454,7 @@ template <typename T, int M>
         tail += static_cast<float>(x[m * ldx + j]) * static_cast<float>(row[j]);
       }
       const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
-      out[m * ldo + n] = static_cast<T>(sum_lanes(sum) + tail + b);  // bfloat16: rounded to nearest even
+      out[m * ldo + n] = static_cast<T>(sum_lanes(sum) + tail + b);  // bfloat16, float16: rounded to nearest even
     }
   }
 }
@@ -465,10 +513,10 @@ bool cpu_has_avx512_bf16() {
   return supported;
 }
 
-bool cpu_has_avx2_fma() {
+bool cpu_has_avx2_fma_f16c() {
   static const bool supported = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }();
   return supported;
 }
@@ -484,7 +532,7 @@ std::vector<GemvIsa> supported_gemv_isas() {
   if (cpu_has_avx512_bf16()) {
     isas.push_back(GemvIsa::Avx512);
   }
-  if (cpu_has_avx2_fma()) {
+  if (cpu_has_avx2_fma_f16c()) {
     isas.push_back(GemvIsa::Avx2);
   }
 #endif
@@ -500,7 +548,7 @@ std::optional<at::Tensor> small_batch_linear_cpu_with(GemvIsa isa, const at::Ten
 #if defined(__x86_64__)
   const int64_t M = x2d.size(0);
   const at::ScalarType dtype = x2d.scalar_type();
-  if (!x2d.device().is_cpu() || !weight.device().is_cpu() || (dtype != at::kBFloat16 && dtype != at::kFloat) ||
+  if (!x2d.device().is_cpu() || !weight.device().is_cpu() || (dtype != at::kBFloat16 && dtype != at::kHalf && dtype != at::kFloat) ||
       weight.scalar_type() != dtype || M < 1 || M > kSmallBatchRows || x2d.size(1) < 1 || weight.size(0) < 1 ||
       !weight.is_contiguous() || (x2d.stride(1) != 1) ||
       (bias && (!bias->device().is_cpu() || bias->scalar_type() != dtype || !bias->is_contiguous()))) {
@@ -509,7 +557,14 @@ std::optional<at::Tensor> small_batch_linear_cpu_with(GemvIsa isa, const at::Ten
   const std::vector<GemvIsa> isas = supported_gemv_isas();
   TORCH_CHECK(std::find(isas.begin(), isas.end(), isa) != isas.end(), "torch_tp: the ", gemv_isa_name(isa),
               " GEMV does not run on this CPU");
-  return dtype == at::kFloat ? gemv<float>(isa, x2d, weight, bias) : gemv<c10::BFloat16>(isa, x2d, weight, bias);
+  switch (dtype) {
+    case at::kFloat:
+      return gemv<float>(isa, x2d, weight, bias);
+    case at::kBFloat16:
+      return gemv<c10::BFloat16>(isa, x2d, weight, bias);
+    default:
+      return gemv<c10::Half>(isa, x2d, weight, bias);
+  }
 #else
   (void)isa;
   (void)x2d;

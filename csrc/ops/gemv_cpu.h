@@ -1,5 +1,5 @@
 #pragma once
-// The CPU GEMV of decode: a few rows of x times a bfloat16 or float32 weight,
+// The CPU GEMV of decode: a few rows of x times a float32, bfloat16 or float16 weight,
 // streamed at memory bandwidth (NOTE [few-row GEMV on the CPU] in gemv_cpu.cpp).
 
 #include <ATen/core/Tensor.h>
@@ -11,10 +11,10 @@ namespace torch_tp {
 
 // out [M, N] = x2d [M, K] @ weight [N, K]^T + bias [N], or nullopt where it does
 // not apply (the caller then runs ATen's GEMM): it applies to CPU tensors, all
-// bfloat16 or all float32, with 1 <= M <= kSmallBatchRows (chosen by
-// measurement, see the NOTE), weight contiguous, x2d's rows contiguous in K,
-// bias contiguous, on an x86-64 CPU with AVX-512 BF16 or else AVX2 and FMA
-// (the widest it has). Plain tensors only: no autograd (it runs inside the
+// float32, all bfloat16 or all float16, with 1 <= M <= kSmallBatchRows (chosen
+// by measurement, see the NOTE), weight contiguous, x2d's rows contiguous in K,
+// bias contiguous, on an x86-64 CPU with AVX-512 BF16 or else AVX2, FMA and
+// F16C (the widest it has). Plain tensors only: no autograd (it runs inside the
 // ops' forward kernels).
 inline constexpr int64_t kSmallBatchRows = 8;
 std::optional<at::Tensor> small_batch_linear_cpu(const at::Tensor& x2d, const at::Tensor& weight,

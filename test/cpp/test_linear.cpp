@@ -370,7 +370,8 @@ INSTANTIATE_TEST_SUITE_P(WorldSize, Embedding, ::testing::Values(1, 2, 3, 4),
 // float32 in its own order: each result is within 2 (K + 8) 2^-24 of
 // max_j sum_k |x_k w_jk| + |b_j| of the float64 value (at most K / 8 + 8
 // roundings per term: a lane's sum, the lanes' sum, the tail, the bias), plus,
-// for a bfloat16 output, its rounding: 2^-8 of max |y|, one bfloat16 ulp.
+// for a half-precision output, its rounding to nearest: half an ulp, 2^-8 of
+// max |y| in bfloat16 (8 significant bits), 2^-11 in float16 (11).
 TEST(SmallBatchGemv, EveryVariantThisCpuRunsMatchesLinear) {
   const std::vector<torch_tp::GemvIsa> isas = torch_tp::supported_gemv_isas();
   if (isas.empty()) {
@@ -380,7 +381,7 @@ TEST(SmallBatchGemv, EveryVariantThisCpuRunsMatchesLinear) {
                                                            {70, 9},   {1024, 13}, {56, 7},  {48, 3}};
   uint64_t seed = 0;
   for (const torch_tp::GemvIsa isa : isas) {
-    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       for (const auto& [K, N] : shapes) {
         const at::Tensor w = seeded_normal({N, K}, ++seed).to(dtype);
         const at::Tensor b = seeded_normal({N}, ++seed).to(dtype);
@@ -394,8 +395,8 @@ TEST(SmallBatchGemv, EveryVariantThisCpuRunsMatchesLinear) {
             const at::Tensor expected = with_bias ? at::linear(xd, wd, bd) : at::linear(xd, wd);
             const at::Tensor terms = at::linear(xd.abs(), wd.abs()) + (with_bias ? bd.abs() : at::zeros_like(bd));
             double bound = 2.0 * static_cast<double>(K + 8) * std::ldexp(1.0, -24) * terms.max().item<double>();
-            if (dtype == at::kBFloat16) {
-              bound += std::ldexp(1.0, -8) * expected.abs().max().item<double>();
+            if (dtype != at::kFloat) {
+              bound += std::ldexp(1.0, dtype == at::kBFloat16 ? -8 : -11) * expected.abs().max().item<double>();
             }
             const double error = (y->to(at::kDouble) - expected).abs().max().item<double>();
             EXPECT_LE(error, bound) << torch_tp::gemv_isa_name(isa) << " " << dtype << " M=" << M << " K=" << K
