@@ -202,7 +202,7 @@ def measure(args):
         return {
             "tag": "bench_decode prefill" + suffix,
             "stem": "decode_prefill" + suffix.replace(" ", "_"),
-            "title": f"Prefill of a {PROMPT}-token prompt: torch_tp vs DTensor TP vs unsharded",
+            "title": f"Prefill of a {PROMPT}-token prompt: torch_tp vs DTensor TP vs unsharded" + suffix,
             "about": about + f"A step runs the {PROMPT}-token prompt into an empty `KVCache` (rewound before each "
             f"sample), logits gathered: every linear a GEMM of {PROMPT} rows. `torch_tp tokens/s`: prompt tokens. "
             "`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self times per step over 10 untimed steps "
@@ -215,7 +215,7 @@ def measure(args):
     return {
         "tag": "bench_decode" + suffix,
         "stem": "decode" + suffix.replace(" ", "_"),
-        "title": "Decode with a KV cache: torch_tp vs DTensor TP vs unsharded",
+        "title": "Decode with a KV cache: torch_tp vs DTensor TP vs unsharded" + suffix,
         "about": about + f"A step decodes one token with `KVCache` holding {PROMPT} (cache rewound "
         "before each sample), logits gathered. **unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
         "(`F.linear` of one token with each linear's weight: whole on rank 0 alone / each rank's shard at once), "

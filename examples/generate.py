@@ -55,7 +55,7 @@ from llama_model import (  # noqa: E402
 )
 from train_llama import CKPT_SUBDIR, DEFAULT_CORPUS, TRAIN_STATE, Corpus, setup  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv=None):
