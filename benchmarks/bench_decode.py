@@ -4,7 +4,7 @@ plan without sequence parallelism, applied by torch_tp and by torch's DTensor TP
 on one rank and beside the memory-bandwidth limit (CPU, eager, one intra-op thread per rank).
 
     torchrun --nproc-per-node 2 benchmarks/bench_decode.py [--quick] [--configs dim1024x4,dim512x8]
-        [--dtypes float32,bfloat16 | --dtypes float16] [--backend torch_tp] [--prefill]
+        [--dtypes float32,bfloat16 | --dtypes float16] [--backend torch_tp] [--prefill] [--cold]
 
 A decode step is bandwidth bound: it streams every weight once per token. The limit is measured the way the
 step is, in the same run: ``gemv`` runs only the step's weight GEMVs (each linear's local weight times one
@@ -17,13 +17,21 @@ from torch.profiler on rank 0 (a few untimed steps, per token): the GEMVs (aten:
 kernel), the collectives (torch_tp_backend::* and c10d::* events: their time includes waiting for the peer),
 and everything else (dispatch, Python, attention, norms).
 
+A sample is a decode loop's steady state: each implementation decodes WARM_TOKENS untimed tokens, then
+STEADY_TOKENS timed ones back to back (the sample: their mean), as generate() runs tokens, so the caches hold
+what that implementation's own last token left there. Per token right after another implementation (--cold,
+how the sections up to issue 26's eleventh stop were taken) every token starts with the other models'
+weights in the caches; where a rank's shard of the weights fits in the last-level cache and the whole model
+does not (an Intel Xeon with a 480 MiB L3, docs/benchmark_log.md), that is not what a user's decode sees.
+
 With --prefill a step is the prompt's forward instead: the PROMPT tokens into an empty cache, so every linear
 is a GEMM of PROMPT rows, not a GEMV (no GEMV-only rows then). There torch's bfloat16 on a CPU without a native
 bfloat16 GEMM is its scalar fallback and torch_tp's linears are not (NOTE [half-precision GEMMs through float32
 panels] in csrc/ops/gemm_cpu.cpp); the float32 rows show the same step where both run SGEMM.
 
 float16 (which issue 26's goals leave out: they name float32 and bfloat16) runs alone, into a section and files
-of its own (decode_float16.*, decode_prefill_float16.*), so that the recorded float32/bfloat16 sections stay.
+of its own (decode_float16.*, decode_prefill_float16.*), so that the recorded float32/bfloat16 sections stay;
+--cold too (decode_cold.*).
 
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
@@ -54,6 +62,7 @@ PROMPT = 64  # tokens in the cache when a step decodes the next one
 IMPLS = ["unsharded", "torch_tp", "dtensor", "unsharded gemv", "tp gemv", "unsharded gemv torch_tp op",
          "tp gemv torch_tp op"]
 PREFILL_IMPLS = IMPLS[:3]
+WARM_TOKENS, STEADY_TOKENS = 2, 4  # a decode sample: untimed, then timed tokens of one implementation
 # The GEMVs' profiler events: ATen's, and torch_tp's own small-batch kernel (NOTE [few-row GEMV on the CPU]).
 GEMV_EVENTS = ("aten::mm", "aten::addmm", "torch_tp::small_batch_linear_cpu")
 
@@ -88,7 +97,7 @@ def _gemvs(weights: List[torch.Tensor], torch_tp_op: bool = False) -> Callable[[
 class Case:
     """One (configuration, dtype): the unsharded model and its copies parallelized by each implementation, with
     a KV cache holding a PROMPT-token prompt; ``steps[impl]()`` decodes the next token (the cache rewound to
-    PROMPT first, so every sample does the same work), or with ``prefill`` runs the prompt (the cache rewound
+    PROMPT first, so every token does the same work), or with ``prefill`` runs the prompt (the cache rewound
     to 0)."""
 
     def __init__(self, name: str, dtype: torch.dtype, mesh, prefill: bool) -> None:
@@ -167,7 +176,8 @@ def measure(args):
                                                             ("unsharded gemv", "unsharded gemv torch_tp op"),
                                                             ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
                               paired=[("torch_tp", "tp gemv torch_tp op")])
-    repeats = (10 if args.quick else 30) if args.prefill else (15 if args.quick else 100)
+    repeats = (10 if args.quick else 30) if args.prefill or not args.cold else (15 if args.quick else 100)
+    steady = not (args.prefill or args.cold)
     mm = "gemm" if args.prefill else "gemv"
     for name in args.configs:
         for dtype_name in args.dtypes:
@@ -175,8 +185,10 @@ def measure(args):
             error = case.check()
             if error > (1e-4 if dtype_name == "float32" else 5e-2):
                 raise AssertionError(f"{name} {dtype_name}: TP logits differ from the unsharded model's by {error:.2e}")
+            warm = {k: (lambda step=step: [step() for _ in range(WARM_TOKENS)]) for k, step in case.steps.items()}
             samples = harness.time_interleaved(case.steps, repeats, group, order=harness.permutations(impls),
-                                               warmup=3)
+                                               warmup=3, reset=warm if steady else None,
+                                               calls=STEADY_TOKENS if steady else 1)
             parts = [breakdown(case.steps["torch_tp"]) if dist.get_rank() == 0 else None]
             if dist.get_rank() != 0:
                 breakdown(case.steps["torch_tp"])  # the peer's half of the profiled steps
@@ -197,12 +209,13 @@ def measure(args):
              f"**unsharded**: the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). ")
     checked = ("Before timing, the TP logits are checked against the unsharded model's (1e-4 fp32, 5e-2 bf16 "
                "and fp16 of the largest logit).")
-    suffix = " float16" if args.dtypes == ["float16"] else ""
+    suffix = (" float16" if args.dtypes == ["float16"] else "") + (" cold" if args.cold and not args.prefill else "")
+    title_suffix = f" ({', '.join(suffix.split())})" if suffix else ""
     if args.prefill:
         return {
             "tag": "bench_decode prefill" + suffix,
             "stem": "decode_prefill" + suffix.replace(" ", "_"),
-            "title": f"Prefill of a {PROMPT}-token prompt: torch_tp vs DTensor TP vs unsharded" + suffix,
+            "title": f"Prefill of a {PROMPT}-token prompt: torch_tp vs DTensor TP vs unsharded" + title_suffix,
             "about": about + f"A step runs the {PROMPT}-token prompt into an empty `KVCache` (rewound before each "
             f"sample), logits gathered: every linear a GEMM of {PROMPT} rows. `torch_tp tokens/s`: prompt tokens. "
             "`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self times per step over 10 untimed steps "
@@ -215,9 +228,12 @@ def measure(args):
     return {
         "tag": "bench_decode" + suffix,
         "stem": "decode" + suffix.replace(" ", "_"),
-        "title": "Decode with a KV cache: torch_tp vs DTensor TP vs unsharded" + suffix,
+        "title": "Decode with a KV cache: torch_tp vs DTensor TP vs unsharded" + title_suffix,
         "about": about + f"A step decodes one token with `KVCache` holding {PROMPT} (cache rewound "
-        "before each sample), logits gathered. **unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
+        "before each token), logits gathered. " + (
+            "A sample: one token right after another implementation's (--cold). " if args.cold else
+            f"A sample: the mean of {STEADY_TOKENS} tokens decoded back to back after {WARM_TOKENS} untimed "
+            "ones of the same implementation, a decode loop's steady state. ") + "**unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
         "(`F.linear` of one token with each linear's weight: whole on rank 0 alone / each rank's shard at once), "
         "the bandwidth limit measured like the step; **... torch_tp op**: the same GEMVs through torch_tp's "
         "column-parallel op, which runs its own kernel for a few rows of float32, bfloat16 or float16 on the CPU (NOTE "
@@ -232,17 +248,22 @@ def measure(args):
 
 
 def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: 15 repeats per configuration")
+    p = harness.parser(__doc__, quick="smoke run: 10 repeats per configuration (15 with --cold)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="comma-separated subset of %(default)s, or float16 alone (its own section)")
     p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
                    help="process-group backend of both TP implementations (default: %(default)s)")
+    p.add_argument("--cold", action="store_true",
+                   help="time single tokens right after another implementation's, not a decode loop's steady "
+                   "state (see above)")
     p.add_argument("--prefill", action="store_true",
                    help=f"time the {PROMPT}-token prompt's forward instead of one token; writes decode_prefill.*")
     args = p.parse_args(argv)
     args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
     args.dtypes = harness.subset(p, "--dtypes", args.dtypes, ["float32", "bfloat16", "float16"])
+    if args.cold and args.prefill:
+        p.error("--cold times decode tokens; a prompt's forward (--prefill) is timed once per sample already")
     if "float16" in args.dtypes and len(args.dtypes) > 1:
         p.error(f"--dtypes {','.join(args.dtypes)}: float16 runs alone (its own section and files)")
     return harness.run("bench_decode", args, lambda: measure(args), backend=args.backend)
