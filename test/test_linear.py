@@ -176,7 +176,7 @@ def test_row_parallel_linear(ranks, world_size):
 #            K = 512), a lost K element still ~1/sqrt(K) of it.
 #   twice those after a second operation: GELU (slope <= 1.13) of the GEMM
 #            output, or the row-parallel bias added after the reduction (one
-#            more rounding, in bfloat16 one bfloat16 ulp).
+#            more rounding, in half precision one ulp).
 GEMV_TOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
 GEMV_MAX_ROWS = 8  # kSmallBatchRows in csrc/ops/gemv_cpu.h
 

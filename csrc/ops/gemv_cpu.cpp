@@ -32,8 +32,9 @@
 //     2 rows on;
 //   - the K tail through masked (zeroing) loads, the N tail with R = 1;
 //   - the bias added in float32 to the float32 sum, rounded once for a
-//     bfloat16 output (to nearest even, as c10::BFloat16 rounds), so the result
-//     is F.linear's in float32 (rounded), up to the order of the float32 sum;
+//     bfloat16 or float16 output (to nearest even, as c10::BFloat16 and
+//     c10::Half round), so the result is F.linear's in float32 (rounded), up to
+//     the order of the float32 sum;
 //   - at::parallel_for over output rows, in tasks of >= 64 KiB of W (inline
 //     with one intra-op thread, as each rank runs).
 // It takes up to kSmallBatchRows = 8 rows: at 8 it still beat at::mm by
