@@ -10,12 +10,12 @@ A decode step is bandwidth bound: it streams every weight once per token. The li
 step is, in the same run: ``gemv`` runs only the step's weight GEMVs (each linear's local weight times one
 token; the unsharded model's on rank 0 alone, the TP shards on every rank at once), with F.linear (what the
 unsharded model runs) and with torch_tp's column-parallel op (what the TP model's linears run; for float32,
-bfloat16 and float16 it has its own kernel, faster than ATen's). So ``unsharded gemv / tp gemv`` is the best TP speedup F.linear
-allows on this machine, ``unsharded gemv / unsharded gemv torch_tp op`` what the kernel alone gains, and
-``torch_tp - tp gemv torch_tp op`` what torch_tp spends around its GEMVs. The breakdown of that rest comes
-from torch.profiler on rank 0 (a few untimed steps, per token): the GEMVs (aten::mm/addmm and torch_tp's
-kernel), the collectives (torch_tp_backend::* and c10d::* events: their time includes waiting for the peer),
-and everything else (dispatch, Python, attention, norms).
+bfloat16 and float16 it has its own kernel, faster than ATen's). So ``unsharded gemv / tp gemv`` is the best
+TP speedup F.linear allows on this machine, ``unsharded gemv / unsharded gemv torch_tp op`` what the kernel
+alone gains, and ``torch_tp - tp gemv torch_tp op`` what torch_tp spends around its GEMVs. The breakdown of
+that rest comes from torch.profiler on rank 0 (a few untimed steps, per token): the GEMVs (aten::mm/addmm and
+torch_tp's kernel), the collectives (torch_tp_backend::* and c10d::* events: their time includes waiting for
+the peer), and everything else (dispatch, Python, attention, norms).
 
 A sample is a decode loop's steady state: each implementation decodes WARM_TOKENS untimed tokens, then
 STEADY_TOKENS timed ones back to back (the sample: their mean), as generate() runs tokens, so the caches hold
@@ -176,7 +176,7 @@ def measure(args):
                                                             ("unsharded gemv", "unsharded gemv torch_tp op"),
                                                             ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
                               paired=[("torch_tp", "tp gemv torch_tp op")])
-    repeats = (10 if args.quick else 30) if args.prefill or not args.cold else (15 if args.quick else 100)
+    repeats = (15 if args.quick else 100) if args.cold else (10 if args.quick else 30)
     steady = not (args.prefill or args.cold)
     mm = "gemm" if args.prefill else "gemv"
     for name in args.configs:
@@ -220,8 +220,8 @@ def measure(args):
             f"sample), logits gathered: every linear a GEMM of {PROMPT} rows. `torch_tp tokens/s`: prompt tokens. "
             "`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self times per step over 10 untimed steps "
             "(gemm: aten::mm/addmm; in bfloat16 and float16 on a CPU without native GEMMs for them, the float32 "
-            "GEMMs of NOTE [half-precision GEMMs through float32 panels]; collectives include waiting for the peer; rest = the step's median minus "
-            "both). " + checked,
+            "GEMMs of NOTE [half-precision GEMMs through float32 panels]; collectives include waiting for the "
+            "peer; rest = the step's median minus both). " + checked,
             "tables": [table],
             "notes": [],
         }
@@ -233,15 +233,16 @@ def measure(args):
         "before each token), logits gathered. " + (
             "A sample: one token right after another implementation's (--cold). " if args.cold else
             f"A sample: the mean of {STEADY_TOKENS} tokens decoded back to back after {WARM_TOKENS} untimed "
-            "ones of the same implementation, a decode loop's steady state. ") + "**unsharded gemv** / **tp gemv**: the step's weight GEMVs alone "
-        "(`F.linear` of one token with each linear's weight: whole on rank 0 alone / each rank's shard at once), "
-        "the bandwidth limit measured like the step; **... torch_tp op**: the same GEMVs through torch_tp's "
-        "column-parallel op, which runs its own kernel for a few rows of float32, bfloat16 or float16 on the CPU (NOTE "
-        "[few-row GEMV on the CPU] in csrc/ops/gemv_cpu.cpp) and ATen's GEMM otherwise: the limit of the TP step, whose "
-        "linears run that op, while the unsharded model runs F.linear. `torch_tp: gemv/collectives/rest`: rank "
-        "0's torch.profiler self times per token over 10 untimed steps (gemv: aten::mm/addmm and the torch_tp "
-        "kernel; collectives include waiting for the peer; rest = the step's median minus both: dispatch, "
-        "Python, attention, norms). " + checked,
+            "ones of the same implementation, a decode loop's steady state. ") +
+        "**unsharded gemv** / **tp gemv**: the step's weight GEMVs alone (`F.linear` of one token with each "
+        "linear's weight: whole on rank 0 alone / each rank's shard at once), the bandwidth limit measured like "
+        "the step; **... torch_tp op**: the same GEMVs through torch_tp's column-parallel op, which runs its own "
+        "kernel for a few rows of float32, bfloat16 or float16 on the CPU (NOTE [few-row GEMV on the CPU] in "
+        "csrc/ops/gemv_cpu.cpp) and ATen's GEMM otherwise: the limit of the TP step, whose linears run that op, "
+        "while the unsharded model runs F.linear. `torch_tp: gemv/collectives/rest`: rank 0's torch.profiler "
+        "self times per token over 10 untimed steps (gemv: aten::mm/addmm and the torch_tp kernel; collectives "
+        "include waiting for the peer; rest = the step's median minus both: dispatch, Python, attention, "
+        "norms). " + checked,
         "tables": [table],
         "notes": [],
     }

@@ -97,25 +97,6 @@ struct Lanes<c10::BFloat16> {
   }
 };
 
-// 16 float16 (32 bytes) a step, widened to float32 as they load (vcvtph2ps):
-// the float32 loop over half the bytes, so an x or W vector is one register.
-// It prefetches from one x row on, as bfloat16 does: prefetching from two
-// instead cost one row 10-30% (the dim 512 decode shapes, 3 runs each).
-template <>
-struct Lanes<c10::Half> {
-  using Vec = __m512;
-  using Mask = __mmask16;
-  static constexpr int64_t kStep = 16;
-  static constexpr int kPrefetchFromRows = 1;
-  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline Vec load(Mask mask, const c10::Half* p) {
-    // The maskz form: GCC 12's plain _mm512_cvtph_ps trips -Wmaybe-uninitialized (as in sum_lanes).
-    return _mm512_maskz_cvtph_ps(mask, _mm256_maskz_loadu_epi16(mask, p));
-  }
-  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline __m512 multiply_add(__m512 acc, Vec x, Vec w) {
-    return _mm512_fmadd_ps(x, w, acc);
-  }
-};
-
 template <>
 struct Lanes<float> {
   using Vec = __m512;
@@ -127,6 +108,19 @@ struct Lanes<float> {
   }
   [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline __m512 multiply_add(__m512 acc, Vec x, Vec w) {
     return _mm512_fmadd_ps(x, w, acc);
+  }
+};
+
+// float16: the float32 loop over half the bytes, 16 float16 (32 bytes) a step
+// widened to float32 as they load (vcvtph2ps). It prefetches from one x row on,
+// as bfloat16 does: prefetching from two instead cost one row 10-30% (the dim
+// 512 decode shapes, 3 runs each).
+template <>
+struct Lanes<c10::Half> : Lanes<float> {
+  static constexpr int kPrefetchFromRows = 1;
+  [[TORCH_TP_GEMV_TARGET, gnu::always_inline]] static inline Vec load(Mask mask, const c10::Half* p) {
+    // The maskz form: GCC 12's plain _mm512_cvtph_ps trips -Wmaybe-uninitialized (as in sum_lanes).
+    return _mm512_maskz_cvtph_ps(mask, _mm256_maskz_loadu_epi16(mask, p));
   }
 };
 
@@ -271,24 +265,6 @@ struct Lanes256<c10::BFloat16> {
   }
 };
 
-// 8 float16 a step, widened to float32 as they load (F16C's vcvtph2ps): the
-// float32 loop over half the bytes.
-template <>
-struct Lanes256<c10::Half> {
-  using Vec = __m256;
-  static constexpr int64_t kStep = 8;
-  static constexpr int kPrefetchFromRows = 1;
-  static constexpr int rows_per_block(int M) {
-    return M == 3 ? 3 : M <= 5 ? 2 : 1;
-  }
-  [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline Vec load(const c10::Half* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline __m256 multiply_add(__m256 acc, Vec x, Vec w) {
-    return _mm256_fmadd_ps(x, w, acc);
-  }
-};
-
 template <>
 struct Lanes256<float> {
   using Vec = __m256;
@@ -303,6 +279,16 @@ struct Lanes256<float> {
   }
   [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline __m256 multiply_add(__m256 acc, Vec x, Vec w) {
     return _mm256_fmadd_ps(x, w, acc);
+  }
+};
+
+// float16: the float32 loop over half the bytes, 8 float16 a step widened to
+// float32 as they load (F16C's vcvtph2ps); prefetching as bfloat16 does.
+template <>
+struct Lanes256<c10::Half> : Lanes256<float> {
+  static constexpr int kPrefetchFromRows = 1;
+  [[TORCH_TP_GEMV_AVX2, gnu::always_inline]] static inline Vec load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 };
 
@@ -549,7 +535,8 @@ std::optional<at::Tensor> small_batch_linear_cpu_with(GemvIsa isa, const at::Ten
 #if defined(__x86_64__)
   const int64_t M = x2d.size(0);
   const at::ScalarType dtype = x2d.scalar_type();
-  if (!x2d.device().is_cpu() || !weight.device().is_cpu() || (dtype != at::kBFloat16 && dtype != at::kHalf && dtype != at::kFloat) ||
+  const bool kernel_dtype = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (!x2d.device().is_cpu() || !weight.device().is_cpu() || !kernel_dtype ||
       weight.scalar_type() != dtype || M < 1 || M > kSmallBatchRows || x2d.size(1) < 1 || weight.size(0) < 1 ||
       !weight.is_contiguous() || (x2d.stride(1) != 1) ||
       (bias && (!bias->device().is_cpu() || bias->scalar_type() != dtype || !bias->is_contiguous()))) {
