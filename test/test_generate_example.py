@@ -60,9 +60,11 @@ def _figures(tmp_path, name, nproc, *args):
         return json.load(f)
 
 
-def _assert_margin(logits, step, what):
+def _assert_margin(logits, step, what, dtype=torch.float32):
+    """The two largest logits at least MARGIN[dtype] apart, dtype the model's (generate()'s scores are float32
+    whatever the model's dtype)."""
     top2 = torch.topk(logits.double(), 2).values
-    assert top2[0] - top2[1] > MARGIN[logits.dtype], f"{what}: step {step}'s top-2 logits {top2.tolist()} are a near tie"
+    assert top2[0] - top2[1] > MARGIN[dtype], f"{what}: step {step}'s top-2 logits {top2.tolist()} are a near tie"
 
 
 def _reference_ids(ckpt_dir, prompt, n):
@@ -125,7 +127,7 @@ def test_hugging_face_model(tmp_path, dtype):
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                   do_sample=False, output_scores=True, return_dict_in_generate=True)
     for step, scores in enumerate(expected.scores):
-        _assert_margin(scores[0], step, "unsharded generate()")
+        _assert_margin(scores[0], step, "unsharded generate()", dtype)
     assert figures["new_ids"] == expected.sequences[0, len(prompt):].tolist()
     assert figures["generate_ms"] > 0 and figures["decode_tokens_per_s"] > 0, figures
     assert figures["dtype"] == str(dtype).removeprefix("torch."), figures
