@@ -6,8 +6,10 @@
 #include "ops/comm.h"
 #include "ops/common.h"
 #include "ops/linear.h"
+#include "ops/norm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <array>
@@ -117,6 +119,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_parallel_linear_backward_meta
   return linear_grads_meta(grad_out, x, weight, output_mask);
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_meta(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         std::optional<double> /*eps*/) {
+  const int64_t n = check_rms_norm_args("torch_tp::rms_norm", input, normalized_shape, weight.value_or(at::Tensor()),
+                                        /*fused_kernels=*/true);
+  const c10::SymInt rows = n == 0 ? c10::SymInt(0) : input.sym_numel() / n;
+  return {at::empty_symint(input.sym_sizes(), input.options()),
+          at::empty_symint({rows}, input.options().dtype(at::toOpMathType(input.scalar_type())))};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad_out, const at::Tensor& input,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          const at::Tensor& /*rstd*/, at::IntArrayRef normalized_shape,
+                                                          std::array<bool, 2> output_mask) {
+  const at::Tensor w = weight.value_or(at::Tensor());
+  check_rms_norm_args("torch_tp::rms_norm backward", input, normalized_shape, w, /*fused_kernels=*/true);
+  const bool want_weight = output_mask[1] && w.defined();
+  return {output_mask[0] ? at::empty_symint(input.sym_sizes(), input.options()) : at::empty({0}, grad_out.options()),
+          want_weight ? at::empty_symint(w.sym_sizes(), w.options()) : at::empty({0}, grad_out.options())};
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
@@ -131,6 +154,8 @@ TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("_column_parallel_linear_backward", column_parallel_linear_backward_meta);
   m.impl("row_parallel_linear", row_parallel_linear_meta);
   m.impl("_row_parallel_linear_backward", row_parallel_linear_backward_meta);
+  m.impl("_rms_norm_forward", rms_norm_forward_meta);
+  m.impl("_rms_norm_backward", rms_norm_backward_meta);
 }
 
 } // namespace torch_tp

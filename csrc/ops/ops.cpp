@@ -90,4 +90,13 @@ at::Tensor column_parallel_embedding(const at::Tensor& ids, const at::Tensor& we
   return op.call(ids, weight, group_name, padding_idx, gather_dim, full_size);
 }
 
+at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+                    std::optional<double> eps) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, at::IntArrayRef, const std::optional<at::Tensor>&, std::optional<double>)>(
+          "torch_tp::rms_norm");
+  check_defined("torch_tp::rms_norm", "input", input);
+  return op.call(input, normalized_shape, weight, eps);
+}
+
 } // namespace torch_tp

@@ -2,7 +2,8 @@
 // their code: collectives.cpp (CPU, CUDA), collectives_autograd.cpp (Autograd),
 // linear.cpp (CPU, Autograd; CUDA backward), linear_cuda.cpp (CUDA forward),
 // autocast.cpp (AutocastCPU, AutocastCUDA: the linear ops),
-// embedding.cpp (CompositeImplicitAutograd), meta.cpp (Meta).
+// embedding.cpp (CompositeImplicitAutograd), norm.cpp (CompositeImplicitAutograd;
+// CPU pieces), meta.cpp (Meta).
 //
 // `group_name` is what ProcessGroup.group_name returns, the same string torch's
 // _c10d_functional ops take; it is resolved through c10d's group registry, so
@@ -61,4 +62,14 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def(
       "_row_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, str group_name, int? scatter_dim, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+
+  // RMSNorm with aten::rms_norm's schema and numbers, fused on the CPU (norm.cpp;
+  // SequenceParallel runs nn.RMSNorm through it). Its pieces: the forward also
+  // returns rstd [rows] in opmath for the backward, which computes (grad_input,
+  // grad_weight) where output_mask says so.
+  m.def("rms_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
+  m.def("_rms_norm_forward(Tensor input, int[] normalized_shape, Tensor? weight, float? eps) -> (Tensor, Tensor)");
+  m.def(
+      "_rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor rstd, int[] normalized_shape, "
+      "bool[2] output_mask) -> (Tensor, Tensor)");
 }

@@ -21,6 +21,7 @@
 
 #include <torch_tp/backend.h>
 #include <torch_tp/nn.h>
+#include <torch_tp/ops.h>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -198,6 +199,36 @@ TEST(CppApi, BadArgumentsAreClearErrors) {
                           {"torch_tp::nn::ColumnParallelLinear", "activation='relu'", "gelu_tanh"}));
   torch_tp::destroy_group("single");
   EXPECT_TRUE(throws_with([&] { torch_tp::nn::shard(at::ones({4}), 0, "single"); }, {"single"}));
+}
+
+// torch_tp::rms_norm, called from C++ as a LibTorch program does: ATen's
+// rms_norm's output and gradients (float32 and bfloat16 fused on the CPU,
+// float16 handed to ATen). Tolerances as test/test_norm.py's, relative to the
+// reference's largest magnitude: float32 2^-18 (sums reordered), bfloat16
+// 2^-8 (one rounding of the same float32 value, which a reordered sum can move
+// by one ulp); float16 is ATen's own call, so equal.
+TEST(CppApi, RmsNormMatchesATen) {
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const double tolerance = dtype == at::kFloat ? 1.0 / (1 << 18) : dtype == at::kBFloat16 ? 1.0 / (1 << 8) : 0.0;
+    at::manual_seed(7);
+    const at::Tensor x = at::randn({3, 5, 40}).to(dtype);
+    const at::Tensor weight = (at::rand({40}) + 0.5).to(dtype);
+    const at::Tensor grad = at::randn({3, 5, 40}).to(dtype);
+    std::vector<at::Tensor> results[2];
+    for (const bool ours : {true, false}) {
+      const at::Tensor xs = x.clone().requires_grad_(), ws = weight.clone().requires_grad_();
+      const at::Tensor out = ours ? torch_tp::rms_norm(xs, {40}, ws, 1e-5) : at::rms_norm(xs, {40}, ws, 1e-5);
+      out.backward(grad);
+      results[ours ? 0 : 1] = {out.detach(), xs.grad(), ws.grad()};
+    }
+    for (size_t i = 0; i < 3; ++i) {
+      const at::Tensor actual = results[0][i].to(at::kDouble), expected = results[1][i].to(at::kDouble);
+      const double error = (actual - expected).abs().max().item<double>() / expected.abs().max().item<double>();
+      EXPECT_LE(error, tolerance) << dtype << " tensor " << i << " (output, grad input, grad weight)";
+    }
+  }
+  EXPECT_TRUE(throws_with([] { torch_tp::rms_norm(at::ones({2, 8}), {4}); },
+                          {"torch_tp::rms_norm", "normalized_shape=[4]", "[2, 8]"}));
 }
 
 } // namespace

@@ -129,6 +129,7 @@ class SequenceState(TPState):
     partial_grad: bool  # False on one rank, whose gradient is already the whole sum
     sequence_sharding: Shard
     use_local_output: bool
+    fused_rms_norm: bool  # an nn.RMSNorm, run through torch_tp::rms_norm (NOTE [the fused sequence-parallel norm])
 
 
 def _module_state(module: nn.Module, device_mesh: DeviceMesh) -> TPState:
@@ -441,13 +442,23 @@ def restore_parameters(module: nn.Module, set_aside: Dict[str, DTensor]) -> None
         _set_parameter_slot(module, name, value)
 
 
+# NOTE [the fused sequence-parallel norm]
+# An nn.RMSNorm (the class itself: a subclass may compute something else) runs
+# through torch_tp::rms_norm, which gives its numbers in one pass forward and
+# two backward on the CPU, where nn.RMSNorm's composition of ATen ops costs
+# several times more than the arithmetic (NOTE [fused RMSNorm on the CPU] in
+# csrc/ops/norm.cpp); on other devices the op is aten::rms_norm. Its weight is
+# the local tensor whose gradient arrives as a Partial() sum, as when the
+# module's own forward runs. Under torch.compile the module's own forward runs
+# instead, which the compiler fuses itself and with its neighbours.
 class _SequenceParallelModule(_ParallelModule):
     _tp_kind = "SequenceParallel"
     _tp_state: SequenceState
 
     def forward(self, *args, **kwargs):
         """The module's own forward on this rank's sequence shard, its parameters' local tensors
-        in place of the DTensors while it runs (put back even when it raises); the output is a
+        in place of the DTensors while it runs (put back even when it raises), or for an
+        nn.RMSNorm torch_tp's fused one (NOTE [the fused sequence-parallel norm]); the output is a
         ``Shard(sequence_dim)`` DTensor unless ``use_local_output``."""
         state = self._tp_state
         group, records = state.group, state.records
@@ -473,11 +484,15 @@ class _SequenceParallelModule(_ParallelModule):
             if layout != wanted:
                 local = convert(local, layout, wanted, group, global_shape, records)
             args = (local,) + args[1:]
-        set_aside = swap_in_local_parameters(self, state.parameter_names, state.partial_grad)
-        try:
-            output = super().forward(*args, **kwargs)
-        finally:
-            restore_parameters(self, set_aside)
+        if state.fused_rms_norm and len(args) == 1 and not kwargs and not torch.compiler.is_compiling():
+            weight = local_tensor(_parameter_slot(self, "weight"), state.partial_grad)
+            output = torch.ops.torch_tp.rms_norm(args[0], self.normalized_shape, weight, self.eps)
+        else:
+            set_aside = swap_in_local_parameters(self, state.parameter_names, state.partial_grad)
+            try:
+                output = super().forward(*args, **kwargs)
+            finally:
+                restore_parameters(self, set_aside)
         if not isinstance(output, torch.Tensor):
             return output
         if isinstance(sharding, Replicate):
@@ -683,7 +698,8 @@ class SequenceParallel(ParallelStyle):
         names = replicate_with_partial_grads(module, self, device_mesh)
         records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
         module._tp_state = SequenceState(repr(self), device_mesh, tp_group(device_mesh), records, names,
-                                         device_mesh.size() > 1, self.sequence_sharding[0], self.use_local_output)
+                                         device_mesh.size() > 1, self.sequence_sharding[0], self.use_local_output,
+                                         type(module) is nn.RMSNorm)
         module.__class__ = _parallel_class(type(module), _SequenceParallelModule)
         return module
 

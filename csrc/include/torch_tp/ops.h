@@ -71,4 +71,12 @@ at::Tensor column_parallel_embedding(const at::Tensor& ids, const at::Tensor& we
                                      std::optional<int64_t> gather_dim = std::nullopt,
                                      std::optional<int64_t> full_size = std::nullopt);
 
+// RMSNorm with aten::rms_norm's arguments and numbers: input [.., *normalized_shape]
+// -> the same shape, x / sqrt(mean(x^2) + eps) * weight over the trailing
+// normalized_shape (eps unset: the epsilon of the math dtype, as torch). On the
+// CPU one fused pass (float32, float64, bfloat16; weight of input's dtype);
+// anything else is at::rms_norm itself.
+at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                    const std::optional<at::Tensor>& weight = std::nullopt, std::optional<double> eps = std::nullopt);
+
 } // namespace torch_tp
