@@ -78,6 +78,18 @@ def test_matches_torch(dtype, shape, normalized_shape, eps, affine):
     _compare_with_torch(x, weight, normalized_shape, eps, grad, TOL[dtype], f"{dtype} {shape} eps={eps}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_and_inf_rows(dtype):
+    """A row holding a NaN or an inf is NaN where torch's is, and equal elsewhere (a NaN's bits are not
+    compared: torch's vectorised bfloat16 conversion keeps a payload, c10's scalar one and this op store 0x7FC0)."""
+    x = _randn((4, 16), 1, dtype)
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    weight = _randn((16,), 2, dtype, low=0.5)
+    ours, theirs = rms_norm(x, [16], weight, 1e-5), F.rms_norm(x, [16], weight, 1e-5)
+    assert torch.equal(ours.isnan(), theirs.isnan()), (ours, theirs)
+    assert_close(ours, theirs, f"{dtype} rows with NaN and inf", TOL[dtype], equal_nan=True)
+
+
 def test_one_gradient_at_a_time():
     """Only the gradient asked for is computed (the backward's output_mask); each equals torch's."""
     x, weight, grad = _randn((6, 40), 1, torch.float32), _randn((40,), 2, torch.float32, low=0.5), _randn((6, 40), 3,
