@@ -33,6 +33,7 @@
 
 #include <dirent.h>
 
+#include <algorithm>
 #include <exception>
 #include <functional>
 #include <sstream>
@@ -207,24 +208,31 @@ TEST(CppApi, BadArgumentsAreClearErrors) {
 // reference's largest magnitude: float32 2^-18 (sums reordered), bfloat16
 // 2^-8 (one rounding of the same float32 value, which a reordered sum can move
 // by one ulp); float16 is ATen's own call, so equal.
+// Row lengths with and without a vector-width tail, no rows, one long row.
 TEST(CppApi, RmsNormMatchesATen) {
+  const std::vector<std::vector<int64_t>> shapes = {{3, 5, 40}, {2, 33}, {0, 8}, {1, 4096}};
   for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    const double tolerance = dtype == at::kFloat ? 1.0 / (1 << 18) : dtype == at::kBFloat16 ? 1.0 / (1 << 8) : 0.0;
-    at::manual_seed(7);
-    const at::Tensor x = at::randn({3, 5, 40}).to(dtype);
-    const at::Tensor weight = (at::rand({40}) + 0.5).to(dtype);
-    const at::Tensor grad = at::randn({3, 5, 40}).to(dtype);
-    std::vector<at::Tensor> results[2];
-    for (const bool ours : {true, false}) {
-      const at::Tensor xs = x.clone().requires_grad_(), ws = weight.clone().requires_grad_();
-      const at::Tensor out = ours ? torch_tp::rms_norm(xs, {40}, ws, 1e-5) : at::rms_norm(xs, {40}, ws, 1e-5);
-      out.backward(grad);
-      results[ours ? 0 : 1] = {out.detach(), xs.grad(), ws.grad()};
-    }
-    for (size_t i = 0; i < 3; ++i) {
-      const at::Tensor actual = results[0][i].to(at::kDouble), expected = results[1][i].to(at::kDouble);
-      const double error = (actual - expected).abs().max().item<double>() / expected.abs().max().item<double>();
-      EXPECT_LE(error, tolerance) << dtype << " tensor " << i << " (output, grad input, grad weight)";
+    for (const auto& shape : shapes) {
+      const double tolerance = dtype == at::kFloat ? 1.0 / (1 << 18) : dtype == at::kBFloat16 ? 1.0 / (1 << 8) : 0.0;
+      const int64_t n = shape.back();
+      at::manual_seed(7);
+      const at::Tensor x = at::randn(shape).to(dtype);
+      const at::Tensor weight = (at::rand({n}) + 0.5).to(dtype);
+      const at::Tensor grad = at::randn(shape).to(dtype);
+      std::vector<at::Tensor> results[2];
+      for (const bool ours : {true, false}) {
+        const at::Tensor xs = x.clone().requires_grad_(), ws = weight.clone().requires_grad_();
+        const at::Tensor out = ours ? torch_tp::rms_norm(xs, {n}, ws, 1e-5) : at::rms_norm(xs, {n}, ws, 1e-5);
+        out.backward(grad);
+        results[ours ? 0 : 1] = {out.detach(), xs.grad(), ws.grad()};
+      }
+      for (size_t i = 0; i < 3; ++i) {
+        const at::Tensor actual = results[0][i].to(at::kDouble), expected = results[1][i].to(at::kDouble);
+        const double scale = std::max(expected.numel() ? expected.abs().max().item<double>() : 0.0, 1e-30);
+        const double error = actual.numel() ? (actual - expected).abs().max().item<double>() / scale : 0.0;
+        EXPECT_LE(error, tolerance) << dtype << " " << at::IntArrayRef(shape) << " tensor " << i
+                                    << " (output, grad input, grad weight)";
+      }
     }
   }
   EXPECT_TRUE(throws_with([] { torch_tp::rms_norm(at::ones({2, 8}), {4}); },
