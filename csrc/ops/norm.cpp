@@ -8,7 +8,7 @@
 // dispatched, allocated and passed over memory on its own. At the example
 // model's sequence-parallel shard ([4, 32, 256] fp32, one thread) that is
 // 44 us forward and 443 us forward and backward; this op takes 19 and 139
-// (autograd's own cost included), and the example's TP step ~4 ms less
+// (autograd's own cost included), and the example's TP step ~3 ms less
 // (docs/benchmark_log.md, "A twelfth stop"). Here a row x [N] (N =
 // prod(normalized_shape)), in opmath (float for bfloat16, double for double),
 // as torch's fused formula for an input and weight of one dtype:
