@@ -346,10 +346,11 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 
 at::Tensor rms_norm_composite(const at::Tensor& input, at::IntArrayRef normalized_shape,
                               const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  // The shapes, dtypes and devices torch's rms_norm takes, checked naming this op;
-  // a weight of another dtype is torch's case.
-  check_rms_norm_args(kOp, input, normalized_shape, weight.value_or(at::Tensor()), /*fused_kernels=*/false);
   if (!fuses(input, weight)) {
+    // The shapes, dtypes and devices torch's rms_norm takes, checked naming this
+    // op (a weight of another dtype is torch's case); the fused path's kernels
+    // check their own arguments.
+    check_rms_norm_args(kOp, input, normalized_shape, weight.value_or(at::Tensor()), /*fused_kernels=*/false);
     return at::rms_norm(input, normalized_shape, weight, eps);
   }
   const at::Tensor w = weight.value_or(at::Tensor());
