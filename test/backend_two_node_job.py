@@ -96,6 +96,15 @@ def main(out_dir):
         check(f"torch_tp::all_reduce_ n={numel}", inplace, torch.ops.torch_tp.all_reduce(data(12, numel), "sum", other))
         check(f"torch_tp::all_gather n={numel}", torch.ops.torch_tp.all_gather(data(13, numel), 0, world, None),
               torch.ops.torch_tp.all_gather(data(13, numel), 0, other, None), exact=True)
+        # Along a middle dim the ops hand the backend [outer, rows, inner] views (outer = 3 here).
+        for reduce_op in ("sum", "avg"):
+            x = data(14, 3 * p * numel * 2).view(3, p * numel, 2)
+            check(f"torch_tp::reduce_scatter dim=1 {reduce_op} n={numel}",
+                  torch.ops.torch_tp.reduce_scatter(x, 1, reduce_op, world),
+                  torch.ops.torch_tp.reduce_scatter(x, 1, reduce_op, other))
+        y = data(15, 3 * numel * 2).view(3, numel, 2)
+        check(f"torch_tp::all_gather dim=1 n={numel}", torch.ops.torch_tp.all_gather(y, 1, world, None),
+              torch.ops.torch_tp.all_gather(y, 1, other, None), exact=True)
 
         ours, theirs = torch.empty(p * numel), torch.empty(p * numel)
         dist.all_to_all_single(ours, data(6, p * numel))

@@ -52,8 +52,12 @@ class Collectives {
                          const c10d::AllgatherOptions& opts) = 0;
   // `dim` (also of reduce_scatter_tensor): the ops' dim of a direct call,
   // -1 from c10d (NOTE [the ops' dim in the call header] in shm_transport.h).
+  // `outer` (also of reduce_scatter_tensor): the ranks' pieces are
+  // concatenated along dim 1 of [outer, rows, inner] views (the ops' direct
+  // calls; c10d's calls are outer = 1, along dim 0). Each input is then
+  // [outer, n, inner] and each output [outer, p * n, inner].
   virtual Run all_gather_into_tensor(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                     const c10d::AllgatherOptions& opts, int64_t dim) = 0;
+                                     const c10d::AllgatherOptions& opts, int64_t dim, int64_t outer) = 0;
   virtual Run gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                      const c10d::GatherOptions& opts) = 0;
   virtual Run scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -62,9 +66,10 @@ class Collectives {
   // (contiguous, one per rank).
   virtual Run reduce_scatter(std::vector<at::Tensor> sources, Dense output, Reduction kind) = 0;
   // targets[i] = the reduction over the ranks of this rank's piece of their
-  // sources[i] (contiguous, every rank's piece in rank order).
+  // sources[i] (contiguous, every rank's piece in rank order along dim 1 of
+  // [outer, p * n, inner]; targets[i] is [outer, n, inner]).
   virtual Run reduce_scatter_tensor(std::vector<at::Tensor> sources, std::vector<Dense> targets,
-                                    std::vector<Reduction> kinds, int64_t dim) = 0;
+                                    std::vector<Reduction> kinds, int64_t dim, int64_t outer) = 0;
   // `in_rows` and `out_rows` are the split sizes as checked: the given ones,
   // or the even split where none were given.
   virtual Run all_to_all_single(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,

@@ -15,6 +15,17 @@
 namespace torch_tp::backend {
 namespace {
 
+// [outer, p * n, inner] <-> the ranks' pieces one after another, [p, outer, n * inner]
+// (flattened): the dim-0 layout gloo and the node-leader reduction use.
+// rank_major returns a new tensor, which the reduction may overwrite.
+at::Tensor rank_major(const at::Tensor& t, int64_t outer, int size) {
+  return outer <= 1 || t.numel() == 0 ? t.reshape(-1).clone() : t.reshape({outer, size, -1}).transpose(0, 1).reshape(-1);
+}
+
+void copy_from_rank_major(const at::Tensor& out, const at::Tensor& blocks, int64_t outer, int size) {
+  out.view({outer, size, -1}).copy_(blocks.view({size, outer, -1}).transpose(0, 1));
+}
+
 // NOTE [reductions across nodes]
 // Shared memory inside each node, gloo among the node leaders, shared memory
 // again to hand the result to every rank of the node. bf16/fp16 go through
@@ -155,7 +166,7 @@ class MultiNodeCollectives final : public Collectives {
   }
 
   Run reduce_scatter_tensor(std::vector<at::Tensor> sources, std::vector<Dense> targets,
-                            std::vector<Reduction> kinds, int64_t dim) override {
+                            std::vector<Reduction> kinds, int64_t dim, int64_t outer) override {
     auto* transport = &transport_;
     const int size = size_;
     // NOTE [reductions across nodes]: all-reduce a copy of the input, keep this rank's piece.
@@ -167,7 +178,7 @@ class MultiNodeCollectives final : public Collectives {
         reduce_scatter_across_nodes(
             *transport, leaders.get(), size, rank,
             make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i]), dim),
-            sources[i].reshape(-1).clone(), out, kinds[i]);
+            rank_major(sources[i], outer, size), out, kinds[i]);
         targets[i].finish();
       }
     };
@@ -193,12 +204,26 @@ class MultiNodeCollectives final : public Collectives {
 
   // gloo has no header to carry the ops' dim in: a different dim per rank is
   // found only by TORCH_DISTRIBUTED_DEBUG=DETAIL here, as on a gloo group.
+  // With outer > 1 gloo gathers the pieces one after another into a buffer,
+  // copied into the [outer, p * n, inner] output after.
   Run all_gather_into_tensor(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                             const c10d::AllgatherOptions& opts, int64_t /*dim*/) override {
+                             const c10d::AllgatherOptions& opts, int64_t /*dim*/, int64_t outer) override {
     auto gloo = gloo_all_;
-    return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts](uint64_t) mutable {
+    const int size = size_;
+    return [gloo, outputs = alias_for_backend(outputs), inputs = alias_for_backend(inputs), opts, outer,
+            size](uint64_t) mutable {
       for (const auto i : c10::irange(inputs.size())) {
-        gloo->_allgather_base(outputs[i], inputs[i], opts)->wait();
+        if (outer <= 1) {
+          gloo->_allgather_base(outputs[i], inputs[i], opts)->wait();
+          continue;
+        }
+        if (outputs[i].numel() == 0) {  // every rank's: the ops' pieces are all one shape
+          continue;
+        }
+        at::Tensor blocks = at::empty({outputs[i].numel()}, outputs[i].options());
+        at::Tensor flat_input = inputs[i].reshape(-1);
+        gloo->_allgather_base(blocks, flat_input, opts)->wait();
+        copy_from_rank_major(outputs[i], blocks, outer, size);
       }
     };
   }

@@ -29,6 +29,21 @@ CallHeader make_header(uint64_t seq, OpCode op, const at::Tensor& t, int64_t num
 
 namespace {
 
+// One rank's piece of `piece_bytes` along dim 1 of [outer, p * n, inner]: it
+// starts piece_bytes / outer bytes after the previous rank's and is `outer`
+// runs of that length, p times as far apart. With outer = 1 it is one run.
+size_t first_run_offset(size_t piece_bytes, int64_t outer) {
+  return outer > 0 ? piece_bytes / static_cast<size_t>(outer) : 0;
+}
+
+PieceLayout piece_layout(size_t piece_bytes, int64_t outer, int size) {
+  const size_t run = first_run_offset(piece_bytes, outer);
+  if (outer <= 1 || run == 0) {
+    return PieceLayout::contiguous();
+  }
+  return {run, run * static_cast<size_t>(size)};
+}
+
 class NodeCollectives final : public Collectives {
  public:
   NodeCollectives(ShmTransport& transport, int rank, int size) : transport_(transport), rank_(rank), size_(size) {}
@@ -114,7 +129,7 @@ class NodeCollectives final : public Collectives {
   }
 
   Run all_gather_into_tensor(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                             const c10d::AllgatherOptions&, int64_t dim) override {
+                             const c10d::AllgatherOptions&, int64_t dim, int64_t outer) override {
     std::vector<at::Tensor> dense_inputs;
     std::vector<Dense> dense_outputs;
     for (const auto i : c10::irange(inputs.size())) {
@@ -127,12 +142,13 @@ class NodeCollectives final : public Collectives {
       for (const auto i : c10::irange(dense_inputs.size())) {
         const at::Tensor& in = dense_inputs[i];
         auto* base = static_cast<char*>(dense_outputs[i].work.data_ptr());
+        const PieceLayout layout = piece_layout(in.nbytes(), outer, size);
         std::vector<void*> targets;
         for (const auto r : c10::irange(size)) {
-          targets.push_back(base == nullptr ? nullptr : base + r * in.nbytes());
+          targets.push_back(base == nullptr ? nullptr : base + r * first_run_offset(in.nbytes(), outer));
         }
         shm_all_gather(*transport, make_header(seq, OpCode::AllGather, in, in.numel(), -1, -1, dim), in.data_ptr(),
-                       in.nbytes(), targets.data());
+                       in.nbytes(), targets.data(), layout);
         dense_outputs[i].finish();
       }
     };
@@ -212,7 +228,7 @@ class NodeCollectives final : public Collectives {
   }
 
   Run reduce_scatter_tensor(std::vector<at::Tensor> sources, std::vector<Dense> targets,
-                            std::vector<Reduction> kinds, int64_t dim) override {
+                            std::vector<Reduction> kinds, int64_t dim, int64_t outer) override {
     auto* transport = &transport_;
     const int size = size_;
     return [=](uint64_t seq) {
@@ -221,12 +237,13 @@ class NodeCollectives final : public Collectives {
         const auto* base = static_cast<const char*>(sources[i].data_ptr());
         std::vector<const void*> pointers;
         for (const auto r : c10::irange(size)) {
-          pointers.push_back(base == nullptr ? nullptr : base + r * out.nbytes());
+          pointers.push_back(base == nullptr ? nullptr : base + r * first_run_offset(out.nbytes(), outer));
         }
         shm_reduce_scatter(
             *transport,
             make_header(seq, OpCode::ReduceScatter, out, out.numel(), -1, static_cast<int64_t>(kinds[i]), dim),
-            pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kinds[i], size);
+            pointers.data(), out.data_ptr(), out.numel(), out.scalar_type(), kinds[i], size,
+            piece_layout(out.nbytes(), outer, size));
         targets[i].finish();
       }
     };

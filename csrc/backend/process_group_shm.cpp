@@ -54,6 +54,19 @@ void check_like(const char* op, const char* arg, const at::Tensor& t, const at::
               t.numel(), " (sizes ", t.sizes(), ")");
 }
 
+// The direct calls' tensors are [outer, rows, inner], the pieces along dim 1
+// (<torch_tp/direct_collectives.h>); c10d's concatenate along dim 0.
+void check_direct_call_dims(const char* op, const char* arg, const at::Tensor& t, int64_t concat_dim) {
+  TORCH_CHECK(concat_dim == 0 || t.dim() == 3, "torch_tp backend: ", op, ": a direct call's ", arg,
+              " must be 3-d [outer, rows, inner], got shape ", t.sizes());
+}
+
+// `outer` of Collectives' calls: 1 along dim 0, the leading size along dim 1
+// (every tensor of a direct call is one call's, so the first tells).
+int64_t outer_blocks(const std::vector<at::Tensor>& tensors, int64_t concat_dim) {
+  return concat_dim == 0 || tensors.empty() ? 1 : tensors[0].size(0);
+}
+
 // The tensor list of a rooted call (gather's outputs, scatter's inputs): on
 // the root one list of a tensor per rank, each like `ref`; elsewhere none.
 void check_root_list(const char* op, const char* arg, const std::vector<std::vector<at::Tensor>>& lists,
@@ -371,38 +384,46 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
   return collective(c10d::OpType::_ALLGATHER_BASE, outputs, opts.asyncOp,
-                    all_gather_into_tensor_run(outputs, inputs, opts, -1));
+                    all_gather_into_tensor_run(outputs, inputs, opts, -1, 0));
 }
 
 void ProcessGroupShm::all_gather_now(const at::Tensor& input, const at::Tensor& output, int64_t dim) {
   std::vector<at::Tensor> outputs{output};
   std::vector<at::Tensor> inputs{input};
   call_now("torch_tp_backend::all_gather_into_tensor",
-           all_gather_into_tensor_run(outputs, inputs, c10d::AllgatherOptions(), dim));
+           all_gather_into_tensor_run(outputs, inputs, c10d::AllgatherOptions(), dim, 1));
 }
 
 Run ProcessGroupShm::all_gather_into_tensor_run(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                                const c10d::AllgatherOptions& opts, int64_t dim) {
+                                                const c10d::AllgatherOptions& opts, int64_t dim, int64_t concat_dim) {
   const char* op = "all_gather_into_tensor";
   check_count(op, "output_tensors", outputs.size(), inputs.size());
   for (const auto i : c10::irange(inputs.size())) {
     check_tensor(op, "input", inputs[i]);
+    check_direct_call_dims(op, "input", inputs[i], concat_dim);
     check_like(op, "output", outputs[i], inputs[i], inputs[i].numel() * size_);
     // gloo's rule: the output is the inputs concatenated along dim 0,
     // [p * n0, n1, ..] (a 0-d input: [p]); the right numel in another shape is
-    // refused, not silently filled in a different layout.
+    // refused, not silently filled in a different layout. The direct calls
+    // concatenate along dim 1 of [outer, n, inner].
     std::vector<int64_t> expected = inputs[i].sizes().vec();
     if (expected.empty()) {
       expected.push_back(size_);
     } else {
-      expected[0] *= size_;
+      expected[concat_dim] *= size_;
     }
     TORCH_CHECK(outputs[i].sizes() == at::IntArrayRef(expected), "torch_tp backend: ", op, ": output has shape ",
                 outputs[i].sizes(), " but an input of shape ", inputs[i].sizes(), " over ", size_,
-                " ranks needs an output of shape ", at::IntArrayRef(expected),
-                " (the inputs concatenated along dim 0)");
+                " ranks needs an output of shape ", at::IntArrayRef(expected), " (the inputs concatenated along dim ",
+                concat_dim, ")");
   }
-  return collectives_->all_gather_into_tensor(outputs, inputs, opts, dim);
+  const int64_t outer = outer_blocks(inputs, concat_dim);
+  if (concat_dim == 1 && outer == 1) {  // one run: c10d's layout, [p * n, inner] along dim 0
+    std::vector<at::Tensor> rows_out{outputs[0][0]};
+    std::vector<at::Tensor> rows_in{inputs[0][0]};
+    return collectives_->all_gather_into_tensor(rows_out, rows_in, opts, dim, 1);
+  }
+  return collectives_->all_gather_into_tensor(outputs, inputs, opts, dim, outer);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -494,7 +515,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     kinds.push_back(from_c10d(op, opts.reduceOp, output.scalar_type()));
   }
   return collective(c10d::OpType::_REDUCE_SCATTER_BASE, outputs, opts.asyncOp,
-                    reduce_scatter_tensor_run(outputs, inputs, std::move(kinds), -1));
+                    reduce_scatter_tensor_run(outputs, inputs, std::move(kinds), -1, 0));
 }
 
 void ProcessGroupShm::reduce_scatter_now(const at::Tensor& input, const at::Tensor& output,
@@ -502,22 +523,32 @@ void ProcessGroupShm::reduce_scatter_now(const at::Tensor& input, const at::Tens
   const char* op = "reduce_scatter_tensor";
   check_tensor(op, "output", output);
   const Reduction kind = from_c10d(op, reduce_op, output.scalar_type());
-  call_now("torch_tp_backend::reduce_scatter_tensor", reduce_scatter_tensor_run({output}, {input}, {kind}, dim));
+  call_now("torch_tp_backend::reduce_scatter_tensor",
+           reduce_scatter_tensor_run({output}, {input}, {kind}, dim, 1));
 }
 
 // kinds[i] is checked against outputs[i]'s dtype.
 Run ProcessGroupShm::reduce_scatter_tensor_run(const std::vector<at::Tensor>& outputs,
                                                const std::vector<at::Tensor>& inputs, std::vector<Reduction> kinds,
-                                               int64_t dim) {
+                                               int64_t dim, int64_t concat_dim) {
   const char* op = "reduce_scatter_tensor";
   std::vector<at::Tensor> sources;
   std::vector<Dense> targets;
   for (const auto i : c10::irange(inputs.size())) {
     check_like(op, "input", inputs[i], outputs[i], outputs[i].numel() * size_);
+    if (concat_dim == 1) {  // input [outer, p * n, inner] -> output [outer, n, inner]
+      check_direct_call_dims(op, "output", outputs[i], concat_dim);
+      std::vector<int64_t> expected = outputs[i].sizes().vec();
+      expected[1] *= size_;
+      TORCH_CHECK(inputs[i].sizes() == at::IntArrayRef(expected), "torch_tp backend: ", op, ": input has shape ",
+                  inputs[i].sizes(), " but an output of shape ", outputs[i].sizes(), " over ", size_,
+                  " ranks needs an input of shape ", at::IntArrayRef(expected), " (the pieces along dim 1)");
+    }
     sources.push_back(inputs[i].contiguous());
     targets.emplace_back(outputs[i]);
   }
-  return collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds), dim);
+  return collectives_->reduce_scatter_tensor(std::move(sources), std::move(targets), std::move(kinds), dim,
+                                             outer_blocks(outputs, concat_dim));
 }
 
 // ---- all-to-all ---------------------------------------------------------------

@@ -141,13 +141,17 @@ class ProcessGroupShm : public c10d::Backend, public DirectCollectives {
   // NOTE [direct calls from the ops]; `name` is the profiler's.
   void call_now(const char* name, const std::function<void(uint64_t seq)>& run);
   // The checks of a call and the Run that does it, shared by the c10d method
-  // and the direct call; `dim` is the ops' (-1 from c10d).
+  // and the direct call; `dim` is the ops' (-1 from c10d); the pieces are
+  // concatenated along `concat_dim`: 0 from c10d, 1 of the direct calls' 3-d
+  // tensors.
   std::function<void(uint64_t seq)> all_gather_into_tensor_run(std::vector<at::Tensor>& outputs,
                                                                std::vector<at::Tensor>& inputs,
-                                                               const c10d::AllgatherOptions& opts, int64_t dim);
+                                                               const c10d::AllgatherOptions& opts, int64_t dim,
+                                                               int64_t concat_dim);
   std::function<void(uint64_t seq)> reduce_scatter_tensor_run(const std::vector<at::Tensor>& outputs,
                                                               const std::vector<at::Tensor>& inputs,
-                                                              std::vector<Reduction> kinds, int64_t dim);
+                                                              std::vector<Reduction> kinds, int64_t dim,
+                                                              int64_t concat_dim);
   void stop(const std::string& why);
 
   c10::intrusive_ptr<c10d::Store> store_;

@@ -19,6 +19,28 @@ void copy_bytes(void* dst, const void* src, size_t len) {
   }
 }
 
+// Bytes [offset, offset + len) of a piece laid out as `layout`, to or from a
+// flat buffer: one memcpy per run they touch.
+template <typename Copy>
+void for_each_run(PieceLayout layout, size_t offset, size_t len, Copy&& copy) {
+  size_t done = 0;
+  while (done < len) {
+    const size_t at = offset + done;
+    const size_t within = at % layout.run;
+    const size_t n = std::min(len - done, layout.run - within);
+    copy(at / layout.run * layout.stride + within, done, n);
+    done += n;
+  }
+}
+
+void copy_into_piece(char* piece, PieceLayout layout, size_t offset, const char* src, size_t len) {
+  for_each_run(layout, offset, len, [&](size_t to, size_t from, size_t n) { copy_bytes(piece + to, src + from, n); });
+}
+
+void copy_from_piece(char* dst, const char* piece, PieceLayout layout, size_t offset, size_t len) {
+  for_each_run(layout, offset, len, [&](size_t from, size_t to, size_t n) { copy_bytes(dst + to, piece + from, n); });
+}
+
 size_t ceil_div(size_t a, size_t b) {
   return (a + b - 1) / b;
 }
@@ -125,7 +147,8 @@ void shm_broadcast(ShmTransport& t, CallHeader header, void* data, size_t bytes,
   } while (base < bytes);
 }
 
-void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_t bytes, void* const* outputs) {
+void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_t bytes, void* const* outputs,
+                    PieceLayout layout) {
   const char* op = name_of(header);
   const int n = t.local_size();
   const size_t chunk = t.slot_bytes();
@@ -137,14 +160,14 @@ void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_
     copy_bytes(t.my_slot(step), in + base, len);
     t.arrive(op, base == 0 ? &header : nullptr);
     for (const auto r : c10::irange(n)) {
-      copy_bytes(static_cast<char*>(outputs[r]) + base, t.peer_slot(r, step), len);
+      copy_into_piece(static_cast<char*>(outputs[r]), layout, base, t.peer_slot(r, step), len);
     }
     base += len;
   } while (base < bytes);
 }
 
 void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* inputs, void* output, int64_t numel,
-                        c10::ScalarType dtype, Reduction kind, int64_t avg_divisor) {
+                        c10::ScalarType dtype, Reduction kind, int64_t avg_divisor, PieceLayout layout) {
   const char* op = name_of(header);
   const int n = t.local_size();
   const int me = t.local_rank();
@@ -162,7 +185,7 @@ void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* i
     const uint64_t step = t.next_step();
     char* slot = t.my_slot(step);
     for (const auto r : c10::irange(n)) {
-      copy_bytes(slot + r * block_bytes, static_cast<const char*>(inputs[r]) + base * item, len * item);
+      copy_from_piece(slot + r * block_bytes, static_cast<const char*>(inputs[r]), layout, base * item, len * item);
     }
     t.arrive(op, base == 0 ? &header : nullptr);
     for (const auto r : c10::irange(n)) {

@@ -40,6 +40,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 namespace torch_tp::backend {
 
@@ -63,12 +64,29 @@ void shm_all_reduce(ShmTransport& t, CallHeader header, const void* input, void*
 // Every local rank's data[bytes] becomes root_local's.
 void shm_broadcast(ShmTransport& t, CallHeader header, void* data, size_t bytes, int root_local);
 
-// outputs[r][bytes] = local rank r's input[bytes].
-void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_t bytes, void* const* outputs);
+// Where the bytes of one rank's piece lie in a buffer the ranks' pieces
+// share: runs of `run` bytes, `stride` bytes apart, from the piece's first
+// byte. A piece of x's rows [outer, c, inner] inside [outer, p * c, inner]
+// (the ops' gathers and reduce-scatters along dim 1, NOTE [rank blocks
+// without moving the dim to the front] in csrc/ops/comm.cpp) is `outer` runs
+// of c * inner elements, p * c * inner apart. `contiguous` is one run.
+struct PieceLayout {
+  size_t run;
+  size_t stride;
+  static PieceLayout contiguous() {
+    return {std::numeric_limits<size_t>::max(), 0};
+  }
+};
 
-// output[numel] = reduction over the local ranks of their inputs[this rank][numel].
+// outputs[r][bytes] = local rank r's input[bytes], each output laid out as `layout` says.
+void shm_all_gather(ShmTransport& t, CallHeader header, const void* input, size_t bytes, void* const* outputs,
+                    PieceLayout layout = PieceLayout::contiguous());
+
+// output[numel] = reduction over the local ranks of their inputs[this rank][numel],
+// each input laid out as `layout` says.
 void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* inputs, void* output, int64_t numel,
-                        c10::ScalarType dtype, Reduction kind, int64_t avg_divisor);
+                        c10::ScalarType dtype, Reduction kind, int64_t avg_divisor,
+                        PieceLayout layout = PieceLayout::contiguous());
 
 // outputs[r][recv_bytes[r]] = local rank r's inputs[this rank]. Sizes may be 0
 // (gather and scatter are this with one non-empty side) and must agree pairwise.

@@ -107,8 +107,8 @@ struct CallHeader {
 };
 
 // NOTE [the ops' dim in the call header]
-// torch_tp's all_gather and reduce_scatter along dim d move d to the front
-// and hand the backend [rows, rest]. On a square piece, all_gather(x,
+// torch_tp's all_gather and reduce_scatter along dim d hand the backend x as
+// [outer, rows, inner] around d. On a square piece, all_gather(x,
 // dim=rank) gives every rank the same shape, and the shapes compared above
 // cannot tell that rank 1's rows are rank 0's columns. The ops' direct calls
 // (NOTE [direct calls from the ops]) pass d, which the header carries and

@@ -81,6 +81,13 @@ c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, const 
 // gathers and reduce-scatters of [b, s, h] along s are that case. With
 // d = 0 (outer = 1) the blocks are x itself and nothing is copied, as before.
 // Uneven pieces add a copy for the zero rows.
+// A backend with direct calls (<torch_tp/direct_collectives.h>) takes the
+// [outer, c, inner] and [outer, p * c, inner] views themselves and moves each
+// rank's piece as its `outer` runs, so there is no permuted copy at all: the
+// torch_tp backend copies the runs to and from its shared buffers, which it
+// copies through anyway (at [4, 32, 256] float32 over 2 ranks this saved
+// 18 us of 59 per all-gather and 28 of 67 per reduce-scatter,
+// docs/benchmark_log.md, "A thirteenth stop").
 
 // x [.., s, ..] as [outer, rows, inner], contiguous: x's own s rows along
 // dim, then zero rows up to `rows`.
@@ -406,19 +413,18 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
   // -> the first n rows: [.., n, ..] (NOTE [rank blocks without moving the dim to the front]).
   const int64_t chunk = chunk_rows(n, world_size);
   at::Tensor front = padded_blocks(x, dim, chunk);
+  if (auto* direct = direct_calls(backend_for(*group, front), async_op)) {
+    at::Tensor rows = at::empty({front.size(0), world_size * chunk, front.size(2)}, front.options());
+    launch(op, *group, x, [&] {
+      direct->all_gather_now(front, rows, dim);
+      return c10::intrusive_ptr<c10d::Work>();
+    }, dim_arg, dim);
+    return PendingCollective({}, [rows, n, x, dim] { return first_rows_as(rows, n, x, dim); }, op, group, x);
+  }
   at::Tensor gathered = at::empty({world_size * front.size(0), chunk, front.size(2)}, front.options());
   c10d::AllgatherOptions opts;
   opts.asyncOp = async_op;
-  auto work = launch(
-      op, *group, x,
-      [&] {
-        if (auto* direct = direct_calls(backend_for(*group, front), async_op)) {
-          direct->all_gather_now(front, gathered, dim);
-          return c10::intrusive_ptr<c10d::Work>();
-        }
-        return all_gather_into(*group, gathered, front, opts);
-      },
-      dim_arg, dim);
+  auto work = launch(op, *group, x, [&] { return all_gather_into(*group, gathered, front, opts); }, dim_arg, dim);
   auto finish = [gathered, front, n, x, dim, world_size] {
     return first_rows_as(from_rank_major(gathered, world_size), n, x, dim);
   };
@@ -442,7 +448,8 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   const int64_t n = x.size(dim);
   const int64_t chunk = chunk_rows(n, world_size);
   const int64_t length = chunk_range(n, world_size, group->getRank()).length;
-  at::Tensor front = to_rank_major(padded_blocks(x, dim, chunk * world_size), world_size);
+  at::Tensor rows = padded_blocks(x, dim, chunk * world_size);
+  auto new_piece = [&] { return at::empty({rows.size(0), chunk, rows.size(2)}, rows.options()); };
   auto finish_piece = [length, x, dim, reduction, world_size](const at::Tensor& piece) {
     if (reduction == Reduction::Avg) {
       piece.div_(world_size);  // the padding rows too: they are dropped
@@ -450,24 +457,25 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     return first_rows_as(piece, length, x, dim);
   };
   c10d::Backend* const backend = backend_for(*group, x);
+  const c10d::ReduceOp reduce_op = to_c10d(reduction);
+  if (auto* direct = direct_calls(backend, async_op)) {
+    at::Tensor piece = new_piece();
+    launch(op, *group, x, [&] {
+      direct->reduce_scatter_now(rows, piece, reduce_op, dim);
+      return c10::intrusive_ptr<c10d::Work>();
+    }, dim_arg, dim);
+    return PendingCollective({}, [piece, finish_piece] { return finish_piece(piece); }, op, group, x);
+  }
+  at::Tensor front = to_rank_major(rows, world_size);
   if (reduce_scatters_by_all_to_all(backend)) {
     return reduce_scatter_by_all_to_all(op, group, async_op, x, front, reduction, std::move(finish_piece), dim_arg,
                                         dim);
   }
-  at::Tensor piece = at::empty({front.size(0) / world_size, chunk, front.size(2)}, front.options());
+  at::Tensor piece = new_piece();
   c10d::ReduceScatterOptions opts;
-  opts.reduceOp = to_c10d(reduction);
+  opts.reduceOp = reduce_op;
   opts.asyncOp = async_op;
-  auto work = launch(
-      op, *group, x,
-      [&] {
-        if (auto* direct = direct_calls(backend, async_op)) {
-          direct->reduce_scatter_now(front, piece, opts.reduceOp, dim);
-          return c10::intrusive_ptr<c10d::Work>();
-        }
-        return reduce_scatter_into(*group, piece, front, opts);
-      },
-      dim_arg, dim);
+  auto work = launch(op, *group, x, [&] { return reduce_scatter_into(*group, piece, front, opts); }, dim_arg, dim);
   auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
 }

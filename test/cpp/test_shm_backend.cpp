@@ -412,7 +412,7 @@ TEST(ShmBackend, MismatchedCallsFailOnEveryRank) {
 TEST(ShmBackend, DirectCallsWithDifferentDimsFailOnEveryRank) {
   auto results = run_ranks(2, kSmallBuffer, std::chrono::seconds(30), [&](int rank, ProcessGroupShm& pg) {
     torch_tp::DirectCollectives& direct = pg;
-    direct.all_gather_now(at::ones({2, 2}), at::empty({4, 2}), /*dim=*/rank);
+    direct.all_gather_now(at::ones({1, 2, 2}), at::empty({1, 4, 2}), /*dim=*/rank);
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(contains(results[r].error, "mismatch") && contains(results[r].error, "the op's dim=0") &&

@@ -24,15 +24,23 @@
 //   all_reduce_now:     output = input reduced with reduce_op over the group
 //                       (output may be input). reduce_op is SUM, PRODUCT,
 //                       MIN or MAX: the ops divide for avg themselves.
-//   all_gather_now:     output [p * n0, ...] = the ranks' inputs [n0, ...]
-//                       concatenated in rank order
-//   reduce_scatter_now: output [n0, ...] = this rank's block of the inputs
-//                       [p * n0, ...] reduced with reduce_op
-// `dim` is the dim of the op's tensor that the ops moved to the front: the
-// calls of two ranks with equal shapes but different dims (all_gather(x,
-// dim=rank) on a square x) mean different layouts. A backend that compares
-// its calls across ranks should compare `dim` too, as it compares shapes;
-// the torch_tp backend does, in its per-call header.
+//   all_gather_now:     output [outer, p * n, inner] = the ranks' inputs
+//                       [outer, n, inner] concatenated along dim 1 in rank order
+//   reduce_scatter_now: output [outer, n, inner] = this rank's piece along
+//                       dim 1 of the inputs [outer, p * n, inner], reduced
+//                       with reduce_op
+// The gathers and scatters are along dim 1 of these 3-d views so that a
+// collective along a middle dim of the op's tensor ([b, s, h] along s, outer =
+// b) lands in place: a backend that copies through its own buffers can copy
+// each rank's piece to and from its `outer` runs directly, where c10d's
+// dim-0 calls need a permuted copy before or after (NOTE [rank blocks
+// without moving the dim to the front] in csrc/ops/comm.cpp). With outer = 1
+// they are c10d's calls along dim 0.
+// `dim` is the dim of the op's tensor the collective runs along: the calls
+// of two ranks with equal shapes but different dims (all_gather(x, dim=rank)
+// on a square x) mean different layouts. A backend that compares its calls
+// across ranks should compare `dim` too, as it compares shapes; the torch_tp
+// backend does, in its per-call header.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
