@@ -374,6 +374,54 @@ TEST(ShmBackend, MultiChunkCollectivesMatchReferencesOnEveryRank) {
   EXPECT_TRUE(shm_files().empty());
 }
 
+// The ops' direct calls move each rank's piece along dim 1 of [outer, rows,
+// inner] (<torch_tp/direct_collectives.h>): runs of rows * inner elements,
+// which here fall across the 2048-byte slots' chunk boundaries (a 7 x 33 run
+// is 924 bytes of int32, a 300 x 5 run 6000) and come in several per chunk.
+TEST(ShmBackend, DirectCallsMovePiecesAlongTheMiddleDim) {
+  struct Shape {
+    int64_t outer, rows, inner;
+  };
+  for (int world : {2, 3}) {
+    for (const Shape shape : {Shape{1, 7, 33}, Shape{3, 0, 5}, Shape{3, 1, 1}, Shape{3, 7, 33}, Shape{4, 300, 5}}) {
+      std::vector<at::Tensor> gathered(world), scattered(world);
+      auto gather_input = [&](int rank) {
+        return input(rank, shape.outer * shape.rows * shape.inner, at::kInt, 3)
+            .view({shape.outer, shape.rows, shape.inner});
+      };
+      auto scatter_input = [&](int rank) {
+        return input(rank, shape.outer * world * shape.rows * shape.inner, at::kInt, 4)
+            .view({shape.outer, world * shape.rows, shape.inner});
+      };
+      expect_no_errors(run_ranks(world, kSmallBuffer, std::chrono::seconds(30), [&](int rank, ProcessGroupShm& pg) {
+        torch_tp::DirectCollectives& direct = pg;
+        at::Tensor out = at::empty({shape.outer, world * shape.rows, shape.inner}, at::kInt);
+        direct.all_gather_now(gather_input(rank), out, /*dim=*/1);
+        gathered[rank] = out;
+        at::Tensor piece = at::empty({shape.outer, shape.rows, shape.inner}, at::kInt);
+        direct.reduce_scatter_now(scatter_input(rank), piece, c10d::ReduceOp(c10d::ReduceOp::SUM), /*dim=*/1);
+        scattered[rank] = piece;
+      }));
+      std::vector<at::Tensor> ag_in, rs_in;
+      for (int r = 0; r < world; ++r) {
+        ag_in.push_back(gather_input(r));
+        rs_in.push_back(scatter_input(r));
+      }
+      const at::Tensor ag_want = at::cat(ag_in, 1);
+      for (int r = 0; r < world; ++r) {
+        SCOPED_TRACE(c10::str("W=", world, " [", shape.outer, ", ", shape.rows, ", ", shape.inner, "] rank ", r));
+        EXPECT_TRUE(equal_exactly(gathered[r], ag_want));
+        std::vector<at::Tensor> pieces;
+        for (const auto& x : rs_in) {
+          pieces.push_back(x.narrow(1, r * shape.rows, shape.rows));
+        }
+        EXPECT_TRUE(equal_exactly(scattered[r], fold_reference(pieces, Reduction::Sum, at::kLong).to(at::kInt)));
+      }
+    }
+  }
+  EXPECT_TRUE(shm_files().empty());
+}
+
 TEST(ShmBackend, SilentRankTimesOutWithItsRankNamed) {
   const auto timeout = std::chrono::milliseconds(500);
   const auto start = std::chrono::steady_clock::now();
