@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """torch_tp's collective ops against torch's functional collectives and raw c10d, on a gloo group (CPU, float32).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_collectives.py [--quick] [--noop-group]
+    torchrun --nproc-per-node 2 benchmarks/bench_collectives.py [--quick] [--noop-group] [--backend torch_tp]
+        [--dim 1]
+
+With ``--dim 1`` the all-gather and reduce-scatter run along dim 1 of a [4, n] input, as a sequence-parallel
+gather of [b, s, h] runs along s; raw c10d, which has no dim, moves the same bytes along dim 0 (the floor).
 
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
@@ -38,12 +42,14 @@ def repeats(nbytes: int, args) -> int:
     return max(3, n // 10 if args.quick else n)
 
 
-def steps(op: str, nbytes: int, group: dist.ProcessGroup):
+def steps(op: str, nbytes: int, group: dist.ProcessGroup, dim: int):
     """The three implementations of one op (size: the per-rank input; all_gather: the input shard), the
     untimed reset, and the full tensor's bytes for bus bandwidth. The raw call writes into buffers made
-    here, so it is the communication alone; the others allocate their outputs."""
+    here, so it is the communication alone; the others allocate their outputs. ``dim``: the all-gather's
+    and reduce-scatter's dim of a [4, n] input (0: a flat one) for torch_tp and the functional ones."""
     world, name = group.size(), group.group_name
     x = torch.rand(nbytes // 4)
+    shaped = x.view(4, -1) if dim else x
     wait = lambda y: y.wait() if isinstance(y, funcol.AsyncCollectiveTensor) else funcol.wait_tensor(y)  # noqa
     if op == "all_reduce":
         buf = x.clone()  # in place: refilled before every sample, or the sums grow to inf
@@ -52,12 +58,12 @@ def steps(op: str, nbytes: int, group: dist.ProcessGroup):
                 "raw": lambda: dist.all_reduce(buf, group=group)}, lambda: buf.copy_(x), nbytes
     if op == "all_gather":
         out = torch.empty(x.numel() * world)
-        return {"torch_tp": lambda: torch.ops.torch_tp.all_gather(x, 0, name),
-                "functional": lambda: wait(FC_ALL_GATHER(x, 0, group)),
+        return {"torch_tp": lambda: torch.ops.torch_tp.all_gather(shaped, dim, name),
+                "functional": lambda: wait(FC_ALL_GATHER(shaped, dim, group)),
                 "raw": lambda: RAW_ALL_GATHER(out, x, group=group)}, None, nbytes * world
     out = torch.empty(x.numel() // world)
-    return {"torch_tp": lambda: torch.ops.torch_tp.reduce_scatter(x, 0, "sum", name),
-            "functional": lambda: wait(FC_REDUCE_SCATTER(x, "sum", 0, group)),
+    return {"torch_tp": lambda: torch.ops.torch_tp.reduce_scatter(shaped, dim, "sum", name),
+            "functional": lambda: wait(FC_REDUCE_SCATTER(shaped, "sum", dim, group)),
             "raw": lambda: RAW_REDUCE_SCATTER(out, x, group=group)}, None, nbytes
 
 
@@ -68,11 +74,12 @@ def measure(args):
     table = harness.Table("us", IMPLS, ratios=[("torch_tp", "raw"), ("torch_tp", "functional")],
                           paired=[("torch_tp", "raw"), ("torch_tp", "functional")])
     for nbytes in args.sizes:
-        if nbytes % (4 * p):
-            raise ValueError(f"size {nbytes} B must be a multiple of 4 * world size = {4 * p}")
+        unit = 4 * p * (4 if args.dim else 1)
+        if nbytes % unit:
+            raise ValueError(f"size {nbytes} B must be a multiple of {unit} B (float32 x world size x rows)")
         all_steps, resets, full = {}, {}, {}
         for op in args.ops:
-            calls, reset, full[op] = steps(op, nbytes, group)
+            calls, reset, full[op] = steps(op, nbytes, group, args.dim)
             for impl, fn in calls.items():
                 all_steps[f"{op} {impl}"] = fn
                 if reset:
@@ -93,14 +100,18 @@ def measure(args):
                       extra={} if args.noop_group else bw)
         if dist.get_rank() == 0:
             print(f"[bench_collectives] {harness.fmt_size(nbytes)} done", flush=True)
+    where = "" if (args.backend, args.dim) == ("gloo", 0) else f", {args.backend} backend, along dim {args.dim}"
     return {
-        "tag": "bench_collectives", "stem": "collectives",
-        "title": "Collectives: torch_tp vs functional collectives vs raw c10d",
+        "tag": "bench_collectives" + (f" {args.backend} dim{args.dim}" if where else ""),
+        "stem": "collectives" + (f"_{args.backend}_dim{args.dim}" if where else ""),
+        "title": "Collectives: torch_tp vs functional collectives vs raw c10d" + where,
         "about": "CPU float32; size: the per-rank input (all_gather: the input shard). **torch_tp**: "
         "`torch.ops.torch_tp.{all_reduce, all_gather, reduce_scatter}` by group name; **functional**: "
         f"`funcol.all_reduce`, `{FC_ALL_GATHER.__name__}`, `{FC_REDUCE_SCATTER.__name__}` and the wait; "
         f"**raw**: `dist.all_reduce` in place, `{RAW_ALL_GATHER.__name__}`, `{RAW_REDUCE_SCATTER.__name__}` into "
-        "preallocated buffers. The three of every op interleaved in each repeat, rotating; busbw as nccl-tests.",
+        "preallocated buffers. The three of every op interleaved in each repeat, rotating; busbw as nccl-tests."
+        + (" all_gather and reduce_scatter along dim 1 of a [4, n] input for torch_tp and functional; raw along "
+           "dim 0 of the same bytes." if args.dim else ""),
         "tables": [table],
     }
 
@@ -111,13 +122,16 @@ def main(argv) -> int:
     p.add_argument("--sizes", help="comma-separated per-rank sizes, e.g. 4K,1M (default: 4 KiB .. 64 MiB, x4 "
                    "steps; with --noop-group: 64,4K,64K)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of %(default)s")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "torch_tp"], help="the world group's backend")
+    p.add_argument("--dim", type=int, default=0, choices=[0, 1],
+                   help="1: all_gather and reduce_scatter along dim 1 of a [4, n] input (raw c10d: dim 0)")
     p.add_argument("--calls", type=int, default=5000,
                    help="with --noop-group: timed calls per size, op and implementation (default: %(default)s)")
     args = p.parse_args(argv)
     args.sizes = ([harness.parse_size(s) for s in args.sizes.split(",")] if args.sizes
                   else NOOP_SIZES if args.noop_group else SIZES)
     args.ops = harness.subset(p, "--ops", args.ops, OPS)
-    return harness.run("bench_collectives", args, lambda: measure(args))
+    return harness.run("bench_collectives", args, lambda: measure(args), backend=args.backend)
 
 
 if __name__ == "__main__":
