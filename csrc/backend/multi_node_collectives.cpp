@@ -19,7 +19,10 @@ namespace {
 // (flattened): the dim-0 layout gloo and the node-leader reduction use.
 // rank_major returns a new tensor, which the reduction may overwrite.
 at::Tensor rank_major(const at::Tensor& t, int64_t outer, int size) {
-  return outer <= 1 || t.numel() == 0 ? t.reshape(-1).clone() : t.reshape({outer, size, -1}).transpose(0, 1).reshape(-1);
+  if (outer <= 1 || t.numel() == 0) {
+    return t.reshape(-1).clone();
+  }
+  return t.reshape({outer, size, -1}).transpose(0, 1).reshape(-1);
 }
 
 void copy_from_rank_major(const at::Tensor& out, const at::Tensor& blocks, int64_t outer, int size) {
