@@ -40,9 +40,10 @@ from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parall
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_tp
+from torch_tp.ops import _COMMUNICATING_OPS
 from torch_tp.parallel.loss import loss_parallel
 
-from _compare import assert_close
+from _compare import assert_close, assert_error_names
 
 WORLD_SIZES = [1, 2, 3, 4]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -179,24 +180,66 @@ def test_masked_classes(ranks):
     ranks(3).run(_run_masked_classes)
 
 
-def _run_row_chunks(chunk_elements):
-    """The loss converts and reduces the logits a few rows at a time (loss.py's _CHUNK_ELEMENTS, ~1 MiB):
-    with chunks of one and of a few rows, bfloat16 logits and masked classes too, the same values."""
-    import torch_tp.parallel.loss as loss_module
-
-    saved = loss_module._CHUNK_ELEMENTS
-    loss_module._CHUNK_ELEMENTS = chunk_elements
-    try:
-        _run_cross_entropy(10, "mean", (0, 3, 4), True)
-        _run_masked_classes()
-        _run_bfloat16()
-    finally:
-        loss_module._CHUNK_ELEMENTS = saved
+# The fused CPU kernels fill a buffer of 2**18 elements of rows at a time (kChunkElements in
+# csrc/ops/cross_entropy.cpp). Over 3 ranks these vocabularies give each rank 65536 classes (4 rows a
+# chunk: 10 rows take chunks of 4, 4 and 2) and 262200 (longer than a chunk: one row each).
+CHUNK_VOCABS = {"a_few_rows": 3 * 65536, "one_row": 3 * 262200}
+CHUNK_ROWS = 10
 
 
-@pytest.mark.parametrize("chunk_elements", [1, 9], ids=["one_row", "a_few_rows"])
-def test_row_chunks(ranks, chunk_elements):
-    ranks(3).run(_run_row_chunks, chunk_elements)
+def _run_row_chunks(vocab):
+    """The fused kernels' chunks of rows, in float32 and bfloat16, with masked classes (one rank's whole
+    shard -inf on a row) and an ignored row: the unsharded loss's value and gradient. float32 to
+    VS_UNSHARDED; bfloat16 to 2**-8, one rounding of the loss and of each gradient element (the
+    reference is the float64 loss of the same bfloat16 values)."""
+    gen = torch.Generator().manual_seed(vocab)
+    full = torch.randn(CHUNK_ROWS, vocab, generator=gen) * 3
+    full[1, : vocab // 3] = float("-inf")  # rank 0's classes
+    full[2, vocab // 3:] = float("-inf")  # ranks 1 and 2's
+    labels = torch.randint(vocab // 3, vocab, (CHUNK_ROWS,), generator=gen)
+    labels[2] = 7
+    labels[5] = -100
+    for dtype, tol in ((torch.float32, VS_UNSHARDED), (torch.bfloat16, 2 ** -8)):
+        dt = distribute_tensor(full.to(dtype), _mesh(), [Shard(1)]).requires_grad_()
+        ref = full.to(dtype).double().requires_grad_()
+        with loss_parallel():
+            loss, grad = _grad_of(lambda x: F.cross_entropy(x, labels), dt)
+        ref_loss, ref_grad = _grad_of(lambda x: F.cross_entropy(x, labels), ref)
+        assert loss.dtype == dtype and grad.dtype == dtype
+        assert_close(loss, ref_loss.detach(), f"{dtype} loss, vocab {vocab}", tol)
+        assert_close(grad, ref_grad, f"{dtype} grad, vocab {vocab}", tol)
+
+
+@pytest.mark.parametrize("vocab", CHUNK_VOCABS.values(), ids=CHUNK_VOCABS.keys())
+def test_row_chunks(ranks, vocab):
+    ranks(3).run(_run_row_chunks, vocab)
+
+
+def _run_float16(reduction):
+    """float16 logits take the op's composition of ATen ops (the fused CPU kernels take float32, float64
+    and bfloat16), the code other devices run: computed in float32, the loss and gradient rounded once
+    to float16 (2**-10 of the largest magnitude), with an ignored row and a weight."""
+    vocab = 10
+    dt, full = _logits(vocab)
+    dt = dt.detach().half().requires_grad_()
+    full = full.detach().half().double().requires_grad_()
+    labels = _labels(vocab, (3,)).flatten()
+    weight = torch.rand(vocab, generator=torch.Generator().manual_seed(3))
+
+    def ce(x):
+        return F.cross_entropy(x.flatten(0, 1), labels, weight=weight.to(x.dtype), reduction=reduction)
+
+    with loss_parallel():
+        loss, grad = _grad_of(ce, dt)
+    ref_loss, ref_grad = _grad_of(ce, full)
+    assert loss.dtype == torch.float16 and grad.dtype == torch.float16
+    assert_close(loss, ref_loss.detach(), "float16 loss", 2 ** -10)
+    assert_close(grad, ref_grad, "float16 grad", 2 ** -10)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_float16(ranks, reduction):
+    ranks(3).run(_run_float16, reduction)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -383,12 +426,16 @@ def test_handed_logits_reshaped(ranks, world_size):
 
 
 class _CountCollectives(TorchDispatchMode):
+    """The calls that communicate: torch's collectives and the torch_tp ops that do (a torch_tp op
+    that computes a loss may communicate inside its kernel, where no mode sees the collective)."""
+
     def __init__(self):
         super().__init__()
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("torch_tp", "c10d", "_c10d_functional"):
+        if func.namespace in ("c10d", "_c10d_functional") or \
+                (func.namespace == "torch_tp" and func.name().split("::")[1] in _COMMUNICATING_OPS):
             self.calls.append(func.name())
         return func(*args, **(kwargs or {}))
 
@@ -412,7 +459,7 @@ def _run_communication():
             loss.backward()
         counts[name] = (len(fwd.calls), len(bwd.calls))
     assert counts == {
-        "cross_entropy": (1, 0),          # all-gather of [max, sum exp, target logit]
+        "cross_entropy": (1, 0),          # its forward all-gathers [max, sum exp, target logit]
         "log_softmax+nll_loss": (3, 0),   # max, sum exp; target logp (fused backward)
         "nll_loss": (1, 0),
         "log_softmax": (2, 1),            # backward: sum of the gradient over classes
@@ -530,7 +577,7 @@ def _run_errors():
             lambda: F.cross_entropy(flat, torch.softmax(torch.randn(BATCH * SEQ, vocab), -1)))
     _expect(ValueError, r"loss_parallel: nll_loss: target.shape=\(9,\) does not match input.shape=\(10, 10\)",
             lambda: F.nll_loss(flat, labels[:9]))
-    _expect(RuntimeError, r"loss_parallel: a target is outside \[0, 10\)",
+    _expect(RuntimeError, r"torch_tp::vocab_parallel_cross_entropy: a target is outside \[0, 10\)",
             lambda: F.cross_entropy(flat, labels.clamp(max=9) + 1))
     _expect(ValueError, r"loss_parallel: cross_entropy: reduction='avg' is not one of",
             lambda: F.cross_entropy(flat, labels, reduction="avg"))
@@ -605,6 +652,108 @@ def _run_errors_like_torch(mesh_ndim):
 @pytest.mark.parametrize("mesh_ndim", [1, pytest.param(2, marks=needs_torch_2d_loss_parallel)])
 def test_errors_like_torch(ranks, mesh_ndim):
     ranks(4).run(_run_errors_like_torch, mesh_ndim)
+
+
+# ---------------------------------------------------------------- the op itself
+
+
+def _op_case(vocab, dtype=torch.float32):
+    """(this rank's logits [2, 3, n_r] leaf, its target, the unsharded logits leaf [2, 3, vocab])."""
+    gen = torch.Generator().manual_seed(vocab)
+    full = (torch.randn(2, 3, vocab, generator=gen) * 3).to(dtype)
+    target = torch.randint(0, vocab, (2, 3), generator=gen)
+    target[0, 1] = -100
+    start, length = torch_tp.ops.chunk_range(vocab, dist.get_world_size(), dist.get_rank())
+    return full[..., start:start + length].clone().requires_grad_(), target, full.double().requires_grad_()
+
+
+def _run_op(vocab):
+    """torch_tp.ops.vocab_parallel_cross_entropy on this rank's piece of [2, 3, vocab] logits, for each
+    reduction, with and without a weight: the unsharded F.cross_entropy's loss and this rank's columns of
+    its gradient (VS_UNSHARDED)."""
+    group = dist.group.WORLD
+    weight = torch.rand(vocab, generator=torch.Generator().manual_seed(5)) + 0.5
+    for reduction, w in itertools.product(REDUCTIONS, (None, weight)):
+        local, target, full = _op_case(vocab)
+        loss = torch_tp.ops.vocab_parallel_cross_entropy(local, target, group, vocab, w, reduction=reduction)
+        ref = F.cross_entropy(full.flatten(0, 1), target.flatten(), None if w is None else w.double(),
+                              reduction=reduction)
+        ref = ref.view(2, 3) if reduction == "none" else ref
+        loss.backward(torch.ones_like(loss))
+        ref.backward(torch.ones_like(ref))
+        start, length = torch_tp.ops.chunk_range(vocab, dist.get_world_size(), dist.get_rank())
+        what = f"{reduction}, weight {w is not None}"
+        assert_close(loss, ref.detach(), f"loss ({what})", VS_UNSHARDED)
+        assert_close(local.grad, full.grad[..., start:start + length], f"grad ({what})", VS_UNSHARDED)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_op(ranks, world_size):
+    ranks(world_size).run(_run_op, 10)
+
+
+def _run_op_opcheck_and_compile():
+    """opcheck of the op and its pieces (schemas, Meta kernels, autograd registration), and the op under
+    torch.compile(fullgraph=True), forward and backward: the eager loss and gradient."""
+    name = dist.group.WORLD.group_name
+    vocab = 10
+    local, target, _ = _op_case(vocab)
+    weight = torch.rand(vocab, generator=torch.Generator().manual_seed(5))
+    for reduction in REDUCTIONS:
+        torch.library.opcheck(torch.ops.torch_tp.vocab_parallel_cross_entropy.default,
+                              (local, target, name, vocab, weight, -100, reduction))
+        loss, m, s, w = torch.ops.torch_tp._vocab_parallel_cross_entropy_forward(
+            local.detach(), target, name, vocab, weight, -100, reduction)
+        torch.library.opcheck(torch.ops.torch_tp._vocab_parallel_cross_entropy_forward.default,
+                              (local.detach(), target, name, vocab, weight, -100, reduction))
+        torch.library.opcheck(torch.ops.torch_tp._vocab_parallel_cross_entropy_backward.default,
+                              (torch.ones_like(loss), local.detach(), target, m, s, w, name, vocab, reduction))
+
+    def fn(x):
+        return torch.ops.torch_tp.vocab_parallel_cross_entropy(x * 2, target, name, vocab, weight)
+
+    results = []
+    torch._dynamo.reset()
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        x = local.detach().clone().requires_grad_()
+        loss = f(x)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    assert_close(results[1][0], results[0][0], "compiled loss", VS_TORCH)
+    assert_close(results[1][1], results[0][1], "compiled grad", VS_TORCH)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_op_opcheck_and_compile(ranks, world_size):
+    ranks(world_size).run(_run_op_opcheck_and_compile, timeout=300)
+
+
+def _run_op_errors():
+    """Bad arguments name the op, the argument and the value."""
+    name = dist.group.WORLD.group_name
+    op = torch.ops.torch_tp.vocab_parallel_cross_entropy
+    x, t = torch.randn(4, 5), torch.zeros(4, dtype=torch.long)  # rank 0 of 2 holds 5 of 10 classes
+    cases = [
+        # 12 classes give every rank 6: each rank raises (a mismatch on one rank alone would leave the
+        # others in the all-gather until the group's timeout, as any collective with a missing peer).
+        (lambda: op(x, t, name, 12), ["vocab_parallel_cross_entropy", "holds 5 classes", "num_classes=12"]),
+        (lambda: op(x, t.int(), name, 10), ["vocab_parallel_cross_entropy", "target has dtype Int", "int64"]),
+        (lambda: op(x, t[:3], name, 10), ["vocab_parallel_cross_entropy", "target has shape [3]", "[4]"]),
+        (lambda: op(x.long(), t, name, 10), ["vocab_parallel_cross_entropy", "logits has dtype Long"]),
+        (lambda: op(x, t, name, 10, torch.ones(9)), ["vocab_parallel_cross_entropy", "weight has shape [9]"]),
+        (lambda: op(x, t, name, 10, reduction="avg"), ["vocab_parallel_cross_entropy", "reduction='avg'"]),
+        (lambda: op(x, t, "no_such_group", 10), ["vocab_parallel_cross_entropy", "group_name='no_such_group'"]),
+        (lambda: op(x, t - 1, name, 10, ignore_index=0),
+         ["vocab_parallel_cross_entropy", "outside [0, 10)", "ignore_index=0", "target -1 in row 0"]),
+        (lambda: op(x.requires_grad_(), t, name, 10, torch.ones(10, requires_grad=True)),
+         ["vocab_parallel_cross_entropy", "weight requires grad"]),
+    ]
+    for fn, words in cases:
+        assert_error_names(fn, words)
+
+
+def test_op_errors(ranks):
+    ranks(2).run(_run_op_errors)
 
 
 # ---------------------------------------------------------------- a 2-D mesh

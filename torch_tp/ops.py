@@ -1,5 +1,5 @@
-"""Typed Python wrappers of the ``torch.ops.torch_tp`` ops: the collectives, the sharded layers and the
-fused RMSNorm that sequence-parallel norms run.
+"""Typed Python wrappers of the ``torch.ops.torch_tp`` ops: the collectives, the sharded layers, the
+vocab-parallel cross entropy and the fused RMSNorm that sequence-parallel norms run.
 
 Every wrapper takes ``group`` as a :class:`~torch.distributed.ProcessGroup`, a
 1-D :class:`~torch.distributed.device_mesh.DeviceMesh`, a group name (the string
@@ -31,6 +31,7 @@ __all__ = [
     "rms_norm",
     "row_parallel_linear",
     "shard",
+    "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
 ]
 
@@ -50,6 +51,7 @@ _COMMUNICATING_OPS = (
     "all_reduce", "all_reduce_", "all_gather", "reduce_scatter", "copy_to_tp_region", "reduce_from_tp_region",
     "column_parallel_linear", "row_parallel_linear", "vocab_parallel_embedding", "column_parallel_embedding",
     "_column_parallel_linear_forward", "_column_parallel_linear_backward", "_row_parallel_linear_backward",
+    "vocab_parallel_cross_entropy", "_vocab_parallel_cross_entropy_forward",
 )
 for _name in _COMMUNICATING_OPS:
     torch.fx.node.has_side_effect(getattr(torch.ops.torch_tp, _name).default)
@@ -365,6 +367,35 @@ def column_parallel_embedding(
     """
     return torch.ops.torch_tp.column_parallel_embedding(
         ids, weight, group_name(group), padding_idx, gather_dim, full_size)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: GroupLike, num_classes: int,
+                                 weight: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    r"""``F.cross_entropy`` of logits sharded on the class dim, without gathering them.
+
+    Rank ``r`` holds ``logits [.., n_r]``, its ``torch.chunk`` piece of the
+    ``num_classes`` classes along the last dim (DTensor's ``Shard(-1)``);
+    ``target [..]`` holds global class indices, the same on every rank. One
+    all-gather forward (each row's max, sum of exp and target logit), no
+    communication backward; on the CPU float32, float64 and bfloat16 run in
+    fused passes over the shard. :func:`~torch_tp.loss_parallel` runs
+    ``F.cross_entropy`` on a class-sharded DTensor through it.
+
+    Args:
+        logits (Tensor): ``[.., n_r]``, floating point.
+        target (Tensor): ``[..]``, int64 class indices in ``[0, num_classes)`` or ``ignore_index``.
+        group: the tensor-parallel group.
+        num_classes (int): ``V``, the classes of all ranks together.
+        weight (Tensor, optional): ``[num_classes]``, a rescaling weight per class, as in ``F.cross_entropy``.
+        ignore_index (int): a target that contributes nothing (default -100).
+        reduction (str): ``"mean"`` (over the rows' weights), ``"sum"`` or ``"none"``.
+
+    Returns:
+        Tensor: the loss on every rank, in ``logits``' dtype: 0-d, or ``[..]`` for ``"none"``.
+    """
+    return torch.ops.torch_tp.vocab_parallel_cross_entropy(
+        logits, target, group_name(group), num_classes, weight, ignore_index, reduction)
 
 
 def rms_norm(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor] = None,

@@ -5,6 +5,7 @@
 
 #include "ops/comm.h"
 #include "ops/common.h"
+#include "ops/cross_entropy.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
 
@@ -140,6 +141,26 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad
           want_weight ? at::empty_symint(w.sym_sizes(), w.options()) : at::empty({0}, grad_out.options())};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_meta(
+    const at::Tensor& logits, const at::Tensor& target, c10::string_view group_name, int64_t num_classes,
+    const std::optional<at::Tensor>& weight, int64_t /*ignore_index*/, c10::string_view reduction) {
+  const auto args = check_cross_entropy_args("torch_tp::vocab_parallel_cross_entropy", logits, target, group_name,
+                                             num_classes, weight, reduction);
+  const auto per_row = target.options().dtype(at::toOpMathType(logits.scalar_type()));
+  const auto loss_sizes = args.reduction == LossReduction::None ? target.sym_sizes() : c10::SymIntArrayRef();
+  return {at::empty_symint(loss_sizes, logits.options()), at::empty_symint({target.sym_numel()}, per_row),
+          at::empty_symint({target.sym_numel()}, per_row), at::empty_symint({target.sym_numel()}, per_row)};
+}
+
+at::Tensor cross_entropy_backward_meta(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                                       const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& row_weight,
+                                       c10::string_view group_name, int64_t num_classes, c10::string_view reduction) {
+  constexpr const char* op = "torch_tp::vocab_parallel_cross_entropy backward";
+  const auto args = check_cross_entropy_args(op, logits, target, group_name, num_classes, std::nullopt, reduction);
+  check_cross_entropy_backward_args(op, grad_loss, logits, target, max, sum_exp, row_weight, args.reduction);
+  return at::empty_symint(logits.sym_sizes(), logits.options());
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
@@ -156,6 +177,8 @@ TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("_row_parallel_linear_backward", row_parallel_linear_backward_meta);
   m.impl("_rms_norm_forward", rms_norm_forward_meta);
   m.impl("_rms_norm_backward", rms_norm_backward_meta);
+  m.impl("_vocab_parallel_cross_entropy_forward", cross_entropy_forward_meta);
+  m.impl("_vocab_parallel_cross_entropy_backward", cross_entropy_backward_meta);
 }
 
 } // namespace torch_tp

@@ -26,6 +26,7 @@
 
 #include "ops/common.h"
 #include "ops/norm.h"
+#include "ops/row_io.h"
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -34,7 +35,6 @@
 #include <torch/library.h>
 
 #include <c10/util/accumulate.h>
-#include <c10/util/bit_cast.h>
 
 #include <cmath>
 #include <limits>
@@ -93,31 +93,6 @@ bool fuses(const at::Tensor& input, const std::optional<at::Tensor>& weight) {
   return input.device().is_cpu() && input.layout() == at::kStrided && is_fused_dtype(input.scalar_type()) &&
          !input._fw_grad(/*level=*/0).defined() && weight_ok;
 }
-
-// How the row loops read and write an element, in opmath_t: float and double
-// as themselves; bfloat16 as its bits, widened by a shift and rounded to
-// nearest even (a NaN stored as 0x7FC0), as c10::BFloat16 converts but
-// in arithmetic the compiler vectorises, which c10's conversions were not
-// (the bfloat16 forward took 4.5x float32's time through them).
-template <typename scalar_t>
-struct Io {
-  using stored = scalar_t;
-  using opmath_t = scalar_t;
-  static opmath_t load(stored value) { return value; }
-  static stored store(opmath_t value) { return value; }
-};
-
-template <>
-struct Io<c10::BFloat16> {
-  using stored = uint16_t;
-  using opmath_t = float;
-  static float load(uint16_t bits) { return c10::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
-  static uint16_t store(float value) {
-    const uint32_t u = c10::bit_cast<uint32_t>(value);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return value != value ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  }
-};
 
 // sum_j a_j * b_j in opmath_t, b read through Io. The simd reduction lets the
 // compiler keep one partial sum per vector lane (a fixed order for a given build).
@@ -210,17 +185,6 @@ void rms_norm_backward_rows(const T* dy, const T* x, const T* w, const opmath_t*
       dw[j] = IO::store(sum);
     }
   }
-}
-
-// The data of a tensor of scalar_t as the row loops store it.
-template <typename scalar_t>
-const typename Io<scalar_t>::stored* stored_data(const at::Tensor& t) {
-  return t.defined() ? reinterpret_cast<const typename Io<scalar_t>::stored*>(t.const_data_ptr<scalar_t>()) : nullptr;
-}
-
-template <typename scalar_t>
-typename Io<scalar_t>::stored* mutable_stored_data(const at::Tensor& t) {
-  return reinterpret_cast<typename Io<scalar_t>::stored*>(t.mutable_data_ptr<scalar_t>());
 }
 
 // input [.., *normalized_shape] -> (output [same], rstd [rows] in opmath).

@@ -90,6 +90,17 @@ at::Tensor column_parallel_embedding(const at::Tensor& ids, const at::Tensor& we
   return op.call(ids, weight, group_name, padding_idx, gather_dim, full_size);
 }
 
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        c10::string_view group_name, int64_t num_classes,
+                                        const std::optional<at::Tensor>& weight, int64_t ignore_index,
+                                        c10::string_view reduction) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t,
+                         const std::optional<at::Tensor>&, int64_t, c10::string_view)>(
+          "torch_tp::vocab_parallel_cross_entropy");
+  return op.call(logits, target, group_name, num_classes, weight, ignore_index, reduction);
+}
+
 at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
                     std::optional<double> eps) {
   static const auto op =

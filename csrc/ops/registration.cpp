@@ -3,7 +3,8 @@
 // linear.cpp (CPU, Autograd; CUDA backward), linear_cuda.cpp (CUDA forward),
 // autocast.cpp (AutocastCPU, AutocastCUDA: the linear ops),
 // embedding.cpp (CompositeImplicitAutograd), norm.cpp (CompositeImplicitAutograd;
-// CPU pieces), meta.cpp (Meta).
+// CPU pieces), cross_entropy.cpp (CompositeImplicitAutograd; the pieces for
+// every device), meta.cpp (Meta).
 //
 // `group_name` is what ProcessGroup.group_name returns, the same string torch's
 // _c10d_functional ops take; it is resolved through c10d's group registry, so
@@ -62,6 +63,22 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def(
       "_row_parallel_linear_backward(Tensor grad_out, Tensor x, Tensor weight, str group_name, int? scatter_dim, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+
+  // Cross entropy of logits [.., n] sharded on the class dim (cross_entropy.cpp;
+  // loss_parallel runs F.cross_entropy through it): n is this rank's
+  // torch.chunk piece of num_classes, target [..] holds global class indices,
+  // weight is the whole [num_classes]. One all-gather forward, none backward.
+  // Its pieces: the forward also returns the rows' global max and sum of exp
+  // and their weights, in opmath, for the backward.
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor logits, Tensor target, str group_name, int num_classes, "
+      "Tensor? weight=None, int ignore_index=-100, str reduction=\"mean\") -> Tensor");
+  m.def(
+      "_vocab_parallel_cross_entropy_forward(Tensor logits, Tensor target, str group_name, int num_classes, "
+      "Tensor? weight, int ignore_index, str reduction) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, Tensor max, "
+      "Tensor sum_exp, Tensor row_weight, str group_name, int num_classes, str reduction) -> Tensor");
 
   // RMSNorm with aten::rms_norm's schema and numbers, fused on the CPU (norm.cpp;
   // SequenceParallel runs nn.RMSNorm through it). Its pieces: the forward also

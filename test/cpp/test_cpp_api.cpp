@@ -239,4 +239,55 @@ TEST(CppApi, RmsNormMatchesATen) {
                           {"torch_tp::rms_norm", "normalized_shape=[4]", "[2, 8]"}));
 }
 
+// torch_tp::vocab_parallel_cross_entropy from C++ on a one-rank group (the
+// shards over several ranks are test/test_loss_parallel.py's): ATen's
+// cross_entropy_loss's loss and logits gradient for each reduction, with a
+// weight and an ignored row, float32 and bfloat16 fused on the CPU, float16
+// through the op's composition. Tolerances relative to the reference's largest
+// magnitude: float32 2^-18 (sums in another order), bfloat16 and float16 one
+// rounding of the output (2^-8, 2^-10) against ATen's loss in float64 on the
+// same values.
+TEST(CppApi, VocabParallelCrossEntropyMatchesATen) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  const auto group = torch_tp::new_group(store, 0, 1, "cross_entropy");
+  const int64_t classes = 37;
+  at::manual_seed(11);
+  const at::Tensor weight = at::rand({classes}) + 0.5;
+  at::Tensor target = at::randint(classes, {3, 5}, at::kLong);
+  target[1][2] = -100;
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const double tolerance = dtype == at::kFloat ? 1.0 / (1 << 18) : dtype == at::kBFloat16 ? 1.0 / (1 << 8)
+                                                                                             : 1.0 / (1 << 10);
+    const at::Tensor x = (at::randn({3, 5, classes}) * 3).to(dtype);
+    for (const char* reduction : {"mean", "sum", "none"}) {
+      const at::Tensor ours_x = x.clone().requires_grad_();
+      const at::Tensor ours = torch_tp::vocab_parallel_cross_entropy(ours_x, target, "cross_entropy", classes,
+                                                                     weight.to(dtype), -100, reduction);
+      ours.backward(at::ones_like(ours));
+      const at::Tensor ref_x = x.to(at::kDouble).requires_grad_();
+      const int64_t mode = std::string(reduction) == "none" ? at::Reduction::None
+                           : std::string(reduction) == "sum" ? at::Reduction::Sum
+                                                             : at::Reduction::Mean;
+      at::Tensor ref = at::cross_entropy_loss(ref_x.flatten(0, 1), target.flatten(), weight.to(dtype).to(at::kDouble),
+                                              mode, -100);
+      ref = std::string(reduction) == "none" ? ref.view({3, 5}) : ref;
+      ref.backward(at::ones_like(ref));
+      EXPECT_EQ(ours.scalar_type(), dtype);
+      EXPECT_EQ(ours.sizes(), ref.sizes()) << reduction;
+      for (const auto& [actual, expected] : {std::pair{ours.detach(), ref.detach()}, {ours_x.grad(), ref_x.grad()}}) {
+        const double scale = expected.abs().max().item<double>();
+        const double error = (actual.to(at::kDouble) - expected).abs().max().item<double>() / scale;
+        EXPECT_LE(error, tolerance) << dtype << " " << reduction;
+      }
+    }
+  }
+  EXPECT_TRUE(throws_with([] { torch_tp::vocab_parallel_cross_entropy(at::ones({4, 36}), at::zeros({4}, at::kLong),
+                                                                      "cross_entropy", 37); },
+                          {"torch_tp::vocab_parallel_cross_entropy", "36 classes", "num_classes=37"}));
+  EXPECT_TRUE(throws_with([] { torch_tp::vocab_parallel_cross_entropy(at::ones({4, 37}), at::full({4}, 37, at::kLong),
+                                                                      "cross_entropy", 37); },
+                          {"torch_tp::vocab_parallel_cross_entropy", "outside [0, 37)", "target 37 in row 0"}));
+  torch_tp::destroy_group("cross_entropy");
+}
+
 } // namespace

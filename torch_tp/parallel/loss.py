@@ -19,37 +19,20 @@ per step of the example model (~650 calls). Like torch's loss_parallel, which
 patches DTensor's op dispatcher, the context changes the DTensor class for the
 process while it is open; it nests, and the outermost exit restores it.
 
-NOTE [vocab-parallel cross entropy]
-    Rank r holds x_r = x[..., s_r : s_r + n_r], its torch.chunk piece of the V
-    classes (class dim moved last). With m = max_c x_c, S = sum_c exp(x_c - m):
-
-        loss = log S - (x_t - m)          t: the target class
-
-    forward:  m_r = max x_r,  S_r = sum exp(x_r - m_r)  (-inf and 0 on a rank holding no classes)
-              all_gather([m_r, S_r, x_t if s_r <= t < s_r + n_r else 0])      [p, 3, ..], one call
-              m = max_r m_r,  S = sum_r S_r exp(m_r - m),  x_t = the sum over r (one rank holds it)
-    backward: d loss / d x_r = softmax(x)_r - onehot(t)_r = exp(x_r - m) / S - onehot
-              with the global m and S saved from forward: no communication.
-
-    One collective forward (Megatron's vocab-parallel cross entropy has three
-    all-reduces: the max, the sum of exp, the target logit), none backward.
-    Each rank sums against its own max and the sums are rescaled to the
-    global one after the gather, so no max has to be agreed on first. The
-    shifts are by exact maxima, as in torch's loss_parallel and the unsharded
-    loss: a shift by a rounded log-sum-exp instead (|L| ~ 20 at V = 128K)
-    costs the softmax an order of magnitude of accuracy. Both passes over
-    the shard (m_r and S_r; the gradient) take ~1 MiB of rows at a time in
-    the compute dtype (_CHUNK_ELEMENTS), so a large vocabulary's float32
-    copies stay in cache and the shard is read from memory once. Rows count
-    with their weight w_t = weight[t] (1 without weight) and 0 when
-    t == ignore_index; mean divides by sum(w_t), as F.cross_entropy does.
+F.cross_entropy runs torch_tp::vocab_parallel_cross_entropy on the local
+shard: one all-gather forward, no communication backward, fused on the CPU
+(NOTE [vocab-parallel cross entropy] and NOTE [fused cross entropy on the
+CPU] in csrc/ops/cross_entropy.cpp). Rows count with their weight w_t =
+weight[t] (1 without weight) and 0 when t == ignore_index; mean divides by
+sum(w_t), as F.cross_entropy does.
 
 NOTE [log_softmax then nll_loss]
     ``F.nll_loss(F.log_softmax(x, c), t)`` is cross entropy in two calls. A
     side table keyed by the log_softmax output (``_log_softmax_records``)
     remembers its input shard and the global m and S; when
     nll_loss receives exactly that DTensor (same class dim, not modified in
-    place), it computes the cross-entropy gradient straight into x, so the
+    place), it computes the cross-entropy gradient straight into x (the
+    backward of torch_tp::vocab_parallel_cross_entropy), so the
     log_softmax node is not on the loss's backward path and backward needs no
     communication. Used any other way, log_softmax has its exact gradient
     g - softmax * sum_c g (one all-reduce of sum_c g, a [..]-sized tensor).
@@ -271,49 +254,6 @@ def _max_and_sum_exp(x: torch.Tensor, group: str) -> Tuple[torch.Tensor, torch.T
     return m, shifted, shifted.exp().sum(-1)
 
 
-# Rows of logits converted and reduced at a time: ~1 MiB of float32, so that the
-# compute-dtype copies and the exp stay in cache and the logits are read from
-# memory once, forward and backward, however large the vocabulary.
-_CHUNK_ELEMENTS = 1 << 18
-
-
-def _rows_per_chunk(classes: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(1, classes))
-
-
-def _local_max_and_sum_exp(rows: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(m_r, S_r) of ``rows`` [R, n_r], n_r > 0, in ``dtype``, a chunk of rows at a time."""
-    step = _rows_per_chunk(rows.size(1))
-    maxima, sums = [], []
-    for start in range(0, rows.size(0), step):
-        chunk = rows[start:start + step].to(dtype)
-        chunk_max = chunk.amax(-1)
-        # A row of -inf on this rank (masked classes) shifts by 0: its sum is 0, not nan.
-        shift = torch.where(chunk_max.isinf(), 0, chunk_max)
-        maxima.append(chunk_max)
-        sums.append((chunk - shift.unsqueeze(-1)).exp_().sum(-1))
-    if len(maxima) == 1:
-        return maxima[0], sums[0]
-    return torch.cat(maxima), torch.cat(sums)
-
-
-def _max_sum_exp_and_target(x: torch.Tensor, index: torch.Tensor, here: torch.Tensor, group: str,
-                            dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m = max_c x_c, S = sum_c exp(x_c - m) over all classes, x_t) per row in ``dtype``, from one all-gather
-    of each rank's (m_r, S_r, x_t or 0) (NOTE [vocab-parallel cross entropy])."""
-    if x.size(-1) == 0:  # a rank holding no classes
-        local_max = x.new_full(x.shape[:-1], float("-inf"), dtype=dtype)
-        local_sum = x.new_zeros(x.shape[:-1], dtype=dtype)
-    else:
-        local_max, local_sum = _local_max_and_sum_exp(x.reshape(-1, x.size(-1)), dtype)
-        local_max, local_sum = local_max.view(x.shape[:-1]), local_sum.view(x.shape[:-1])
-    gathered = torch.ops.torch_tp.all_gather(
-        torch.stack([local_max, local_sum, _pick(x, index, here).to(dtype)]).unsqueeze(0), 0, group)  # [p, 3, ..]
-    m = gathered[:, 0].amax(0)
-    sum_exp = (gathered[:, 1] * (gathered[:, 0] - m).exp()).sum(0)
-    return m, sum_exp, gathered[:, 2].sum(0)
-
-
 def _reduce(loss: torch.Tensor, w: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss
@@ -331,54 +271,28 @@ def _row_grad_scale(grad: torch.Tensor, w: torch.Tensor, reduction: str) -> torc
     return grad * w
 
 
-class _CrossEntropy(torch.autograd.Function):
-    """Cross entropy of class-last local logits ``x [.., n_r]``; see NOTE
-    [vocab-parallel cross entropy]. With ``stats = (m, S, logp)`` from
-    log_softmax, forward only picks -logp_t (one all-reduce)."""
+class _NLLOfLogSoftmax(torch.autograd.Function):
+    """nll_loss of a log_softmax output, differentiated straight into the log_softmax's class-last
+    local input ``x [.., n_r]`` (NOTE [log_softmax then nll_loss]): forward picks -logp_t (one
+    all-reduce); backward is the cross-entropy gradient, torch_tp::vocab_parallel_cross_entropy's,
+    from the global max m and sum of exp S of the log_softmax."""
 
     @staticmethod
-    def forward(ctx, x, target, w, reduction, shard, stats):  # noqa: D102
-        out_dtype = x.dtype
-        dtype = _compute_dtype(x.dtype)
+    def forward(ctx, x, target, w, reduction, shard, m, sum_exp, logp):  # noqa: D102
         index, here = _local_target(target, shard)
-        if stats is None:
-            m, sum_exp, target_logit = _max_sum_exp_and_target(x, index, here, shard.group, dtype)
-            loss = sum_exp.log() - (target_logit - m)
-        else:
-            m, sum_exp, logp = stats
-            loss = -torch.ops.torch_tp.all_reduce(
-                _pick(logp.to(dtype), index, here), "sum", shard.group)
+        loss = -torch.ops.torch_tp.all_reduce(_pick(logp.to(w.dtype), index, here), "sum", shard.group)
         loss = torch.where(w != 0, loss * w, 0)
-        ctx.save_for_backward(x, m, sum_exp, index, here, w)
-        ctx.reduction = reduction
-        return _reduce(loss, w, reduction).to(out_dtype)
+        ctx.save_for_backward(x, target, m, sum_exp, w)
+        ctx.reduction, ctx.shard = reduction, shard
+        return _reduce(loss, w, reduction).to(x.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # noqa: D102
-        x, m, sum_exp, index, here, w = ctx.saved_tensors
-        scale = _row_grad_scale(grad.to(w.dtype), w, ctx.reduction)
-        if x.size(-1) == 0:  # a rank holding no classes
-            return torch.empty(x.shape, dtype=x.dtype, device=x.device), None, None, None, None, None
-        # softmax from the forward's global max and sum, times the row's scale: exp(x_r - m) * (scale / S),
-        # less onehot(t) * scale on the rank holding t; a chunk of rows at a time.
-        rows = x.reshape(-1, x.size(-1))
-        m, index = m.reshape(-1, 1), index.reshape(-1, 1)
-        factor = (scale / sum_exp).reshape(-1, 1)
-        onehot = torch.where(here, -scale, 0).reshape(-1, 1)
-        step = _rows_per_chunk(rows.size(1))
-
-        def chunk_grad(start: int, end: int) -> torch.Tensor:
-            chunk = (rows[start:end].to(w.dtype) - m[start:end]).exp_().mul_(factor[start:end])
-            return chunk.scatter_add_(-1, index[start:end], onehot[start:end])
-
-        if step >= rows.size(0):
-            return chunk_grad(0, rows.size(0)).to(x.dtype).view(x.shape), None, None, None, None, None
-        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        grad_rows = grad_x.view(-1, x.size(-1))
-        for start in range(0, rows.size(0), step):
-            grad_rows[start:start + step] = chunk_grad(start, start + step)
-        return grad_x, None, None, None, None, None
+        x, target, m, sum_exp, w = ctx.saved_tensors
+        grad_x = torch.ops.torch_tp._vocab_parallel_cross_entropy_backward(
+            grad, x, target, m, sum_exp, w, ctx.shard.group, ctx.shard.num_classes, ctx.reduction)
+        return grad_x, None, None, None, None, None, None, None
 
 
 class _NLLLoss(torch.autograd.Function):
@@ -521,21 +435,19 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
             "DeviceMesh; use reduction='sum' or 'none' and divide by the global count"))
     if not isinstance(ignore_index, int):
         raise TypeError(_err(fn, f"ignore_index must be an int, got {ignore_index!r}"))
-    dtype = _compute_dtype(input.dtype)
-    w = _row_weights(target, weight, ignore_index, shard.num_classes, dtype)
-
     record: Optional[_LogSoftmaxRecord] = _log_softmax_records.get(input)
-    if not cross_entropy and record is not None and record.dim == class_dim \
-            and record.versions == _versions(input):
-        # NOTE [log_softmax then nll_loss]: differentiate straight into the logits.
-        loss = _CrossEntropy.apply(record.x, target, w, reduction, shard,
-                                   (record.m, record.sum_exp, record.logp))
-    else:
+    if cross_entropy:
         local = _local_shard(input).movedim(class_dim, -1)
-        if cross_entropy:
-            loss = _CrossEntropy.apply(local, target, w, reduction, shard, None)
+        loss = torch.ops.torch_tp.vocab_parallel_cross_entropy(
+            local, target, shard.group, shard.num_classes, weight, ignore_index, reduction)
+    else:
+        w = _row_weights(target, weight, ignore_index, shard.num_classes, _compute_dtype(input.dtype))
+        if record is not None and record.dim == class_dim and record.versions == _versions(input):
+            # NOTE [log_softmax then nll_loss]: differentiate straight into the logits.
+            loss = _NLLOfLogSoftmax.apply(record.x, target, w, reduction, shard, record.m, record.sum_exp,
+                                          record.logp)
         else:
-            loss = _NLLLoss.apply(local, target, w, reduction, shard)
+            loss = _NLLLoss.apply(_local_shard(input).movedim(class_dim, -1), target, w, reduction, shard)
     if mesh.ndim == 1:
         return loss  # complete on every rank
     # NOTE [loss_parallel on a multi-dimensional mesh]

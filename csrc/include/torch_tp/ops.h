@@ -71,6 +71,18 @@ at::Tensor column_parallel_embedding(const at::Tensor& ids, const at::Tensor& we
                                      std::optional<int64_t> gather_dim = std::nullopt,
                                      std::optional<int64_t> full_size = std::nullopt);
 
+// Cross entropy of logits sharded on the class dim (F.cross_entropy's numbers):
+// logits [.., n] holds this rank's torch.chunk piece of the num_classes
+// classes along its last dim, target [..] (int64) the global class indices on
+// every rank, weight the whole [num_classes]. Returns the loss on every rank
+// in logits' dtype: 0-d for reduction "mean" (over the rows' weights) or
+// "sum", [..] for "none". One all-gather forward, no communication backward;
+// float32, float64 and bfloat16 on the CPU in fused passes over the shard.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                        c10::string_view group_name, int64_t num_classes,
+                                        const std::optional<at::Tensor>& weight = std::nullopt,
+                                        int64_t ignore_index = -100, c10::string_view reduction = "mean");
+
 // RMSNorm with aten::rms_norm's arguments and numbers: input [.., *normalized_shape]
 // -> the same shape, x / sqrt(mean(x^2) + eps) * weight over the trailing
 // normalized_shape (eps unset: the epsilon of the math dtype, as torch). On the
