@@ -386,6 +386,8 @@ def _run_handed_logits_reshaped():
         "view(-1, V)": lambda t: t.view(-1, vocab),
         "reshape((b * s, V))": lambda t: t.reshape((BATCH * SEQ, vocab)),
         "torch.reshape(t, (-1, V)).float()": lambda t: torch.reshape(t, (-1, vocab)).float(),
+        # the example model's logits.to(promote_types(dtype, float32)), then a loss in float64
+        "to(float32).flatten(0, 1).to(float64)": lambda t: t.to(torch.float32).flatten(0, 1).to(torch.float64),
     }
     losses = {"cross_entropy": F.cross_entropy,
               "nll_loss(log_softmax)": lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target)}
@@ -408,7 +410,8 @@ def _run_handed_logits_reshaped():
             assert_close(p.grad, q.grad, f"{name}: grad {param_name}", VS_UNSHARDED)
 
     logits = tp(x)
-    assert logits.float() is logits  # float32 already: Tensor.float() returns the tensor itself
+    # float32 already: Tensor.float() and Tensor.to(float32) return the tensor itself
+    assert logits.float() is logits and logits.to(torch.float32) is logits
     full = ref(x).detach()
     # The class dim merged: DTensor's own ops, values as torch computes them.
     for name, reshape in {"flatten()": lambda t: t.flatten(), "flatten(1, 2)": lambda t: t.flatten(1, 2)}.items():

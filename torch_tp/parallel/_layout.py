@@ -211,14 +211,15 @@ class _HandedDTensor(DTensor):
 # untouched:
 #     flatten(s, e), e < n - 1:   [.., V/p] -> [.., prod(dims s..e), .., V/p]   Shard(last)
 #     view/reshape(sizes), sizes[-1] == V (-1 inferred from the global size)
-#     float():                    the same shapes, float32
+#     float(), to(dtype):         the same shapes, in that dtype (the tensor
+#                                 itself when it has it already, as torch's)
 # The result is handed on like its source, over the reshaped local tensor,
 # whose autograd history reaches the producer directly. Any other shape (the
 # class dim merged or split, a non-contiguous source, named dims, keyword
 # arguments) goes through the twin and DTensor, as before.
 
 _LEADING_DIMS_OPS = frozenset({torch.Tensor.flatten, torch.flatten, torch.Tensor.view, torch.Tensor.reshape,
-                               torch.reshape, torch.Tensor.float})
+                               torch.reshape, torch.Tensor.float, torch.Tensor.to})
 
 
 def _flatten_dims(_input, start_dim=0, end_dim=-1):
@@ -239,12 +240,16 @@ def _reshape_leading_dims(func, args) -> Optional["_HandedDTensor"]:
             or spec.stride != contiguous_stride(shape):
         return None
     local = x._tp_local
-    if func is torch.Tensor.float:
-        if len(args) != 1:
+    if func is torch.Tensor.float or func is torch.Tensor.to:
+        if func is torch.Tensor.float and len(args) == 1:
+            dtype = torch.float32
+        elif func is torch.Tensor.to and len(args) == 2 and isinstance(args[1], torch.dtype):
+            dtype = args[1]
+        else:
             return None
-        if local.dtype == torch.float32:
-            return x  # as Tensor.float() returns the tensor itself
-        out, new_shape = local.float(), shape
+        if local.dtype == dtype:
+            return x  # as Tensor.float() and Tensor.to() return the tensor itself
+        out, new_shape = local.to(dtype), shape
     elif func is torch.Tensor.flatten or func is torch.flatten:
         if len(args) > 3:  # flatten(dims, out_dim): named dims
             return None
