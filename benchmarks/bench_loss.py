@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Vocab-parallel cross entropy at LLM vocabularies: torch_tp's loss_parallel vs torch's vs the unsharded loss.
+"""Vocab-parallel cross entropy: torch_tp's loss_parallel vs torch's vs the unsharded loss.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_loss.py [--quick] [--vocabs 32000,128256] [--dtypes float32]
+    torchrun --nproc-per-node 2 benchmarks/bench_loss.py [--quick] [--vocabs 256,32000,128256] [--dtypes float32]
 
 Logits ``[tokens, vocab]`` as ``ColwiseParallel(use_local_output=False)`` hands them to the loss: a leaf DTensor
 sharded on the class dim (``Shard(1)``), each rank holding its ``torch.chunk`` piece of the vocabulary. A step is
@@ -15,9 +15,10 @@ sharded on the class dim (``Shard(1)``), each rank holding its ``torch.chunk`` p
 
 Before timing, both parallel losses' gradients are checked against the loss in float64 on the whole logits
 (1e-5 of the largest magnitude for float32 logits, 2e-2 for bfloat16; the unsharded float32 loss itself is off
-by ~3e-5 at vocabulary 128256, its sum of exp running over all classes in one float32 reduction). At these
-sizes the loss is bound by passes over the logits, so ``unsharded / torch_tp`` would ideally be the rank count;
-torch_tp reads its shard a chunk of rows at a time, so the float32 copies stay in cache.
+by ~3e-5 at vocabulary 128256, its sum of exp running over all classes in one float32 reduction). At the LLM
+vocabularies the loss is bound by passes over the logits, so ``unsharded / torch_tp`` would ideally be the rank count;
+torch_tp reads its shard a chunk of rows at a time, so the float32 copies stay in cache (NOTE [fused cross entropy
+on the CPU] in csrc/ops/cross_entropy.cpp).
 
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
@@ -35,7 +36,7 @@ import harness
 import torch_tp
 
 IMPLS = ["unsharded", "torch_tp", "dtensor"]
-VOCABS = [32000, 128256]  # Llama 2's, Llama 3's
+VOCABS = [256, 32000, 128256]  # the example model's bytes (the loss is per-call cost there), Llama 2's, Llama 3's
 TOKENS = 512
 
 
