@@ -51,7 +51,8 @@ def _is_private(name: str) -> bool:
 def _private_torch_uses(path: pathlib.Path):
     """``(line, text)`` for each private torch name ``path`` reaches directly: an import from a
     private module or of a private name, an attribute chain from a name bound to something of
-    torch's with a private part, or DTensor's private attributes on any object."""
+    torch's with a private part (torch_tp's own ops, ``torch.ops.torch_tp._*``, are not torch's),
+    or DTensor's private attributes on any object."""
     tree = ast.parse(path.read_text())
     torch_names = set()  # local names bound by `import torch...` or `from torch... import`
     for node in ast.walk(tree):
@@ -69,7 +70,8 @@ def _private_torch_uses(path: pathlib.Path):
         while isinstance(root, ast.Attribute):
             chain.insert(0, root.attr)
             root = root.value
-        if isinstance(root, ast.Name) and root.id in torch_names and any(map(_is_private, chain)):
+        if isinstance(root, ast.Name) and root.id in torch_names and any(map(_is_private, chain)) \
+                and chain[:2] != ["ops", "torch_tp"]:
             yield node.lineno, ".".join([root.id] + chain)
         elif any(part in ("_local_tensor", "_spec") for part in chain):
             yield node.lineno, "." + ".".join(chain)
