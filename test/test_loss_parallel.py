@@ -180,23 +180,22 @@ def test_masked_classes(ranks):
     ranks(3).run(_run_masked_classes)
 
 
-# The fused CPU kernels fill a buffer of 2**18 elements of rows at a time (kChunkElements in
-# csrc/ops/cross_entropy.cpp). Over 3 ranks these vocabularies give each rank 65536 classes (4 rows a
-# chunk: 10 rows take chunks of 4, 4 and 2) and 262200 (longer than a chunk: one row each).
-CHUNK_VOCABS = {"a_few_rows": 3 * 65536, "one_row": 3 * 262200}
-CHUNK_ROWS = 10
+# Vocabularies whose rows are long: over 3 ranks 65536 classes a rank (a row of 256 KiB, the size of a core's
+# L2 cache or more) and 262200 (past 1 MiB: the forward's second pass over a row comes from memory).
+LARGE_VOCABS = {"256_KiB_rows": 3 * 65536, "1_MiB_rows": 3 * 262200}
+LARGE_ROWS = 10
 
 
-def _run_row_chunks(vocab):
-    """The fused kernels' chunks of rows, in float32 and bfloat16, with masked classes (one rank's whole
-    shard -inf on a row) and an ignored row: the unsharded loss's value and gradient. float32 to
-    VS_UNSHARDED; bfloat16 to 2**-8, one rounding of the loss and of each gradient element (the
-    reference is the float64 loss of the same bfloat16 values)."""
+def _run_large_vocab(vocab):
+    """Long rows through the fused kernels (each row's sum of exp in float blocks added in double), in
+    float32 and bfloat16, with masked classes (one rank's whole shard -inf on a row) and an ignored row:
+    the unsharded loss's value and gradient. float32 to VS_UNSHARDED; bfloat16 to 2**-8, one rounding of
+    the loss and of each gradient element (the reference is the float64 loss of the same bfloat16 values)."""
     gen = torch.Generator().manual_seed(vocab)
-    full = torch.randn(CHUNK_ROWS, vocab, generator=gen) * 3
+    full = torch.randn(LARGE_ROWS, vocab, generator=gen) * 3
     full[1, : vocab // 3] = float("-inf")  # rank 0's classes
     full[2, vocab // 3:] = float("-inf")  # ranks 1 and 2's
-    labels = torch.randint(vocab // 3, vocab, (CHUNK_ROWS,), generator=gen)
+    labels = torch.randint(vocab // 3, vocab, (LARGE_ROWS,), generator=gen)
     labels[2] = 7
     labels[5] = -100
     for dtype, tol in ((torch.float32, VS_UNSHARDED), (torch.bfloat16, 2 ** -8)):
@@ -210,14 +209,14 @@ def _run_row_chunks(vocab):
         assert_close(grad, ref_grad, f"{dtype} grad, vocab {vocab}", tol)
 
 
-@pytest.mark.parametrize("vocab", CHUNK_VOCABS.values(), ids=CHUNK_VOCABS.keys())
-def test_row_chunks(ranks, vocab):
-    ranks(3).run(_run_row_chunks, vocab)
+@pytest.mark.parametrize("vocab", LARGE_VOCABS.values(), ids=LARGE_VOCABS.keys())
+def test_large_vocab(ranks, vocab):
+    ranks(3).run(_run_large_vocab, vocab)
 
 
 def _run_float16(reduction):
-    """float16 logits take the op's composition of ATen ops (the fused CPU kernels take float32, float64
-    and bfloat16), the code other devices run: computed in float32, the loss and gradient rounded once
+    """float16 logits take the op's composition of ATen ops (the fused CPU kernels take float32 and
+    bfloat16), the code other devices run: computed in float32, the loss and gradient rounded once
     to float16 (2**-10 of the largest magnitude), with an ignored row and a weight."""
     vocab = 10
     dt, full = _logits(vocab)

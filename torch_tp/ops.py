@@ -378,8 +378,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     ``num_classes`` classes along the last dim (DTensor's ``Shard(-1)``);
     ``target [..]`` holds global class indices, the same on every rank. One
     all-gather forward (each row's max, sum of exp and target logit), no
-    communication backward; on the CPU float32, float64 and bfloat16 run in
-    fused passes over the shard. :func:`~torch_tp.loss_parallel` runs
+    communication backward; on the CPU float32 and bfloat16 run in fused
+    passes over the shard. :func:`~torch_tp.loss_parallel` runs
     ``F.cross_entropy`` on a class-sharded DTensor through it.
 
     Args:

@@ -31,17 +31,19 @@
 // At the example model's size (256 rows of 128 classes per rank, float32)
 // the loss is all per-call cost: as ~90 ATen ops and two autograd Functions
 // in Python it took 378 us forward and backward, against 60 us for the
-// unsharded F.cross_entropy of [256, 256] (AMD EPYC, one thread). Here, for
-// float32, float64 and bfloat16 on the CPU, each pass over the shard is a
-// loop that converts and shifts a row into a buffer of opmath_t, one
-// at::exp_ over the buffer (ATen's vectorised exp, the one the composition
-// ran) and a loop that sums the row (in double) or writes its gradient; the
+// unsharded F.cross_entropy of [256, 256] (AMD EPYC, one thread); this op
+// takes 140 us, its autograd and the all-gather included. At LLM
+// vocabularies it is bound by passes over the logits. Here, for float32 and
+// bfloat16 on the CPU, the forward reads each row twice (its max and target
+// logit; the sum of exp(x - max)), the second time from cache, and the
+// backward once, writing the gradient as it goes; the exp is computed inside
+// the loop (NOTE [exp in the row loops]), so nothing else is written. The
 // arithmetic per row around them (row weights and the target check,
-// combining the ranks' statistics, the reduction) is plain loops. The
-// buffer holds a chunk of ~1 MiB of rows (kChunkElements), so it stays in
-// cache and the logits are read from memory once per pass however large
-// the vocabulary. Other devices and float16 run the same formulas as a
-// composition of ATen ops (the *_composite functions).
+// combining the ranks' statistics, the reduction) is plain loops. [512,
+// 16000] float32 logits on one rank take 5.0 ms forward and backward where
+// chunks of at::exp_ took 16.3 and the unsharded F.cross_entropy 10.1.
+// float64, float16 and other devices run the same formulas as a composition
+// of ATen ops (the *_composite functions).
 
 #include "ops/cross_entropy.h"
 
@@ -125,6 +127,232 @@ void check_cross_entropy_backward_args(const char* op, const at::Tensor& grad_lo
   check_per_row("row_weight", row_weight);
 }
 
+// ---------------------------------------------------------------- the fused row loops, per instruction set
+
+namespace {
+
+// NOTE [exp in the row loops]
+// The fused loops take exp of every logit (twice: forward for the sums,
+// backward for the softmax) inside the loop that reads it, so that a row is
+// read from memory once a pass and no intermediate is written. exp_of is
+// Cody and Waite's reduction x = k ln 2 + r, |r| <= ln(2) / 2 (ln 2 split in
+// two parts so k ln 2 is exact), and exp(r) by Cephes' degree-6 polynomial
+// for float: within 2 ulp of the exact value over its range, as ATen's own
+// vectorised exps (which the unsharded F.cross_entropy runs) are within a
+// few. It is branch-free arithmetic the compiler vectorises, so the loops are
+// compiled once per instruction set (the entry points below, as NOTE
+// [portable vectorisation] in csrc/backend/reduce_kernels.cpp), widest first.
+// Below -87.34 exp is under FLT_MIN and returns 0 (softmax terms that small
+// change no float sum they are in); above 88.72 it is inf; nan stays nan.
+[[gnu::always_inline]] inline float exp_of(float x) {
+  constexpr float kLowest = -87.33654f;  // log(FLT_MIN)
+  constexpr float kHighest = 88.72283f;  // log(FLT_MAX)
+  const float finite = x == x ? std::min(std::max(x, kLowest), kHighest) : 0.0f;
+  // k = round(x / ln 2) by the float32 rounding of adding and taking away 1.5 * 2^23.
+  const float k = (finite * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (finite - k * 0.693359375f) - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float exp_r = p * (r * r) + r + 1.0f;
+  // 2^k from its exponent bits: k in [-126, 128], and 128 gives inf's bits.
+  const float two_to_k = c10::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+  const float y = exp_r * two_to_k;
+  return x != x ? x : x < kLowest ? 0.0f : x > kHighest ? std::numeric_limits<float>::infinity() : y;
+}
+
+// The sum of a row's exps runs in float over blocks of kSumBlock terms (one
+// partial sum per vector lane: at most 256 terms each, in [0, 1]) and in
+// double over the blocks. (A double sum inside the vector loop vectorised
+// only for AVX-512: the lanes would differ in width.)
+constexpr int64_t kSumBlock = 1024;
+
+// Rows [first, last) of x [rows, n]: stats [3, rows] gets each row's
+// (m_r, S_r, x_t or 0) (NOTE [vocab-parallel cross entropy]).
+template <typename scalar_t, typename IO = Io<scalar_t>, typename T = typename IO::stored>
+struct StatisticsRows {
+  static void run(const T* x, const int64_t* target, int64_t first, int64_t last, int64_t rows, int64_t n,
+                  int64_t class_start, float* stats) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* xr = x + r * n;
+      float m = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = IO::load(xr[j]);
+        m = v > m ? v : m;
+        nan |= v != v;
+      }
+      m = nan ? std::numeric_limits<float>::quiet_NaN() : m;
+      const float shift = std::isinf(m) ? 0.0f : m;
+      double sum = 0;
+      for (int64_t begin = 0; begin < n; begin += kSumBlock) {
+        const int64_t end = std::min(n, begin + kSumBlock);
+        float block_sum = 0;
+#pragma omp simd reduction(+ : block_sum)
+        for (int64_t j = begin; j < end; ++j) {
+          block_sum += exp_of(IO::load(xr[j]) - shift);
+        }
+        sum += block_sum;
+      }
+      const int64_t local = target[r] - class_start;
+      stats[r] = m;
+      stats[rows + r] = static_cast<float>(sum);
+      stats[2 * rows + r] = local >= 0 && local < n ? IO::load(xr[local]) : 0.0f;
+    }
+  }
+};
+
+// Rows [first, last) of grad [rows, n] = exp(x - max) * scale / sum_exp, less
+// scale at the target class where this rank holds it.
+template <typename scalar_t, typename IO = Io<scalar_t>, typename T = typename IO::stored>
+struct GradRows {
+  static void run(const T* x, const int64_t* target, const float* max, const float* sum_exp, const float* scale,
+                  int64_t first, int64_t last, int64_t n, int64_t class_start, T* grad) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* xr = x + r * n;
+      T* gr = grad + r * n;
+      const float m = max[r];
+      const float factor = scale[r] / sum_exp[r];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        gr[j] = IO::store(exp_of(IO::load(xr[j]) - m) * factor);
+      }
+      const int64_t local = target[r] - class_start;
+      if (local >= 0 && local < n) {
+        gr[local] = IO::store(exp_of(IO::load(xr[local]) - m) * factor - scale[r]);
+      }
+    }
+  }
+};
+
+// The entry points: Loop::run inlined and vectorised for each instruction set.
+template <typename Loop, typename... Args>
+[[gnu::flatten]] void run_baseline(Args... args) {
+  Loop::run(args...);
+}
+#if defined(__x86_64__)
+template <typename Loop, typename... Args>
+[[gnu::target("avx2,fma"), gnu::flatten]] void run_avx2(Args... args) {
+  Loop::run(args...);
+}
+template <typename Loop, typename... Args>
+[[gnu::target("avx512f,avx512bw,avx512dq,avx512vl"), gnu::flatten]] void run_avx512(Args... args) {
+  Loop::run(args...);
+}
+#endif
+
+// Loop::run compiled for `isa` (the pointer argument gives only its signature).
+template <typename Loop, typename... Args>
+auto entry_for(CrossEntropyIsa isa, void (*)(Args...)) -> void (*)(Args...) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case CrossEntropyIsa::Avx512: return run_avx512<Loop, Args...>;
+    case CrossEntropyIsa::Avx2: return run_avx2<Loop, Args...>;
+#endif
+    default: return run_baseline<Loop, Args...>;
+  }
+}
+
+template <typename Loop>
+auto entry_for(CrossEntropyIsa isa) {
+  return entry_for<Loop>(isa, static_cast<decltype(&Loop::run)>(nullptr));
+}
+
+int64_t row_grain(int64_t classes) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, classes));
+}
+
+void check_fused_rows(const char* what, const at::Tensor& logits, const at::Tensor& target) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              what, ": logits must be a contiguous [rows, n] CPU float32 or bfloat16 tensor, got ", logits.sizes(),
+              " of ", logits.scalar_type());
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0) && target.is_contiguous() &&
+                  target.scalar_type() == at::kLong,
+              what, ": target must be a contiguous int64 [rows], got ", target.sizes(), " of ", target.scalar_type());
+}
+
+} // namespace
+
+std::vector<CrossEntropyIsa> supported_cross_entropy_isas() {
+  std::vector<CrossEntropyIsa> isas;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+    isas.push_back(CrossEntropyIsa::Avx512);
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    isas.push_back(CrossEntropyIsa::Avx2);
+  }
+#endif
+  isas.push_back(CrossEntropyIsa::Baseline);
+  return isas;
+}
+
+const char* cross_entropy_isa_name(CrossEntropyIsa isa) {
+  switch (isa) {
+    case CrossEntropyIsa::Avx512: return "avx512";
+    case CrossEntropyIsa::Avx2: return "avx2";
+    case CrossEntropyIsa::Baseline: return "baseline";
+  }
+  return "unknown";
+}
+
+at::Tensor cross_entropy_local_statistics_with(CrossEntropyIsa isa, const at::Tensor& logits,
+                                               const at::Tensor& target, int64_t class_start) {
+  check_fused_rows("torch_tp::cross_entropy_local_statistics_with", logits, target);
+  const int64_t rows = logits.size(0);
+  const int64_t n = logits.size(1);
+  at::Tensor stats = at::empty({3, rows}, target.options().dtype(at::kFloat));
+  float* s = stats.mutable_data_ptr<float>();
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  const auto run = [&](auto kernel, const auto* x) {
+    at::parallel_for(0, rows, row_grain(n), [&](int64_t first, int64_t last) {
+      kernel(x, t, first, last, rows, n, class_start, s);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) {
+    run(entry_for<StatisticsRows<float>>(isa), stored_data<float>(logits));
+  } else {
+    run(entry_for<StatisticsRows<c10::BFloat16>>(isa), stored_data<c10::BFloat16>(logits));
+  }
+  return stats;
+}
+
+at::Tensor cross_entropy_logits_grad_with(CrossEntropyIsa isa, const at::Tensor& logits, const at::Tensor& target,
+                                          const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& scale,
+                                          int64_t class_start) {
+  check_fused_rows("torch_tp::cross_entropy_logits_grad_with", logits, target);
+  const int64_t rows = logits.size(0);
+  const int64_t n = logits.size(1);
+  for (const at::Tensor* per_row : {&max, &sum_exp, &scale}) {
+    TORCH_CHECK(per_row->dim() == 1 && per_row->size(0) == rows && per_row->is_contiguous() &&
+                    per_row->scalar_type() == at::kFloat,
+                "torch_tp::cross_entropy_logits_grad_with: max, sum_exp and scale must be contiguous float32 [",
+                rows, "], got ", per_row->sizes(), " of ", per_row->scalar_type());
+  }
+  at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  const auto run = [&](auto kernel, const auto* x, auto* g) {
+    at::parallel_for(0, rows, row_grain(n), [&](int64_t first, int64_t last) {
+      kernel(x, t, max.const_data_ptr<float>(), sum_exp.const_data_ptr<float>(), scale.const_data_ptr<float>(),
+             first, last, n, class_start, g);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) {
+    run(entry_for<GradRows<float>>(isa), stored_data<float>(logits), mutable_stored_data<float>(grad));
+  } else {
+    run(entry_for<GradRows<c10::BFloat16>>(isa), stored_data<c10::BFloat16>(logits),
+        mutable_stored_data<c10::BFloat16>(grad));
+  }
+  return grad;
+}
+
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -133,23 +361,17 @@ using torch::autograd::variable_list;
 constexpr const char* kOp = "torch_tp::vocab_parallel_cross_entropy";
 constexpr const char* kBackwardOp = "torch_tp::vocab_parallel_cross_entropy backward";
 
-// Elements of the opmath buffer a pass fills at a time: ~1 MiB of float32 (NOTE
-// [fused cross entropy on the CPU]); a row longer than this takes a chunk of its own.
-constexpr int64_t kChunkElements = int64_t{1} << 18;
-
-int64_t rows_per_chunk(int64_t classes) {
-  return std::max<int64_t>(1, kChunkElements / std::max<int64_t>(1, classes));
-}
-
-int64_t row_grain(int64_t classes) {
-  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, classes));
+// The instruction set of the fused loops: the widest this CPU runs.
+CrossEntropyIsa fused_isa() {
+  static const CrossEntropyIsa isa = supported_cross_entropy_isas().front();
+  return isa;
 }
 
 // Whether the fused kernels compute this call (NOTE [fused cross entropy on the CPU]).
 bool fuses(const at::Tensor& logits) {
   const auto dtype = logits.scalar_type();
   return logits.device().is_cpu() && logits.layout() == at::kStrided &&
-         (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16);
+         (dtype == at::kFloat || dtype == at::kBFloat16);
 }
 
 std::string target_range_message(int64_t num_classes, int64_t ignore_index) {
@@ -158,11 +380,10 @@ std::string target_range_message(int64_t num_classes, int64_t ignore_index) {
 
 // ---------------------------------------------------------------- fused CPU kernels
 
-// w [rows] in opmath: weight[t] (1 without weight), 0 where t == ignore_index;
+// w [rows]: weight[t] (1 without weight), 0 where t == ignore_index;
 // raises, naming the first offending row, for a target outside [0, num_classes).
-template <typename opmath_t>
-void row_weights_cpu(const int64_t* target, int64_t rows, const opmath_t* weight, int64_t num_classes,
-                     int64_t ignore_index, opmath_t* w) {
+void row_weights_cpu(const int64_t* target, int64_t rows, const float* weight, int64_t num_classes,
+                     int64_t ignore_index, float* w) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = target[r];
     if (t == ignore_index) {
@@ -171,101 +392,36 @@ void row_weights_cpu(const int64_t* target, int64_t rows, const opmath_t* weight
     }
     TORCH_CHECK(t >= 0 && t < num_classes, target_range_message(num_classes, ignore_index), ": target ", t,
                 " in row ", r);
-    w[r] = weight != nullptr ? weight[t] : opmath_t(1);
+    w[r] = weight != nullptr ? weight[t] : 1.0f;
   }
-}
-
-// The passes over the shard: for each chunk of rows, fill(r, buffer_row) writes
-// row r's n exponents, one at::exp_ takes their exp in place, and
-// consume(r, buffer_row) reads them (NOTE [fused cross entropy on the CPU]).
-template <typename opmath_t, typename Fill, typename Consume>
-void for_each_chunk_of_exps(int64_t rows, int64_t n, const Fill& fill, const Consume& consume) {
-  const int64_t step = rows_per_chunk(n);
-  const auto dtype = c10::CppTypeToScalarType<opmath_t>::value;
-  const at::Tensor buffer = at::empty({std::min(rows, step), n}, at::dtype(dtype));
-  opmath_t* data = buffer.mutable_data_ptr<opmath_t>();
-  for (int64_t begin = 0; begin < rows; begin += step) {
-    const int64_t end = std::min(rows, begin + step);
-    at::parallel_for(begin, end, row_grain(n), [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-        fill(r, data + (r - begin) * n);
-      }
-    });
-    buffer.narrow(0, 0, end - begin).exp_();
-    at::parallel_for(begin, end, row_grain(n), [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-        consume(r, static_cast<const opmath_t*>(data + (r - begin) * n));
-      }
-    });
-  }
-}
-
-// (m_r, S_r, x_t or 0) of each row of x [rows, n], n > 0, into stats [3, rows].
-template <typename scalar_t, typename IO = Io<scalar_t>, typename T = typename IO::stored,
-          typename opmath_t = typename IO::opmath_t>
-void local_statistics_cpu(const T* x, const int64_t* target, int64_t rows, int64_t n, int64_t class_start,
-                          opmath_t* stats) {
-  opmath_t* local_max = stats;
-  opmath_t* local_sum = stats + rows;
-  opmath_t* target_logit = stats + 2 * rows;
-  const auto shift_row = [&](int64_t r, opmath_t* shifted) {
-    const T* xr = x + r * n;
-    opmath_t m = -std::numeric_limits<opmath_t>::infinity();
-    int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-    for (int64_t j = 0; j < n; ++j) {
-      const opmath_t v = IO::load(xr[j]);
-      m = v > m ? v : m;
-      nan |= v != v;
-    }
-    m = nan ? std::numeric_limits<opmath_t>::quiet_NaN() : m;
-    local_max[r] = m;
-    const opmath_t shift = std::isinf(m) ? opmath_t(0) : m;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      shifted[j] = IO::load(xr[j]) - shift;
-    }
-    const int64_t local = target[r] - class_start;
-    target_logit[r] = local >= 0 && local < n ? IO::load(xr[local]) : opmath_t(0);
-  };
-  const auto sum_row = [&](int64_t r, const opmath_t* exps) {
-    double sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      sum += exps[j];
-    }
-    local_sum[r] = static_cast<opmath_t>(sum);
-  };
-  for_each_chunk_of_exps<opmath_t>(rows, n, shift_row, sum_row);
 }
 
 // gathered [p, 3, rows] -> m, S [rows] and the weighted loss of each row [rows].
-template <typename opmath_t>
-void combine_cpu(const opmath_t* gathered, int64_t world_size, int64_t rows, const opmath_t* w, opmath_t* max,
-                 opmath_t* sum_exp, opmath_t* loss) {
+void combine_cpu(const float* gathered, int64_t world_size, int64_t rows, const float* w, float* max,
+                 float* sum_exp, float* loss) {
   for (int64_t i = 0; i < rows; ++i) {
-    opmath_t m = gathered[i];
+    float m = gathered[i];
     for (int64_t r = 1; r < world_size; ++r) {
-      const opmath_t v = gathered[r * 3 * rows + i];
+      const float v = gathered[r * 3 * rows + i];
       m = v > m || v != v ? v : m;  // a nan max stays
     }
-    opmath_t s = 0;
-    opmath_t target_logit = 0;
+    float s = 0;
+    float target_logit = 0;
     for (int64_t r = 0; r < world_size; ++r) {
-      const opmath_t* g = gathered + r * 3 * rows;
+      const float* g = gathered + r * 3 * rows;
       // exp(0) is 1 exactly; exp(inf - inf) must stay nan, as in the composition.
-      s += g[rows + i] * (g[i] == m && std::isfinite(m) ? opmath_t(1) : std::exp(g[i] - m));
+      s += g[rows + i] * (g[i] == m && std::isfinite(m) ? 1.0f : std::exp(g[i] - m));
       target_logit += g[2 * rows + i];
     }
     max[i] = m;
     sum_exp[i] = s;
-    loss[i] = w[i] != 0 ? (std::log(s) - (target_logit - m)) * w[i] : opmath_t(0);
+    loss[i] = w[i] != 0 ? (std::log(s) - (target_logit - m)) * w[i] : 0.0f;
   }
 }
 
 // The loss of the rows reduced as `reduction` says, in the logits' dtype.
-template <typename scalar_t, typename IO = Io<scalar_t>, typename opmath_t = typename IO::opmath_t>
-at::Tensor reduce_cpu(const opmath_t* loss, const opmath_t* w, const at::Tensor& target, LossReduction reduction) {
+template <typename scalar_t, typename IO = Io<scalar_t>>
+at::Tensor reduce_cpu(const float* loss, const float* w, const at::Tensor& target, LossReduction reduction) {
   const int64_t rows = target.numel();
   const auto options = target.options().dtype(c10::CppTypeToScalarType<scalar_t>::value);
   if (reduction == LossReduction::None) {
@@ -284,62 +440,33 @@ at::Tensor reduce_cpu(const opmath_t* loss, const opmath_t* w, const at::Tensor&
   }
   at::Tensor out = at::empty({}, options);
   const double value = reduction == LossReduction::Sum ? total : total / weight_total;
-  *mutable_stored_data<scalar_t>(out) = IO::store(static_cast<opmath_t>(value));
+  *mutable_stored_data<scalar_t>(out) = IO::store(static_cast<float>(value));
   return out;
 }
 
 // d reduced / d loss_i, times w_i, of every row: [rows] in opmath.
-template <typename opmath_t>
-void row_grad_scale_cpu(const at::Tensor& grad_loss, const opmath_t* w, int64_t rows, LossReduction reduction,
-                        opmath_t* scale) {
-  const at::Tensor g = grad_loss.to(c10::CppTypeToScalarType<opmath_t>::value).contiguous();
-  const opmath_t* gd = g.const_data_ptr<opmath_t>();
+void row_grad_scale_cpu(const at::Tensor& grad_loss, const float* w, int64_t rows, LossReduction reduction,
+                        float* scale) {
+  const at::Tensor g = grad_loss.to(at::kFloat).contiguous();
+  const float* gd = g.const_data_ptr<float>();
   if (reduction == LossReduction::None) {
     for (int64_t i = 0; i < rows; ++i) {
       scale[i] = gd[i] * w[i];
     }
     return;
   }
-  opmath_t factor = gd[0];
+  float factor = gd[0];
   if (reduction == LossReduction::Mean) {
     double weight_total = 0;
     for (int64_t i = 0; i < rows; ++i) {
       weight_total += w[i];
     }
-    factor /= static_cast<opmath_t>(weight_total);
+    factor /= static_cast<float>(weight_total);
   }
   for (int64_t i = 0; i < rows; ++i) {
     // A row of weight 0 gets 0, not 0 * inf, when every weight is 0 ("mean").
-    scale[i] = w[i] != 0 ? factor * w[i] : opmath_t(0);
+    scale[i] = w[i] != 0 ? factor * w[i] : 0.0f;
   }
-}
-
-// grad_x [rows, n] = exp(x - m) * scale / S, less scale at the target class on the rank holding it.
-template <typename scalar_t, typename IO = Io<scalar_t>, typename T = typename IO::stored,
-          typename opmath_t = typename IO::opmath_t>
-void logits_grad_cpu(const T* x, const int64_t* target, const opmath_t* max, const opmath_t* sum_exp,
-                     const opmath_t* scale, int64_t rows, int64_t n, int64_t class_start, T* grad) {
-  const auto shift_row = [&](int64_t r, opmath_t* shifted) {
-    const T* xr = x + r * n;
-    const opmath_t m = max[r];
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      shifted[j] = IO::load(xr[j]) - m;
-    }
-  };
-  const auto write_row = [&](int64_t r, const opmath_t* exps) {
-    T* gr = grad + r * n;
-    const opmath_t factor = scale[r] / sum_exp[r];
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      gr[j] = IO::store(exps[j] * factor);
-    }
-    const int64_t local = target[r] - class_start;
-    if (local >= 0 && local < n) {
-      gr[local] = IO::store(exps[local] * factor - scale[r]);
-    }
-  };
-  for_each_chunk_of_exps<opmath_t>(rows, n, shift_row, write_row);
 }
 
 // ---------------------------------------------------------------- compositions (other devices, float16)
@@ -430,39 +557,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   }
   const int64_t n = logits.size(-1);
   const int64_t rows = target.numel();
-  const at::Tensor x = logits.contiguous();
-  const at::Tensor t = target.contiguous();
-  const auto opmath = at::toOpMathType(logits.scalar_type());
-  const auto options = target.options().dtype(opmath);
+  const at::Tensor x = logits.reshape({rows, n}).contiguous();
+  const at::Tensor t = target.reshape({rows}).contiguous();
+  const auto options = target.options().dtype(at::kFloat);
+  const at::Tensor weight_float =
+      weight.has_value() && weight->defined() ? weight->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor w = at::empty({rows}, options);
-  at::Tensor stats = at::empty({1, 3, rows}, options);
+  row_weights_cpu(t.const_data_ptr<int64_t>(), rows,
+                  weight_float.defined() ? weight_float.const_data_ptr<float>() : nullptr, num_classes, ignore_index,
+                  w.mutable_data_ptr<float>());
+  const at::Tensor stats = cross_entropy_local_statistics_with(fused_isa(), x, t, args.class_start);
+  const at::Tensor gathered =
+      start_all_gather(kOp, args.group, /*async_op=*/false, stats.unsqueeze(0), 0, std::nullopt).wait().contiguous();
   at::Tensor max = at::empty({rows}, options);
   at::Tensor sum_exp = at::empty({rows}, options);
-  at::Tensor loss;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), kOp, [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const at::Tensor weight_opmath =
-        weight.has_value() && weight->defined() ? weight->to(opmath).contiguous() : at::Tensor();
-    row_weights_cpu<opmath_t>(t.const_data_ptr<int64_t>(), rows,
-                              weight_opmath.defined() ? weight_opmath.const_data_ptr<opmath_t>() : nullptr,
-                              num_classes, ignore_index, w.mutable_data_ptr<opmath_t>());
-    opmath_t* s = stats.mutable_data_ptr<opmath_t>();
-    if (n == 0) {  // a rank holding no classes
-      std::fill(s, s + rows, -std::numeric_limits<opmath_t>::infinity());
-      std::fill(s + rows, s + 3 * rows, opmath_t(0));
-    } else {
-      local_statistics_cpu<scalar_t>(stored_data<scalar_t>(x), t.const_data_ptr<int64_t>(), rows, n,
-                                     args.class_start, s);
-    }
-    const at::Tensor gathered =
-        start_all_gather(kOp, args.group, /*async_op=*/false, stats, 0, std::nullopt).wait().contiguous();
-    at::Tensor loss_rows = at::empty({rows}, options);
-    combine_cpu<opmath_t>(gathered.const_data_ptr<opmath_t>(), args.group->getSize(), rows,
-                          w.const_data_ptr<opmath_t>(), max.mutable_data_ptr<opmath_t>(),
-                          sum_exp.mutable_data_ptr<opmath_t>(), loss_rows.mutable_data_ptr<opmath_t>());
-    loss = reduce_cpu<scalar_t>(loss_rows.const_data_ptr<opmath_t>(), w.const_data_ptr<opmath_t>(), t,
-                                args.reduction);
-  });
+  at::Tensor loss_rows = at::empty({rows}, options);
+  combine_cpu(gathered.const_data_ptr<float>(), args.group->getSize(), rows, w.const_data_ptr<float>(),
+              max.mutable_data_ptr<float>(), sum_exp.mutable_data_ptr<float>(), loss_rows.mutable_data_ptr<float>());
+  const auto reduce = logits.scalar_type() == at::kFloat ? reduce_cpu<float> : reduce_cpu<c10::BFloat16>;
+  const at::Tensor loss = reduce(loss_rows.const_data_ptr<float>(), w.const_data_ptr<float>(), target,
+                                 args.reduction);
   return {loss, max, sum_exp, w};
 }
 
@@ -479,25 +593,13 @@ at::Tensor cross_entropy_backward_kernel(const at::Tensor& grad_loss, const at::
   }
   const int64_t n = logits.size(-1);
   const int64_t rows = target.numel();
-  const at::Tensor x = logits.contiguous();
-  at::Tensor grad = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (n == 0 || rows == 0) {
-    return grad;
-  }
-  const at::Tensor t = target.contiguous();
-  const at::Tensor m = max.contiguous();
-  const at::Tensor s = sum_exp.contiguous();
-  const at::Tensor w = row_weight.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), kBackwardOp, [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    at::Tensor scale = at::empty({rows}, w.options());
-    row_grad_scale_cpu<opmath_t>(grad_loss, w.const_data_ptr<opmath_t>(), rows, args.reduction,
-                                 scale.mutable_data_ptr<opmath_t>());
-    logits_grad_cpu<scalar_t>(stored_data<scalar_t>(x), t.const_data_ptr<int64_t>(), m.const_data_ptr<opmath_t>(),
-                              s.const_data_ptr<opmath_t>(), scale.const_data_ptr<opmath_t>(), rows, n,
-                              args.class_start, mutable_stored_data<scalar_t>(grad));
-  });
-  return grad;
+  const at::Tensor w = row_weight.reshape({rows}).contiguous();
+  at::Tensor scale = at::empty({rows}, w.options());
+  row_grad_scale_cpu(grad_loss, w.const_data_ptr<float>(), rows, args.reduction, scale.mutable_data_ptr<float>());
+  return cross_entropy_logits_grad_with(fused_isa(), logits.reshape({rows, n}).contiguous(),
+                                        target.reshape({rows}).contiguous(), max.reshape({rows}).contiguous(),
+                                        sum_exp.reshape({rows}).contiguous(), scale, args.class_start)
+      .view(logits.sizes());
 }
 
 // ---------------------------------------------------------------- autograd

@@ -77,7 +77,7 @@ at::Tensor column_parallel_embedding(const at::Tensor& ids, const at::Tensor& we
 // every rank, weight the whole [num_classes]. Returns the loss on every rank
 // in logits' dtype: 0-d for reduction "mean" (over the rows' weights) or
 // "sum", [..] for "none". One all-gather forward, no communication backward;
-// float32, float64 and bfloat16 on the CPU in fused passes over the shard.
+// float32 and bfloat16 on the CPU in fused passes over the shard.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
                                         c10::string_view group_name, int64_t num_classes,
                                         const std::optional<at::Tensor>& weight = std::nullopt,
