@@ -447,7 +447,7 @@ at::Tensor reduce_cpu(const float* loss, const float* w, const at::Tensor& targe
   return out;
 }
 
-// d reduced / d loss_i, times w_i, of every row: [rows] in opmath.
+// d reduced / d loss_i, times w_i, of every row: [rows].
 void row_grad_scale_cpu(const at::Tensor& grad_loss, const float* w, int64_t rows, LossReduction reduction,
                         float* scale) {
   const at::Tensor g = grad_loss.to(at::kFloat).contiguous();
@@ -472,7 +472,7 @@ void row_grad_scale_cpu(const at::Tensor& grad_loss, const float* w, int64_t row
   }
 }
 
-// ---------------------------------------------------------------- compositions (other devices, float16)
+// ---------------------------------------------------------------- compositions (float64, float16, other devices)
 
 at::Tensor reduce_composite(const at::Tensor& loss, const at::Tensor& w, LossReduction reduction) {
   switch (reduction) {
@@ -549,7 +549,8 @@ at::Tensor backward_composite(const at::Tensor& grad_loss, const at::Tensor& log
 // ---------------------------------------------------------------- the pieces' kernels
 
 // (loss, max [rows], sum_exp [rows], row_weight [rows]): the loss reduced as
-// `reduction` says in logits' dtype, and the rows' global m, S and w_t in opmath.
+// `reduction` says in logits' dtype, and the rows' global m, S and w_t in opmath
+// (float32 on the fused path).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward_kernel(
     const at::Tensor& logits, const at::Tensor& target, c10::string_view group_name, int64_t num_classes,
     const std::optional<at::Tensor>& weight, int64_t ignore_index, c10::string_view reduction) {
