@@ -141,8 +141,8 @@ namespace {
 // correctly rounded value (every 16th float there checked against double's
 // exp), as ATen's own vectorised exps (which the unsharded F.cross_entropy
 // runs) are within a few. It is branch-free arithmetic the compiler vectorises, so the loops are
-// compiled once per instruction set (the entry points below, as NOTE
-// [portable vectorisation] in csrc/backend/reduce_kernels.cpp), widest first.
+// compiled once per instruction set (NOTE [instruction-set variants of the
+// row loops] in cpu_isa.h).
 // Below -87.34 exp is under FLT_MIN and returns 0 (softmax terms that small
 // change no float sum they are in); from 88.38 up it is inf (2^128: exact
 // only from log(FLT_MAX) = 88.72 up, but the loops call it on x - max <= 0,
@@ -232,39 +232,6 @@ struct GradRows {
   }
 };
 
-// The entry points: Loop::run inlined and vectorised for each instruction set.
-template <typename Loop, typename... Args>
-[[gnu::flatten]] void run_baseline(Args... args) {
-  Loop::run(args...);
-}
-#if defined(__x86_64__)
-template <typename Loop, typename... Args>
-[[gnu::target("avx2,fma"), gnu::flatten]] void run_avx2(Args... args) {
-  Loop::run(args...);
-}
-template <typename Loop, typename... Args>
-[[gnu::target("avx512f,avx512bw,avx512dq,avx512vl"), gnu::flatten]] void run_avx512(Args... args) {
-  Loop::run(args...);
-}
-#endif
-
-// Loop::run compiled for `isa` (the pointer argument gives only its signature).
-template <typename Loop, typename... Args>
-auto entry_for(CrossEntropyIsa isa, void (*)(Args...)) -> void (*)(Args...) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case CrossEntropyIsa::Avx512: return run_avx512<Loop, Args...>;
-    case CrossEntropyIsa::Avx2: return run_avx2<Loop, Args...>;
-#endif
-    default: return run_baseline<Loop, Args...>;
-  }
-}
-
-template <typename Loop>
-auto entry_for(CrossEntropyIsa isa) {
-  return entry_for<Loop>(isa, static_cast<decltype(&Loop::run)>(nullptr));
-}
-
 int64_t row_grain(int64_t classes) {
   return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, classes));
 }
@@ -281,32 +248,7 @@ void check_fused_rows(const char* what, const at::Tensor& logits, const at::Tens
 
 } // namespace
 
-std::vector<CrossEntropyIsa> supported_cross_entropy_isas() {
-  std::vector<CrossEntropyIsa> isas;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
-    isas.push_back(CrossEntropyIsa::Avx512);
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    isas.push_back(CrossEntropyIsa::Avx2);
-  }
-#endif
-  isas.push_back(CrossEntropyIsa::Baseline);
-  return isas;
-}
-
-const char* cross_entropy_isa_name(CrossEntropyIsa isa) {
-  switch (isa) {
-    case CrossEntropyIsa::Avx512: return "avx512";
-    case CrossEntropyIsa::Avx2: return "avx2";
-    case CrossEntropyIsa::Baseline: return "baseline";
-  }
-  return "unknown";
-}
-
-at::Tensor cross_entropy_local_statistics_with(CrossEntropyIsa isa, const at::Tensor& logits,
+at::Tensor cross_entropy_local_statistics_with(CpuIsa isa, const at::Tensor& logits,
                                                const at::Tensor& target, int64_t class_start) {
   check_fused_rows("torch_tp::cross_entropy_local_statistics_with", logits, target);
   const int64_t rows = logits.size(0);
@@ -320,14 +262,14 @@ at::Tensor cross_entropy_local_statistics_with(CrossEntropyIsa isa, const at::Te
     });
   };
   if (logits.scalar_type() == at::kFloat) {
-    run(entry_for<StatisticsRows<float>>(isa), stored_data<float>(logits));
+    run(isa_entry<StatisticsRows<float>>(isa), stored_data<float>(logits));
   } else {
-    run(entry_for<StatisticsRows<c10::BFloat16>>(isa), stored_data<c10::BFloat16>(logits));
+    run(isa_entry<StatisticsRows<c10::BFloat16>>(isa), stored_data<c10::BFloat16>(logits));
   }
   return stats;
 }
 
-at::Tensor cross_entropy_logits_grad_with(CrossEntropyIsa isa, const at::Tensor& logits, const at::Tensor& target,
+at::Tensor cross_entropy_logits_grad_with(CpuIsa isa, const at::Tensor& logits, const at::Tensor& target,
                                           const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& scale,
                                           int64_t class_start) {
   check_fused_rows("torch_tp::cross_entropy_logits_grad_with", logits, target);
@@ -348,9 +290,9 @@ at::Tensor cross_entropy_logits_grad_with(CrossEntropyIsa isa, const at::Tensor&
     });
   };
   if (logits.scalar_type() == at::kFloat) {
-    run(entry_for<GradRows<float>>(isa), stored_data<float>(logits), mutable_stored_data<float>(grad));
+    run(isa_entry<GradRows<float>>(isa), stored_data<float>(logits), mutable_stored_data<float>(grad));
   } else {
-    run(entry_for<GradRows<c10::BFloat16>>(isa), stored_data<c10::BFloat16>(logits),
+    run(isa_entry<GradRows<c10::BFloat16>>(isa), stored_data<c10::BFloat16>(logits),
         mutable_stored_data<c10::BFloat16>(grad));
   }
   return grad;
@@ -363,12 +305,6 @@ using torch::autograd::variable_list;
 
 constexpr const char* kOp = "torch_tp::vocab_parallel_cross_entropy";
 constexpr const char* kBackwardOp = "torch_tp::vocab_parallel_cross_entropy backward";
-
-// The instruction set of the fused loops: the widest this CPU runs.
-CrossEntropyIsa fused_isa() {
-  static const CrossEntropyIsa isa = supported_cross_entropy_isas().front();
-  return isa;
-}
 
 // Whether the fused kernels compute this call (NOTE [fused cross entropy on the CPU]).
 bool fuses(const at::Tensor& logits) {
@@ -570,7 +506,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_forward
   row_weights_cpu(t.const_data_ptr<int64_t>(), rows,
                   weight_float.defined() ? weight_float.const_data_ptr<float>() : nullptr, num_classes, ignore_index,
                   w.mutable_data_ptr<float>());
-  const at::Tensor stats = cross_entropy_local_statistics_with(fused_isa(), x, t, args.class_start);
+  const at::Tensor stats = cross_entropy_local_statistics_with(widest_cpu_isa(), x, t, args.class_start);
   const at::Tensor gathered =
       start_all_gather(kOp, args.group, /*async_op=*/false, stats.unsqueeze(0), 0, std::nullopt).wait().contiguous();
   at::Tensor max = at::empty({rows}, options);
@@ -600,7 +536,7 @@ at::Tensor cross_entropy_backward_kernel(const at::Tensor& grad_loss, const at::
   const at::Tensor w = row_weight.reshape({rows}).contiguous();
   at::Tensor scale = at::empty({rows}, w.options());
   row_grad_scale_cpu(grad_loss, w.const_data_ptr<float>(), rows, args.reduction, scale.mutable_data_ptr<float>());
-  return cross_entropy_logits_grad_with(fused_isa(), logits.reshape({rows, n}).contiguous(),
+  return cross_entropy_logits_grad_with(widest_cpu_isa(), logits.reshape({rows, n}).contiguous(),
                                         target.reshape({rows}).contiguous(), max.reshape({rows}).contiguous(),
                                         sum_exp.reshape({rows}).contiguous(), scale, args.class_start)
       .view(logits.sizes());

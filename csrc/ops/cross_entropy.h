@@ -2,12 +2,13 @@
 // What the kernels of torch_tp::vocab_parallel_cross_entropy's pieces and
 // their Meta kernels share (cross_entropy.cpp, meta.cpp).
 
+#include "ops/cpu_isa.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <optional>
-#include <vector>
 
 namespace torch_tp {
 
@@ -36,24 +37,19 @@ void check_cross_entropy_backward_args(const char* op, const at::Tensor& grad_lo
                                        const at::Tensor& target, const at::Tensor& max, const at::Tensor& sum_exp,
                                        const at::Tensor& row_weight, LossReduction reduction);
 
-// The fused CPU loops' instruction-set variants (NOTE [exp in the row loops]
-// in cross_entropy.cpp), for tests that hold every one this CPU runs to the
-// same results: the variants it supports (widest first, the one the op
-// takes), and the loops run with a given one of them.
-enum class CrossEntropyIsa { Avx512, Avx2, Baseline };
-std::vector<CrossEntropyIsa> supported_cross_entropy_isas();
-const char* cross_entropy_isa_name(CrossEntropyIsa isa);
-
+// The fused CPU loops run with a given instruction-set variant (NOTE
+// [instruction-set variants of the row loops] in cpu_isa.h), for tests that
+// hold every one this CPU runs to the same results; the op runs the widest.
 // Each row's (m_r, S_r, x_t or 0) of logits [rows, n] (contiguous CPU float32
 // or bfloat16; target [rows] int64): [3, rows] float32 (NOTE [vocab-parallel
 // cross entropy]); x_t is 0 where the target class is outside [class_start,
 // class_start + n).
-at::Tensor cross_entropy_local_statistics_with(CrossEntropyIsa isa, const at::Tensor& logits,
+at::Tensor cross_entropy_local_statistics_with(CpuIsa isa, const at::Tensor& logits,
                                                const at::Tensor& target, int64_t class_start);
 
 // The logits' gradient [rows, n] in their dtype: exp(x - max) * scale /
 // sum_exp, less scale at the target class (max, sum_exp, scale: [rows] float32).
-at::Tensor cross_entropy_logits_grad_with(CrossEntropyIsa isa, const at::Tensor& logits, const at::Tensor& target,
+at::Tensor cross_entropy_logits_grad_with(CpuIsa isa, const at::Tensor& logits, const at::Tensor& target,
                                           const at::Tensor& max, const at::Tensor& sum_exp, const at::Tensor& scale,
                                           int64_t class_start);
 

@@ -24,7 +24,7 @@
 
 namespace {
 
-using torch_tp::CrossEntropyIsa;
+using torch_tp::CpuIsa;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -71,10 +71,10 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, double t
 }
 
 TEST(CrossEntropyRows, EveryInstructionSetGivesTheStatisticsOfFloat64) {
-  for (const CrossEntropyIsa isa : torch_tp::supported_cross_entropy_isas()) {
+  for (const CpuIsa isa : torch_tp::supported_cpu_isas()) {
     for (const auto dtype : {at::kFloat, at::kBFloat16}) {
       for (const int64_t n : {1, 15, 16, 17, 100, 1000, 2500}) {
-        const std::string what = std::string(torch_tp::cross_entropy_isa_name(isa)) + " " +
+        const std::string what = std::string(torch_tp::cpu_isa_name(isa)) + " " +
                                  c10::toString(dtype) + " n=" + std::to_string(n);
         const at::Tensor x = logits_of(n).to(dtype);
         const int64_t class_start = 7;  // targets below it and past its classes are not here
@@ -90,19 +90,19 @@ TEST(CrossEntropyRows, EveryInstructionSetGivesTheStatisticsOfFloat64) {
 }
 
 TEST(CrossEntropyRows, ARankWithoutClassesGivesAnEmptyShard) {
-  for (const CrossEntropyIsa isa : torch_tp::supported_cross_entropy_isas()) {
+  for (const CpuIsa isa : torch_tp::supported_cpu_isas()) {
     const at::Tensor got =
         torch_tp::cross_entropy_local_statistics_with(isa, at::empty({3, 0}), at::zeros({3}, at::kLong), 0);
     expect_close(got, at::tensor({-kInf, -kInf, -kInf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0}).view({3, 3}), 0.0,
-                 torch_tp::cross_entropy_isa_name(isa));
+                 torch_tp::cpu_isa_name(isa));
   }
 }
 
 TEST(CrossEntropyRows, EveryInstructionSetGivesTheGradientOfFloat64) {
-  for (const CrossEntropyIsa isa : torch_tp::supported_cross_entropy_isas()) {
+  for (const CpuIsa isa : torch_tp::supported_cpu_isas()) {
     for (const auto dtype : {at::kFloat, at::kBFloat16}) {
       for (const int64_t n : {1, 15, 16, 17, 1000, 2500}) {
-        const std::string what = std::string(torch_tp::cross_entropy_isa_name(isa)) + " " +
+        const std::string what = std::string(torch_tp::cpu_isa_name(isa)) + " " +
                                  c10::toString(dtype) + " n=" + std::to_string(n);
         // Finite rows (the special values' gradients are nan or 0 by the same formula, shown above for the sums).
         at::manual_seed(n + 1);
