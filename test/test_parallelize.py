@@ -847,12 +847,23 @@ def _check_linear_entries():
     # Arguments beyond the entry's (gather_dim) are handed to torch.ops as they are.
     assert torch.equal(torch_tp._C._column_parallel_linear(x, weight, None, group, 1),
                        torch.ops.torch_tp.column_parallel_linear(x, weight, None, group, 1))
+    # partial_grad_input, the one keyword the entry takes itself: the op's output, and its input
+    # gradient left unreduced (each rank's partial sum) as the op leaves it.
+    for partial in (True, False):
+        grads = []
+        for call in (torch_tp._C._column_parallel_linear, torch.ops.torch_tp.column_parallel_linear):
+            leaf = x.clone().requires_grad_()
+            out = call(leaf, weight, None, group, partial_grad_input=partial)
+            out.square().sum().backward()
+            grads.append((out.detach(), leaf.grad))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), partial
     # Bad input: the error torch.ops gives, from the entry's own call or its hand-over.
-    for args in ((x[..., :5], weight, None, group), (x, weight, None, "no such group"), (x, "weight", None, group)):
+    for args, kwargs in (((x[..., :5], weight, None, group), {}), ((x, weight, None, "no such group"), {}),
+                         ((x, "weight", None, group), {}), ((x, weight, None, group), {"no_such_argument": True})):
         with pytest.raises(Exception) as from_ops:
-            torch.ops.torch_tp.column_parallel_linear(*args)
+            torch.ops.torch_tp.column_parallel_linear(*args, **kwargs)
         with pytest.raises(Exception) as from_entry:
-            torch_tp._C._column_parallel_linear(*args)
+            torch_tp._C._column_parallel_linear(*args, **kwargs)
         assert type(from_entry.value) is type(from_ops.value), (args[1:], from_entry.value, from_ops.value)
         assert str(from_entry.value) == str(from_ops.value), (args[1:], from_entry.value, from_ops.value)
 

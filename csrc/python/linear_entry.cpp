@@ -73,24 +73,32 @@ PyObject* call_without_gil(const Call& call) {
   return THPVariable_Wrap(std::move(out));
 }
 
-// torch.ops.torch_tp.<name>(*args): whatever the entry does not take itself.
-PyObject* call_torch_ops(const char* name, PyObject* const* args, Py_ssize_t nargs) {
+// torch.ops.torch_tp.<name>(*args, **kwargs) (vectorcall's layout: `kwnames`
+// names the values after the nargs positional ones): whatever the entry does not take itself.
+PyObject* call_torch_ops(const char* name, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames = nullptr) {
   const py::object op = py::module_::import("torch").attr("ops").attr("torch_tp").attr(name);
-  return PyObject_Vectorcall(op.ptr(), args, static_cast<size_t>(nargs), nullptr);
+  return PyObject_Vectorcall(op.ptr(), args, static_cast<size_t>(nargs), kwnames);
 }
 
-// _column_parallel_linear(x, weight, bias, group_name): torch.ops.torch_tp.column_parallel_linear
-// with its other arguments at their defaults (no gather, no activation).
-PyObject* column_parallel_linear_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+// _column_parallel_linear(x, weight, bias, group_name, *, partial_grad_input=False):
+// torch.ops.torch_tp.column_parallel_linear with no gather and no activation,
+// called the same way (the keyword is the only one the entry takes itself).
+PyObject* column_parallel_linear_entry(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs,
+                                      PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  if (nargs != 4 || !takes_linear_args(args)) {
-    return call_torch_ops("column_parallel_linear", args, nargs);
+  const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+  const bool keyword_ok = nkw == 0 ||
+      (nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "partial_grad_input") == 0 &&
+       PyBool_Check(args[nargs]));
+  if (nargs != 4 || !keyword_ok || !takes_linear_args(args)) {
+    return call_torch_ops("column_parallel_linear", args, nargs, kwnames);
   }
   const std::optional<at::Tensor> bias = optional_tensor(args[2]);
   const c10::string_view group_name = unpack_str(args[3]);
+  const bool partial_grad_input = nkw == 1 && args[nargs] == Py_True;
   return call_without_gil([&] {
     return torch_tp::column_parallel_linear(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), bias,
-                                            group_name);
+                                            group_name, std::nullopt, std::nullopt, "none", partial_grad_input);
   });
   END_HANDLE_TH_ERRORS
 }
@@ -114,9 +122,10 @@ PyObject* row_parallel_linear_entry(PyObject* /*module*/, PyObject* const* args,
 
 PyMethodDef linear_entry_methods[] = {
     {"_column_parallel_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(column_parallel_linear_entry)),
-     METH_FASTCALL,
-     "_column_parallel_linear(x, weight, bias, group_name): torch.ops.torch_tp.column_parallel_linear without "
-     "torch.ops' Python call (NOTE [calling the sharded linears from the modules] in csrc/python/linear_entry.cpp)"},
+     METH_FASTCALL | METH_KEYWORDS,
+     "_column_parallel_linear(x, weight, bias, group_name, *, partial_grad_input=False): "
+     "torch.ops.torch_tp.column_parallel_linear without torch.ops' Python call (NOTE [calling the sharded linears "
+     "from the modules] in csrc/python/linear_entry.cpp)"},
     {"_row_parallel_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(row_parallel_linear_entry)),
      METH_FASTCALL,
      "_row_parallel_linear(x, weight, bias, group_name, scatter_dim): torch.ops.torch_tp.row_parallel_linear "

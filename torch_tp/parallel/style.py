@@ -284,9 +284,10 @@ class _ColwiseModule(_ShardedModule):
 
 
 @torch.compiler.substitute_in_graph(_column_parallel_linear)
-def _column_parallel_linear_traced(x, weight, bias, group_name):
+def _column_parallel_linear_traced(x, weight, bias, group_name, partial_grad_input=False):
     # What dynamo traces in place of the C entry (it does not trace C functions).
-    return torch.ops.torch_tp.column_parallel_linear(x, weight, bias, group_name)
+    return torch.ops.torch_tp.column_parallel_linear(x, weight, bias, group_name,
+                                                     partial_grad_input=partial_grad_input)
 
 
 @torch.compiler.substitute_in_graph(_row_parallel_linear)
@@ -317,8 +318,8 @@ class _ColwiseLinear(_ColwiseModule):
                 # The same for the Replicate DTensor a PrepareModuleInput gather handed on (torchtitan's
                 # plan): what _tp_replicated_input and _tp_output_sharded_on_last do, without the layout
                 # machinery.
-                out = torch.ops.torch_tp.column_parallel_linear(x._tp_partial, local_tensor(weight), local_tensor(bias),
-                                                                 state.group.name, partial_grad_input=True)
+                out = _column_parallel_linear(x._tp_partial, local_tensor(weight), local_tensor(bias), state.group.name,
+                                              partial_grad_input=True)
                 state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
                 return out
         group_name = state.group.name
