@@ -75,6 +75,8 @@ class _ClassShard:
     start: int  # first class this rank holds
     length: int  # classes this rank holds (0 for a rank past the last piece)
     num_classes: int  # V, the global size of the class dim
+    world: int  # ranks of that mesh dim
+    rank: int  # this rank's place among them
 
 
 # NOTE [loss_parallel on a multi-dimensional mesh]
@@ -89,10 +91,39 @@ class _ClassShard:
 # refused, as torch refuses it.
 
 
+# Checked (spec, class dim) -> (spec, _ClassShard), by id: the spec is the same object from one step
+# to the next for the logits torch_tp hands on (its specs are shared, _layout._spec), and the checks
+# and DeviceMesh lookups behind a _ClassShard cost tens of microseconds a call. An entry holds its
+# spec, so the id is not reused while it exists; the table is cleared when it outgrows _KEPT_SHARDS.
+_class_shards: Dict[Tuple[int, int], Tuple[Any, _ClassShard]] = {}
+_KEPT_SHARDS = 1024
+
+
 def _class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
     """Check that ``x`` is sharded on ``dim`` (normalized) over exactly one mesh dim, as
     torch.chunk pieces, and say which classes this rank holds (NOTE [loss_parallel on a
     multi-dimensional mesh])."""
+    spec = dtensor_spec(x)
+    cached = _class_shards.get((id(spec), dim))
+    if cached is not None:
+        shard = cached[1]
+    else:
+        shard = _layout_class_shard(x, dim, fn, what)
+        if len(_class_shards) >= _KEPT_SHARDS:
+            _class_shards.clear()
+        _class_shards[(id(spec), dim)] = (spec, shard)
+    local = dtensor_local(x).size(dim)
+    if local != shard.length:
+        raise ValueError(_err(
+            fn, f"{what}'s local shard holds {local} of {shard.num_classes} classes on mesh rank {shard.rank} "
+            f"of {shard.world}, but torch.chunk gives it {shard.length}; shards must be torch.chunk pieces"))
+    return shard
+
+
+def _layout_class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
+    """Check that ``x`` is sharded on ``dim`` (normalized) over exactly one mesh dim, as
+    torch.chunk pieces, and say which classes this rank holds (NOTE [loss_parallel on a
+    multi-dimensional mesh]), from its spec alone."""
     mesh: DeviceMesh = x.device_mesh
     on_dim = [i for i, p in enumerate(x.placements) if type(p) is Shard and p.dim % max(x.ndim, 1) == dim]
     if not on_dim:
@@ -115,12 +146,7 @@ def _class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
     num_classes = x.shape[dim]
     world, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     start, length = chunk_range(num_classes, world, rank)
-    local = dtensor_local(x).size(dim)
-    if local != length:
-        raise ValueError(_err(
-            fn, f"{what}'s local shard holds {local} of {num_classes} classes on mesh rank {rank} "
-            f"of {world}, but torch.chunk gives it {length}; shards must be torch.chunk pieces"))
-    return _ClassShard(mesh.get_group(mesh_dim).group_name, mesh_dim, start, length, num_classes)
+    return _ClassShard(mesh.get_group(mesh_dim).group_name, mesh_dim, start, length, num_classes, world, rank)
 
 
 def _target_placements(x: DTensor, class_dim: int, shard: _ClassShard) -> Tuple[Placement, ...]:
