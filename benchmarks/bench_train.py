@@ -7,6 +7,8 @@ intra-op thread and with one per core (what a CPU user tries first), side by sid
 
 A step is forward, loss (inside loss_parallel() for the TP models), backward and a fused AdamW step. Scaling
 efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its time.
+Each step also takes the time at two points, when the loss is computed and when the gradients are complete,
+which splits it into forward + loss, backward and optimizer without a profiler (the notes' per-phase medians).
 Rank 0's torch.profiler view of a few untimed torch_tp steps splits a step into the GEMMs (aten::mm, addmm,
 bmm), the collectives (torch_tp_backend::* and c10d::* events, waiting for the peer included) and the rest.
 
@@ -19,10 +21,12 @@ unsharded baseline there.
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
 
+import contextlib
 import copy
 import os
 import sys
-from typing import Callable, Dict
+import time
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -55,7 +59,7 @@ class Case:
         reference = lm.Llama(c)
         tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(4321))
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        self.steps: Dict[str, Callable[[], None]] = {}
+        self.steps: Dict[str, Callable[[], Dict[str, float]]] = {}
         self.resets: Dict[str, Callable[[], None]] = {}
         rank0 = dist.get_rank() == 0
         for impl in impls:
@@ -64,7 +68,7 @@ class Case:
                 autocast = amp and not impl.endswith("float32")
                 model = copy.deepcopy(reference)
                 self.steps[impl] = (self._step(model, None, inputs, targets, threads, autocast) if rank0
-                                    else (lambda: None))
+                                    else self._idle)
             else:
                 api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
                 model = copy.deepcopy(reference)
@@ -76,30 +80,45 @@ class Case:
             self.resets[impl] = lambda model=model: model.zero_grad(set_to_none=True)
 
     @staticmethod
+    def _idle() -> Dict[str, float]:
+        """The unsharded steps on the other ranks: nothing, with the laps every rank must report."""
+        now = time.perf_counter()
+        return {"forward": now, "backward": now}
+
+    @staticmethod
     def _step(model, api, inputs, targets, threads: int, autocast: bool):
         optimizer = lm.make_optimizer(model, lr=1e-5)  # small: hundreds of repeats stay far from divergence
+        loss_context = contextlib.nullcontext if api is None else api.loss_parallel
 
-        def forward_backward() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = lm.cross_entropy_loss(model(inputs), targets)
-            loss.backward()
-
-        def step() -> None:
+        def step() -> Dict[str, float]:
+            """One training step; returns its laps: the loss computed, the gradients complete."""
             torch.set_num_threads(threads)
             try:
-                if api is None:
-                    forward_backward()
-                else:
-                    with api.loss_parallel():
-                        forward_backward()
+                with loss_context():
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        loss = lm.cross_entropy_loss(model(inputs), targets)
+                    t_forward = time.perf_counter()
+                    loss.backward()
+                if api is not None:
                     harness.complete_grads(model.parameters())
+                t_backward = time.perf_counter()
                 optimizer.step()
+                return {"forward": t_forward, "backward": t_backward}
             finally:
                 torch.set_num_threads(1)
         return step
 
 
-def breakdown(step: Callable[[], None], steps: int = 3) -> Dict[str, float]:
+def phases(samples: harness.Samples, impl: str) -> List[float]:
+    """``impl``'s forward + loss, backward and optimizer times (ms), from its laps: per repeat the slowest
+    rank's, then the median over repeats."""
+    per_rank = samples.per_rank
+    forward, backward = per_rank[f"{impl}/forward"], per_rank[f"{impl}/backward"]
+    return [harness.quantile(t.max(dim=0).values.tolist(), 0.5) * 1e3
+            for t in (forward, backward - forward, per_rank[impl] - backward)]
+
+
+def breakdown(step: Callable[[], Any], steps: int = 3) -> Dict[str, float]:
     """Rank 0's torch.profiler view of ``steps`` steps, per step, in ms."""
     prof = harness.profile(step, steps)
     gemm = collectives = 0.0
@@ -156,11 +175,16 @@ def measure(args):
         table.add({"config": name}, samples, extra=extra)
         c = case.config
         two = threads.median("unsharded", "ms") / threads.median("unsharded 2 threads", "ms")
+        split = {impl: phases(samples, impl) for impl in ("unsharded", "torch_tp")}
+        per_phase = "; ".join(
+            f"{phase} {u:.2f} unsharded, {t:.2f} torch_tp (scaling {u / (p * t):.2f})"
+            for phase, u, t in zip(("forward + loss", "backward", "optimizer"), split["unsharded"], split["torch_tp"]))
         notes.append(f"- {name}: {c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, ffn {c.ffn_hidden_dim}, vocab "
                      f"{VOCAB}; batch {batch} x seq {seq}. Rank 0's collectives per call (profiler self time, "
                      "waiting included): " + ", ".join(f"{k[4:]} {v:.3f} ms" for k, v in parts.items()
                                                       if k.startswith("per ")) +
-                     f". The 2-thread phase: 2 threads {two:.2f}x faster than 1 thread.")
+                     f". The 2-thread phase: 2 threads {two:.2f}x faster than 1 thread. Per phase (ms, medians of "
+                     f"the slowest rank's laps): {per_phase}.")
         del case
     compiled = ("; every side's blocks compiled (`block.compile(fullgraph=True)`, torchtitan's recipe; DTensor TP "
                 "left out: torch 2.14's own TP fails compiled in backward)") if args.compile else ""
@@ -180,7 +204,9 @@ def measure(args):
         "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross "
         "entropy (inside `loss_parallel()` for TP), backward, fused "
         "AdamW (lr 1e-5); DTensor's Partial norm-weight gradients redistributed before the optimizer. "
-        f"Scaling = unsharded / ({p} x TP step). `torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self "
+        f"Scaling = unsharded / ({p} x TP step). Per phase (notes): each step's laps when the loss is computed "
+        "and when the gradients are complete split it into forward + loss, backward and optimizer. "
+        f"`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self "
         "times per step over 3 untimed steps.",
         "tables": [table],
         "notes": ["\n".join(notes)],
