@@ -232,10 +232,6 @@ struct GradRows {
   }
 };
 
-int64_t row_grain(int64_t classes) {
-  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, classes));
-}
-
 void check_fused_rows(const char* what, const at::Tensor& logits, const at::Tensor& target) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu() &&
                   (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),

@@ -182,10 +182,6 @@ struct NormRows {
   };
 };
 
-int64_t row_grain(int64_t n) {
-  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(n, 1));
-}
-
 // x [rows, n] -> y (x's dtype), rstd [rows] (opmath), with `isa`'s loop.
 template <typename scalar_t, typename T = typename NormRows<scalar_t>::T,
           typename opmath_t = typename NormRows<scalar_t>::opmath_t>

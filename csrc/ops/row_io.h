@@ -8,10 +8,12 @@
 // float16 has no such path: its conversions are bit arithmetic that did not
 // vectorise here, so the fused kernels leave it to ATen's compositions.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/bit_cast.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace torch_tp {
@@ -45,6 +47,12 @@ const typename Io<scalar_t>::stored* stored_data(const at::Tensor& t) {
 template <typename scalar_t>
 typename Io<scalar_t>::stored* mutable_stored_data(const at::Tensor& t) {
   return reinterpret_cast<typename Io<scalar_t>::stored*>(t.mutable_data_ptr<scalar_t>());
+}
+
+// at::parallel_for's grain for loops over rows of n elements: about GRAIN_SIZE
+// elements a chunk, at least one row.
+inline int64_t row_grain(int64_t n) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(n, 1));
 }
 
 } // namespace torch_tp

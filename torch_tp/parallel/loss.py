@@ -121,9 +121,7 @@ def _class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
 
 
 def _layout_class_shard(x: DTensor, dim: int, fn: str, what: str) -> _ClassShard:
-    """Check that ``x`` is sharded on ``dim`` (normalized) over exactly one mesh dim, as
-    torch.chunk pieces, and say which classes this rank holds (NOTE [loss_parallel on a
-    multi-dimensional mesh]), from its spec alone."""
+    """The checks of :func:`_class_shard` that read ``x``'s spec alone, and the shard it describes."""
     mesh: DeviceMesh = x.device_mesh
     on_dim = [i for i, p in enumerate(x.placements) if type(p) is Shard and p.dim % max(x.ndim, 1) == dim]
     if not on_dim:
