@@ -565,6 +565,46 @@ def test_embedding_opcheck(ranks, world_size):
     ranks(world_size).run(_check_embedding_opcheck, timeout=300)
 
 
+def _composed_shard_lookup(ids, weight, start, padding_idx):
+    """The ATen composition that vocab_parallel_embedding's fused lookup replaces on the CPU."""
+    owned = (ids >= start) & (ids < start + weight.size(0))
+    local = (ids - start).masked_fill(~owned, 0)
+    return torch.where(owned.unsqueeze(-1), F.embedding(local, weight, padding_idx), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_vocab_shard_lookup_matches_composition(dtype):
+    """The fused CPU lookup and its table gradient give the composition's numbers bit for bit (NOTE [the vocab
+    shard's lookup]): rows copied or zeroed forward, and backward each owned row summed in the order of the ids
+    and rounded as embedding's backward rounds, which shows in bfloat16 and float16, where every add rounds.
+    Ids repeat (a third of 300 onto one row) so that the order matters; padding rows, int32 ids and tables with
+    a row stride, and an element stride, of their own are covered. (The op's path through autograd is
+    test_vocab_parallel_embedding's, against F.embedding.)"""
+    vocab, rows, dim = 40, 8, 19
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(rows, 2 * dim, generator=gen, dtype=torch.float64).to(dtype)
+    tables = {"contiguous": wide[:, :dim].contiguous(), "row stride": wide[:, :dim], "element stride": wide[:, ::2]}
+    cases = [(16, None, torch.int64, "contiguous"), (0, 3, torch.int32, "row stride"),
+             (32, 7, torch.int64, "element stride"), (35, None, torch.int64, "row stride")]
+    for start, padding_idx, index_dtype, layout in cases:
+        weight = tables[layout]
+        ids = torch.randint(0, vocab, (6, 50), generator=gen).to(index_dtype)
+        ids[ids % 3 == 0] = start + 2
+        if padding_idx is not None:
+            ids[0, :5] = start + padding_idx
+        grad = torch.randn(*ids.shape, weight.size(1), generator=gen, dtype=torch.float64).to(dtype)
+        ref_w = _param(weight)
+        ref = _composed_shard_lookup(ids, ref_w, start, padding_idx)
+        ref.backward(grad)
+        case = (start, padding_idx, index_dtype, layout)
+        out = torch.ops.torch_tp._vocab_shard_lookup(ids, weight, start, vocab)
+        assert torch.equal(out, ref.detach()), case
+        grad_weight = torch.ops.torch_tp._vocab_shard_lookup_backward(
+            grad, ids, start, rows, -1 if padding_idx is None else padding_idx)
+        assert torch.equal(grad_weight, ref_w.grad), case
+        assert grad_weight.abs().sum() > 0, case
+
+
 # ---------------------------------------------------------------- errors
 
 

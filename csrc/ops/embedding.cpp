@@ -1,7 +1,8 @@
-// Sharded embeddings, written as compositions of ATen ops and the torch_tp
-// collectives (CompositeImplicitAutograd): their gradients, Meta shapes and
-// torch.compile decompositions come from the pieces, so there is no backward
-// to hand-write and no communication to overlap.
+// Sharded embeddings, written as compositions of ATen ops, the torch_tp
+// collectives and (vocab_parallel_embedding's local lookup) one op pair of
+// their own (CompositeImplicitAutograd): their gradients, Meta shapes and
+// torch.compile decompositions come from the pieces, and there is no
+// communication to overlap.
 //
 // vocab_parallel_embedding: rows (the vocabulary) sharded, rank r holding
 // torch.chunk piece r of vocab_size rows, [start, start + rows):
@@ -25,10 +26,17 @@
 #include "ops/common.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <cstring>
 
 namespace torch_tp {
 namespace {
+
+constexpr const char* kVocabOp = "torch_tp::vocab_parallel_embedding";
 
 void check_embedding_args(const char* op, const at::Tensor& ids, const at::Tensor& weight) {
   check_defined(op, "ids", ids);
@@ -40,6 +48,11 @@ void check_embedding_args(const char* op, const at::Tensor& ids, const at::Tenso
               "; expected a floating-point dtype");
   TORCH_CHECK(ids.device() == weight.device(), op, ": ids is on ", ids.device(), " but weight is on ",
               weight.device());
+}
+
+// The IndexError of an id outside [0, num_embeddings), as F.embedding's, naming the op.
+[[noreturn]] void raise_id_out_of_range(const char* op, int64_t id, int64_t num_embeddings, const char* what) {
+  TORCH_CHECK_INDEX(false, op, ": ids contains ", id, ", outside [0, ", num_embeddings, ") (", what, ")");
 }
 
 // NOTE [ids out of range]
@@ -60,8 +73,7 @@ void check_ids_in_range(const char* op, const at::Tensor& ids, int64_t num_embed
   } catch (const c10::Error&) {
     // Only real CPU data gets here, so reading it is fine.
     const at::Tensor bad = ids.masked_select((ids < 0) | (ids >= num_embeddings));
-    TORCH_CHECK_INDEX(false, op, ": ids contains ", bad.numel() > 0 ? bad[0].item<int64_t>() : -1,
-                      ", outside [0, ", num_embeddings, ") (", what, ")");
+    raise_id_out_of_range(op, bad.numel() > 0 ? bad[0].item<int64_t>() : -1, num_embeddings, what);
   }
 }
 
@@ -75,11 +87,183 @@ std::optional<int64_t> wrap_padding_idx(const char* op, std::optional<int64_t> p
   return *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
 }
 
+// NOTE [the vocab shard's lookup]
+// vocab_parallel_embedding's local part on rank r, whose table holds rows
+// [start, start + rows) of vocab_size:
+//   out[i]        = weight[ids[i] - start]   where start <= ids[i] < start + rows
+//                 = 0                        elsewhere                 [.., D]
+//   grad_weight[k] = sum of grad[i] over i with ids[i] = start + k,
+//                    k != padding_idx (local)                          [rows, D]
+// As ATen ops that is a dozen calls forward (the range check, the masks, the
+// shifted ids, embedding, where) and where's and embedding's gradients
+// backward: on a training step's ids each is a few microseconds of dispatch
+// around almost no work. At the example's shape (ids [4, 64], a [128, 256]
+// shard, one thread, on a group whose collectives do nothing) the op took
+// 150 us forward and 450 forward and backward; with the loops 30 and 160
+// (docs/benchmark_log.md, "A sixteenth stop"). So the pieces
+// _vocab_shard_lookup and _vocab_shard_lookup_backward run one loop each on
+// the CPU: a row copied or zeroed per id (after a pass that checks every id,
+// so a bad one raises before anything is written or communicated), and a row
+// added per owned id, in the order of i and with embedding_dense_backward's
+// rounding (opmath adds, bfloat16 and float16 rounded after each, as its row
+// add_), so both give the composition's numbers. Elsewhere (CUDA) the pieces are that composition. The
+// op differentiates through a Function whose backward is the backward piece;
+// a gradient taken with create_graph, and a forward-mode tangent on the
+// weight, go through the composition instead, which ATen differentiates.
+
+// The composition: out[i] as above, from ATen ops (differentiable, forward
+// mode included). padding_idx is local (-1: none); it matters to the backward.
+at::Tensor shard_lookup_composition(const at::Tensor& ids, const at::Tensor& weight, int64_t start,
+                                    int64_t vocab_size, int64_t padding_idx) {
+  check_ids_in_range(kVocabOp, ids, vocab_size, "vocab_size");
+  const int64_t rows = weight.size(0);
+  const at::Tensor owned = (ids >= start) & (ids < start + rows);
+  const at::Tensor local = (ids - start).masked_fill(owned.logical_not(), 0);
+  const at::Tensor looked_up = at::embedding(weight, local, padding_idx);
+  return at::where(owned.unsqueeze(-1), looked_up, at::zeros({}, looked_up.options()));
+}
+
+// The composition's gradient for the table: where's, then embedding's.
+at::Tensor shard_lookup_backward_composition(const at::Tensor& grad, const at::Tensor& ids, int64_t start,
+                                             int64_t rows, int64_t padding_idx) {
+  const at::Tensor owned = (ids >= start) & (ids < start + rows);
+  const at::Tensor local = (ids - start).masked_fill(owned.logical_not(), 0);
+  const at::Tensor masked = at::where(owned.unsqueeze(-1), grad, at::zeros({}, grad.options()));
+  return at::embedding_dense_backward(masked, local, rows, padding_idx, /*scale_grad_by_freq=*/false);
+}
+
+bool is_cpu_strided(const at::Tensor& t) {
+  return t.device().is_cpu() && t.layout() == at::kStrided;
+}
+
+// _vocab_shard_lookup: [.., D] of ids [..] in a table of rows [start, start +
+// weight.size(0)) (NOTE [the vocab shard's lookup]).
+at::Tensor vocab_shard_lookup_kernel(const at::Tensor& ids, const at::Tensor& weight, int64_t start,
+                                     int64_t vocab_size) {
+  if (!is_cpu_strided(ids) || !is_cpu_strided(weight)) {
+    return shard_lookup_composition(ids, weight, start, vocab_size, /*padding_idx=*/-1);
+  }
+  const at::Tensor ids_c = ids.contiguous();
+  const at::Tensor table = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const int64_t n = ids_c.numel();
+  const int64_t rows = table.size(0);
+  auto out_sizes = ids.sizes().vec();
+  out_sizes.push_back(table.size(1));
+  at::Tensor out = at::empty(out_sizes, table.options().memory_format(at::MemoryFormat::Contiguous));
+  const size_t row_bytes = static_cast<size_t>(table.size(1)) * table.element_size();
+  const int64_t table_stride = table.stride(0) * static_cast<int64_t>(table.element_size());
+  const auto* src = static_cast<const char*>(table.const_data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  AT_DISPATCH_INDEX_TYPES(ids_c.scalar_type(), "vocab_shard_lookup", [&] {
+    const index_t* id = ids_c.const_data_ptr<index_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (id[i] < 0 || id[i] >= vocab_size) {
+        raise_id_out_of_range(kVocabOp, id[i], vocab_size, "vocab_size");
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t k = static_cast<int64_t>(id[i]) - start;
+      char* to = dst + static_cast<size_t>(i) * row_bytes;
+      if (k >= 0 && k < rows) {
+        std::memcpy(to, src + k * table_stride, row_bytes);
+      } else if (row_bytes > 0) {
+        std::memset(to, 0, row_bytes);  // all-zero bits: +0.0 in every floating dtype
+      }
+    }
+  });
+  return out;
+}
+
+// _vocab_shard_lookup_backward: grad_weight [rows, D] from grad [.., D].
+at::Tensor vocab_shard_lookup_backward_kernel(const at::Tensor& grad, const at::Tensor& ids, int64_t start,
+                                              int64_t rows, int64_t padding_idx) {
+  if (!is_cpu_strided(grad) || !is_cpu_strided(ids)) {
+    return shard_lookup_backward_composition(grad, ids, start, rows, padding_idx);
+  }
+  const at::Tensor ids_c = ids.contiguous();
+  const at::Tensor grad_c = grad.contiguous();
+  const int64_t n = ids_c.numel();
+  const int64_t dim = grad.size(-1);
+  at::Tensor grad_weight = at::zeros({rows, dim}, grad.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "vocab_shard_lookup_backward", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* g = grad_c.const_data_ptr<scalar_t>();
+    scalar_t* gw = grad_weight.data_ptr<scalar_t>();
+    AT_DISPATCH_INDEX_TYPES(ids_c.scalar_type(), "vocab_shard_lookup_backward", [&] {
+      const index_t* id = ids_c.const_data_ptr<index_t>();
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t k = static_cast<int64_t>(id[i]) - start;
+        if (k < 0 || k >= rows || k == padding_idx) {
+          continue;
+        }
+        scalar_t* to = gw + k * dim;
+        const scalar_t* from = g + i * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          to[j] = static_cast<scalar_t>(static_cast<opmath_t>(to[j]) + static_cast<opmath_t>(from[j]));
+        }
+      }
+    });
+  });
+  return grad_weight;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using LookupSignature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using LookupBackwardSignature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t);
+
+// Inputs: weight, ids, start, vocab_size, padding_idx; only weight is differentiable.
+struct VocabShardLookupFunction : public torch::autograd::Function<VocabShardLookupFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, const at::Tensor& ids, int64_t start,
+                            int64_t vocab_size, int64_t padding_idx) {
+    static const auto lookup_op = find_op<LookupSignature>("torch_tp::_vocab_shard_lookup");
+    at::Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      out = lookup_op.call(ids, weight, start, vocab_size);
+    }
+    ctx->save_for_backward({ids});
+    ctx->saved_data["start"] = start;
+    ctx->saved_data["rows"] = weight.size(0);
+    ctx->saved_data["padding_idx"] = padding_idx;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto backward_op = find_op<LookupBackwardSignature>("torch_tp::_vocab_shard_lookup_backward");
+    variable_list out(5);
+    if (!grads[0].defined()) {
+      return out;
+    }
+    const at::Tensor ids = ctx->get_saved_variables()[0];
+    const int64_t start = ctx->saved_data["start"].toInt();
+    const int64_t rows = ctx->saved_data["rows"].toInt();
+    const int64_t padding_idx = ctx->saved_data["padding_idx"].toInt();
+    // create_graph: a gradient that is differentiable again (the pieces are not).
+    out[0] = at::GradMode::is_enabled() ? shard_lookup_backward_composition(grads[0], ids, start, rows, padding_idx)
+                                        : backward_op.call(grads[0], ids, start, rows, padding_idx);
+    return out;
+  }
+};
+
+at::Tensor vocab_shard_lookup(const at::Tensor& ids, const at::Tensor& weight, int64_t start, int64_t vocab_size,
+                              int64_t padding_idx) {
+  if (weight._fw_grad(/*level=*/0).defined()) {
+    return shard_lookup_composition(ids, weight, start, vocab_size, padding_idx);
+  }
+  if (needs_autograd(weight)) {
+    return VocabShardLookupFunction::apply(weight, ids, start, vocab_size, padding_idx);
+  }
+  static const auto lookup_op = find_op<LookupSignature>("torch_tp::_vocab_shard_lookup");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return lookup_op.call(ids, weight, start, vocab_size);
+}
+
 at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::Tensor& weight,
                                               c10::string_view group_name, int64_t vocab_size,
                                               std::optional<int64_t> padding_idx,
                                               std::optional<int64_t> scatter_dim) {
-  constexpr const char* op = "torch_tp::vocab_parallel_embedding";
+  constexpr const char* op = kVocabOp;
   check_embedding_args(op, ids, weight);
   TORCH_CHECK(vocab_size >= 0, op, ": vocab_size=", vocab_size, " must be >= 0");
   const auto group = resolve_group(op, group_name);
@@ -89,7 +273,6 @@ at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::T
               "'s torch.chunk piece of vocab_size=", vocab_size, " over ", group->getSize(), " ranks has ",
               rows.length, " rows");
   const auto padding = wrap_padding_idx(op, padding_idx, vocab_size);
-  check_ids_in_range(op, ids, vocab_size, "vocab_size");
   const bool scatter = scatter_dim.has_value();
   const int64_t dim = scatter ? wrap_dim(op, *scatter_dim, ids.dim() + 1, "scatter_dim", "the output") : 0;
   TORCH_CHECK(!scatter || dim != ids.dim(), op, ": scatter_dim=", *scatter_dim,
@@ -106,14 +289,12 @@ at::Tensor vocab_parallel_embedding_composite(const at::Tensor& ids, const at::T
     // This rank owns no rows (uneven split). The zeros still hang off the
     // (empty) table, so that every rank's autograd graph holds the same
     // collectives and the backward ones are not skipped here while peers wait.
+    check_ids_in_range(op, ids, vocab_size, "vocab_size");
     partial = at::zeros(out_sizes, weight.options()) + weight.sum();
   } else {
-    const at::Tensor owned = (ids >= rows.start) & (ids < rows.start + rows.length);
-    const at::Tensor local = (ids - rows.start).masked_fill(owned.logical_not(), 0);
+    // Checks the ids itself, before any collective (NOTE [ids out of range]).
     const bool owns_padding = padding && *padding >= rows.start && *padding < rows.start + rows.length;
-    const int64_t local_padding = owns_padding ? *padding - rows.start : -1;
-    const at::Tensor looked_up = at::embedding(weight, local, local_padding);
-    partial = at::where(owned.unsqueeze(-1), looked_up, at::zeros({}, looked_up.options()));
+    partial = vocab_shard_lookup(ids, weight, rows.start, vocab_size, owns_padding ? *padding - rows.start : -1);
   }
   return scatter ? reduce_scatter(partial, dim, "sum", group_name) : reduce_from_tp_region(partial, group_name);
 }
@@ -144,6 +325,18 @@ at::Tensor column_parallel_embedding_composite(const at::Tensor& ids, const at::
 TORCH_LIBRARY_IMPL(torch_tp, CompositeImplicitAutograd, m) {
   m.impl("vocab_parallel_embedding", vocab_parallel_embedding_composite);
   m.impl("column_parallel_embedding", column_parallel_embedding_composite);
+}
+
+// The loops on the CPU, the composition elsewhere (NOTE [the vocab shard's lookup]).
+TORCH_LIBRARY_IMPL(torch_tp, CompositeExplicitAutograd, m) {
+  m.impl("_vocab_shard_lookup", vocab_shard_lookup_kernel);
+  m.impl("_vocab_shard_lookup_backward", vocab_shard_lookup_backward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(torch_tp, Autograd, m) {
+  // The pieces are not differentiable themselves; the public op is.
+  m.impl("_vocab_shard_lookup", torch::autograd::autogradNotImplementedFallback());
+  m.impl("_vocab_shard_lookup_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
 } // namespace torch_tp

@@ -161,6 +161,18 @@ at::Tensor cross_entropy_backward_meta(const at::Tensor& grad_loss, const at::Te
   return at::empty_symint(logits.sym_sizes(), logits.options());
 }
 
+at::Tensor vocab_shard_lookup_meta(const at::Tensor& ids, const at::Tensor& weight, int64_t /*start*/,
+                                   int64_t /*vocab_size*/) {
+  auto sizes = ids.sym_sizes().vec();
+  sizes.push_back(weight.sym_size(1));
+  return at::empty_symint(sizes, weight.options());
+}
+
+at::Tensor vocab_shard_lookup_backward_meta(const at::Tensor& grad, const at::Tensor& /*ids*/, int64_t /*start*/,
+                                            int64_t rows, int64_t /*padding_idx*/) {
+  return at::empty_symint({c10::SymInt(rows), grad.sym_size(-1)}, grad.options());
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
@@ -179,6 +191,8 @@ TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("_rms_norm_backward", rms_norm_backward_meta);
   m.impl("_vocab_parallel_cross_entropy_forward", cross_entropy_forward_meta);
   m.impl("_vocab_parallel_cross_entropy_backward", cross_entropy_backward_meta);
+  m.impl("_vocab_shard_lookup", vocab_shard_lookup_meta);
+  m.impl("_vocab_shard_lookup_backward", vocab_shard_lookup_backward_meta);
 }
 
 } // namespace torch_tp

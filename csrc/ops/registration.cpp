@@ -46,6 +46,11 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def(
       "column_parallel_embedding(Tensor ids, Tensor weight, str group_name, int? padding_idx=None, "
       "int? gather_dim=None, int? full_size=None) -> Tensor");
+  // vocab_parallel_embedding's local lookup and its table gradient (embedding.cpp,
+  // NOTE [the vocab shard's lookup]): rows [start, start + weight.size(0)) of a
+  // vocab_size table; other ids give zero rows; padding_idx is local (-1: none).
+  m.def("_vocab_shard_lookup(Tensor ids, Tensor weight, int start, int vocab_size) -> Tensor");
+  m.def("_vocab_shard_lookup_backward(Tensor grad, Tensor ids, int start, int rows, int padding_idx) -> Tensor");
 
   // The pieces the autograd kernels of the linear ops dispatch to, so that
   // torch.compile traces forward and backward as ops. The forward also returns
