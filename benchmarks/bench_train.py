@@ -4,13 +4,23 @@ perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded mo
 intra-op thread and with one per core (what a CPU user tries first), side by side (CPU, eager).
 
     torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024] [--compile] [--amp]
+        [--cold]
 
-A step is forward, loss (inside loss_parallel() for the TP models), backward and a fused AdamW step. Scaling
+A step is forward, loss (inside loss_parallel() for the TP models), backward, a fused AdamW step and
+zero_grad(set_to_none=True), as a training loop runs them. Scaling
 efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its time.
 Each step also takes the time at two points, when the loss is computed and when the gradients are complete,
 which splits it into forward + loss, backward and optimizer without a profiler (the notes' per-phase medians).
 Rank 0's torch.profiler view of a few untimed torch_tp steps splits a step into the GEMMs (aten::mm, addmm,
 bmm), the collectives (torch_tp_backend::* and c10d::* events, waiting for the peer included) and the rest.
+
+A sample is a training loop's steady state: each implementation runs WARM_STEPS untimed steps, then
+STEADY_STEPS timed ones back to back (the sample: their mean; the laps: the last one's), implementations
+interleaved sample by sample against the VM's drift. A step right after another implementation's (--cold, how
+the sections up to issue 26's fifteenth stop were taken) starts with the other models' data in the caches and,
+after the unsharded step, with the other ranks' CPUs idle for a whole step; on the 2-vCPU VMs here that costs
+a 2-rank step more than a 1-rank one (a TP step 16% on an Intel Xeon, the unsharded step 6%:
+docs/benchmark_log.md, "A sixteenth stop"), and no training loop runs that way.
 
 With --amp every side runs its forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the CPU
 AMP recipe, and the unsharded float32 step runs beside them (**unsharded float32**): on a CPU without a native
@@ -37,11 +47,13 @@ import harness
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import llama_model as lm  # noqa: E402
 
-# name: (LlamaConfig overrides, batch, seq, repeats).
+# name: (LlamaConfig overrides, batch, seq, samples); --cold takes COLD_REPEATS x samples single steps.
 CONFIGS = {
-    "example": ({"dim": 256, "n_layers": 4, "n_heads": 4}, 4, 64, 60),
-    "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 2, 256, 12),
+    "example": ({"dim": 256, "n_layers": 4, "n_heads": 4}, 4, 64, 20),
+    "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 2, 256, 5),
 }
+WARM_STEPS, STEADY_STEPS = 1, 3  # a sample: untimed, then timed steps of one implementation
+COLD_REPEATS = 3
 VOCAB = 256  # the example's byte vocabulary
 IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp", "dtensor"]
 COMPILED_IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp"]  # torch 2.14's TP fails compiled (RESULTS.md)
@@ -50,7 +62,7 @@ AMP_IMPLS = IMPLS + ["unsharded float32"]  # --amp: the unsharded step without a
 
 class Case:
     """One configuration: the unsharded model on rank 0 and its copies parallelized by each implementation;
-    ``steps[impl]()`` is one training step, ``resets[impl]()`` clears the gradients."""
+    ``steps[impl]()`` is one training step."""
 
     def __init__(self, name: str, mesh, impls, compile_blocks: bool, amp: bool) -> None:
         overrides, batch, seq, _ = CONFIGS[name]
@@ -60,7 +72,6 @@ class Case:
         tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(4321))
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         self.steps: Dict[str, Callable[[], Dict[str, float]]] = {}
-        self.resets: Dict[str, Callable[[], None]] = {}
         rank0 = dist.get_rank() == 0
         for impl in impls:
             if impl.startswith("unsharded"):
@@ -77,13 +88,12 @@ class Case:
             if compile_blocks:  # torchtitan's recipe, on every side alike
                 for block in model.layers.values():
                     block.compile(fullgraph=True)
-            self.resets[impl] = lambda model=model: model.zero_grad(set_to_none=True)
 
     @staticmethod
     def _idle() -> Dict[str, float]:
         """The unsharded steps on the other ranks: nothing, with the laps every rank must report."""
         now = time.perf_counter()
-        return {"forward": now, "backward": now}
+        return {"forward": now, "backward": now, "end": now}
 
     @staticmethod
     def _step(model, api, inputs, targets, threads: int, autocast: bool):
@@ -91,7 +101,7 @@ class Case:
         loss_context = contextlib.nullcontext if api is None else api.loss_parallel
 
         def step() -> Dict[str, float]:
-            """One training step; returns its laps: the loss computed, the gradients complete."""
+            """One training step; returns its laps: the loss computed, the gradients complete, the end."""
             torch.set_num_threads(threads)
             try:
                 with loss_context():
@@ -103,19 +113,20 @@ class Case:
                     harness.complete_grads(model.parameters())
                 t_backward = time.perf_counter()
                 optimizer.step()
-                return {"forward": t_forward, "backward": t_backward}
+                optimizer.zero_grad(set_to_none=True)
+                return {"forward": t_forward, "backward": t_backward, "end": time.perf_counter()}
             finally:
                 torch.set_num_threads(1)
         return step
 
 
 def phases(samples: harness.Samples, impl: str) -> List[float]:
-    """``impl``'s forward + loss, backward and optimizer times (ms), from its laps: per repeat the slowest
-    rank's, then the median over repeats."""
+    """``impl``'s forward + loss, backward and optimizer times (ms), from the laps of each sample's last step:
+    per repeat the slowest rank's, then the median over repeats."""
     per_rank = samples.per_rank
-    forward, backward = per_rank[f"{impl}/forward"], per_rank[f"{impl}/backward"]
+    forward, backward, end = (per_rank[f"{impl}/{lap}"] for lap in ("forward", "backward", "end"))
     return [harness.quantile(t.max(dim=0).values.tolist(), 0.5) * 1e3
-            for t in (forward, backward - forward, per_rank[impl] - backward)]
+            for t in (forward, backward - forward, end - backward)]
 
 
 def breakdown(step: Callable[[], Any], steps: int = 3) -> Dict[str, float]:
@@ -148,16 +159,22 @@ def measure(args):
         overrides, batch, seq, repeats = CONFIGS[name]
         case = Case(name, mesh, impls, args.compile, args.amp)
         if args.amp:  # torch's bfloat16 steps take seconds where its GEMMs are the scalar fallback
-            repeats = max(5, repeats // 4)
-        repeats = max(3, repeats // 5) if args.quick else repeats
+            repeats = max(2, repeats // 4)
+        repeats = max(2, repeats // 5) if args.quick else repeats
+        if args.cold:
+            repeats *= COLD_REPEATS
+        # A sample: WARM_STEPS untimed steps (as the sample's reset, before the barrier), then STEADY_STEPS.
+        warm = {} if args.cold else {k: (lambda step=step: [step() for _ in range(WARM_STEPS)])
+                                     for k, step in case.steps.items()}
+        calls = 1 if args.cold else STEADY_STEPS
         # Two phases: the 2-thread run leaves an OpenMP worker spinning on the other core for a while after
         # it (GOMP's spin-wait), which would slow whichever TP step ran next; so it is timed on its own, beside
         # the 1-thread unsharded step again (the phase's own ratio is in the notes).
         tp_keys = [k for k in impls if k != "unsharded 2 threads"]
-        samples = harness.time_interleaved({k: case.steps[k] for k in tp_keys}, repeats, group, reset=case.resets,
-                                           warmup=2, order=harness.permutations(tp_keys))
+        samples = harness.time_interleaved({k: case.steps[k] for k in tp_keys}, repeats, group, reset=warm,
+                                           warmup=1, order=harness.permutations(tp_keys), calls=calls)
         threads = harness.time_interleaved({k: case.steps[k] for k in ("unsharded", "unsharded 2 threads")},
-                                           repeats, group, reset=case.resets, warmup=2)
+                                           repeats, group, reset=warm, warmup=1, calls=calls)
         samples.per_rank["unsharded 2 threads"] = threads.per_rank["unsharded 2 threads"]
         parts = [breakdown(case.steps["torch_tp"]) if dist.get_rank() == 0 else None]
         if dist.get_rank() != 0:
@@ -191,21 +208,26 @@ def measure(args):
     amp = ("; every side but **unsharded float32** runs its forward and loss under `torch.autocast(\"cpu\", "
            "dtype=torch.bfloat16)` (float32 parameters and optimizer); `torch_tp scaling against float32` = "
            f"unsharded float32 / ({p} x torch_tp)") if args.amp else ""
-    mode = " compile" if args.compile else " amp" if args.amp else ""
+    mode = (" compile" if args.compile else " amp" if args.amp else "") + (" cold" if args.cold else "")
+    sample = ("A sample: one step right after another implementation's (--cold). " if args.cold else
+              f"A sample: the mean of {STEADY_STEPS} steps back to back after {WARM_STEPS} untimed one(s) of the "
+              "same implementation, a training loop's steady state; the laps are its last step's. ")
     return {
         "tag": "bench_train" + mode,
         "stem": "train" + mode.replace(" ", "_"),
         "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded"
-        + (", blocks compiled" if args.compile else ", bfloat16 autocast" if args.amp else ""),
+        + (", blocks compiled" if args.compile else ", bfloat16 autocast" if args.amp else "")
+        + (", each step right after another implementation's" if args.cold else ""),
         "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}{amp}, {args.backend} backend, "
         f"{p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
         "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
         "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
         "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross "
         "entropy (inside `loss_parallel()` for TP), backward, fused "
-        "AdamW (lr 1e-5); DTensor's Partial norm-weight gradients redistributed before the optimizer. "
-        f"Scaling = unsharded / ({p} x TP step). Per phase (notes): each step's laps when the loss is computed "
-        "and when the gradients are complete split it into forward + loss, backward and optimizer. "
+        "AdamW (lr 1e-5) and zero_grad; DTensor's Partial norm-weight gradients redistributed before the "
+        f"optimizer. {sample}Scaling = unsharded / ({p} x TP step). Per phase (notes): each step's laps when the "
+        "loss is computed and when the gradients are complete split it into forward + loss, backward and "
+        "optimizer (with zero_grad). "
         f"`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self "
         "times per step over 3 untimed steps.",
         "tables": [table],
@@ -223,6 +245,9 @@ def main(argv) -> int:
                    "train_compile.*")
     p.add_argument("--amp", action="store_true",
                    help="bfloat16 autocast on every side, beside the unsharded float32 step; writes train_amp.*")
+    p.add_argument("--cold", action="store_true",
+                   help="time single steps right after another implementation's, not a training loop's steady "
+                   "state; writes train[_compile|_amp]_cold.*")
     args = p.parse_args(argv)
     if args.amp and args.compile:
         p.error("--amp and --compile are separate runs")
