@@ -5,6 +5,9 @@ added to or dropped from a submodule's ``__all__`` changes the package's too.
 The lists below are written out so that such a change is a deliberate one.
 """
 
+import shutil
+import subprocess
+
 import pytest
 
 import torch_tp
@@ -53,3 +56,20 @@ def test_public_names(module, names):
     del star["__builtins__"]
     assert sorted(star) == names
     assert all(star[name] is getattr(module, name) for name in names)
+
+
+def test_kernels_run_on_torchs_openmp_threads():
+    """libtorch_tp is built with OpenMP: at::parallel_for in its CPU kernels (the fused norm and cross entropy,
+    the decode GEMV, the vocab shard's lookup) hands chunks to the intra-op threads only in code compiled so,
+    and runs them inline otherwise. Its libgomp.so.1 is the one libtorch_cpu loads, so the process holds one
+    OpenMP runtime and torch.set_num_threads governs both."""
+    maps = open("/proc/self/maps").read().splitlines()
+    libs = {line.split()[-1] for line in maps if line.endswith("/libtorch_tp.so")}
+    assert len(libs) == 1, libs
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    dynamic = subprocess.run([readelf, "-d", libs.pop()], check=True, capture_output=True, text=True).stdout
+    assert "[libgomp.so.1]" in dynamic, dynamic
+    runtimes = {line.split()[-1] for line in maps if "/libgomp" in line}
+    assert len(runtimes) == 1, runtimes
