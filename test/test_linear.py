@@ -577,9 +577,9 @@ def test_vocab_shard_lookup_matches_composition(dtype):
     """The fused CPU lookup and its table gradient give the composition's numbers bit for bit (NOTE [the vocab
     shard's lookup]): rows copied or zeroed forward, and backward each owned row summed in the order of the ids
     and rounded as embedding's backward rounds, which shows in bfloat16 and float16, where every add rounds.
-    Ids repeat (a third of 300 onto one row) so that the order matters; padding rows, int32 ids and tables with
-    a row stride, and an element stride, of their own are covered. (The op's path through autograd is
-    test_vocab_parallel_embedding's, against F.embedding.)"""
+    Ids repeat (a third of 300 onto one row) so that the order matters; padding rows, int32 ids, tables with
+    a row stride, and an element stride, of their own, and two threads over a 2500-row shard are covered. (The
+    op's path through autograd is test_vocab_parallel_embedding's, against F.embedding.)"""
     vocab, rows, dim = 40, 8, 19
     gen = torch.Generator().manual_seed(3)
     wide = torch.randn(rows, 2 * dim, generator=gen, dtype=torch.float64).to(dtype)
@@ -603,6 +603,21 @@ def test_vocab_shard_lookup_matches_composition(dtype):
             grad, ids, start, rows, -1 if padding_idx is None else padding_idx)
         assert torch.equal(grad_weight, ref_w.grad), case
         assert grad_weight.abs().sum() > 0, case
+    # Threads split the ids forward and the table's rows backward (1000 a task): a shard of 2500 rows.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weight = torch.randn(2500, 8, generator=gen, dtype=torch.float64).to(dtype)
+        ids = torch.randint(0, 6000, (4000,), generator=gen)
+        ids[::7] = 2100  # one row summed from many ids
+        grad = torch.randn(4000, 8, generator=gen, dtype=torch.float64).to(dtype)
+        ref_w = _param(weight)
+        ref = _composed_shard_lookup(ids, ref_w, 2000, None)
+        ref.backward(grad)
+        assert torch.equal(torch.ops.torch_tp._vocab_shard_lookup(ids, weight, 2000, 6000), ref.detach())
+        assert torch.equal(torch.ops.torch_tp._vocab_shard_lookup_backward(grad, ids, 2000, 2500, -1), ref_w.grad)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- errors

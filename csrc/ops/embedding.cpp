@@ -24,6 +24,7 @@
 
 #include "ops/comm.h"
 #include "ops/common.h"
+#include "ops/row_io.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -161,15 +162,17 @@ at::Tensor vocab_shard_lookup_kernel(const at::Tensor& ids, const at::Tensor& we
         raise_id_out_of_range(kVocabOp, id[i], vocab_size, "vocab_size");
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t k = static_cast<int64_t>(id[i]) - start;
-      char* to = dst + static_cast<size_t>(i) * row_bytes;
-      if (k >= 0 && k < rows) {
-        std::memcpy(to, src + k * table_stride, row_bytes);
-      } else if (row_bytes > 0) {
-        std::memset(to, 0, row_bytes);  // all-zero bits: +0.0 in every floating dtype
+    at::parallel_for(0, n, row_grain(table.size(1)), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t k = static_cast<int64_t>(id[i]) - start;
+        char* to = dst + static_cast<size_t>(i) * row_bytes;
+        if (k >= 0 && k < rows) {
+          std::memcpy(to, src + k * table_stride, row_bytes);
+        } else if (row_bytes > 0) {
+          std::memset(to, 0, row_bytes);  // all-zero bits: +0.0 in every floating dtype
+        }
       }
-    }
+    });
   });
   return out;
 }
@@ -191,17 +194,21 @@ at::Tensor vocab_shard_lookup_backward_kernel(const at::Tensor& grad, const at::
     scalar_t* gw = grad_weight.data_ptr<scalar_t>();
     AT_DISPATCH_INDEX_TYPES(ids_c.scalar_type(), "vocab_shard_lookup_backward", [&] {
       const index_t* id = ids_c.const_data_ptr<index_t>();
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t k = static_cast<int64_t>(id[i]) - start;
-        if (k < 0 || k >= rows || k == padding_idx) {
-          continue;
+      // Threads split the table's rows, as embedding_dense_backward does (its
+      // grain too); each reads every id, so a row's sum keeps the ids' order.
+      at::parallel_for(0, rows, /*grain_size=*/1000, [&](int64_t first_row, int64_t end_row) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t k = static_cast<int64_t>(id[i]) - start;
+          if (k < first_row || k >= end_row || k == padding_idx) {
+            continue;
+          }
+          scalar_t* to = gw + k * dim;
+          const scalar_t* from = g + i * dim;
+          for (int64_t j = 0; j < dim; ++j) {
+            to[j] = static_cast<scalar_t>(static_cast<opmath_t>(to[j]) + static_cast<opmath_t>(from[j]));
+          }
         }
-        scalar_t* to = gw + k * dim;
-        const scalar_t* from = g + i * dim;
-        for (int64_t j = 0; j < dim; ++j) {
-          to[j] = static_cast<scalar_t>(static_cast<opmath_t>(to[j]) + static_cast<opmath_t>(from[j]));
-        }
-      }
+      });
     });
   });
   return grad_weight;
