@@ -618,6 +618,11 @@ def test_vocab_shard_lookup_matches_composition(dtype):
         assert torch.equal(torch.ops.torch_tp._vocab_shard_lookup_backward(grad, ids, 2000, 2500, -1), ref_w.grad)
     finally:
         torch.set_num_threads(threads)
+    # A direct call of the backward piece with a gradient of another shape is refused, not read past its end.
+    with pytest.raises(RuntimeError, match=r"_vocab_shard_lookup_backward: grad has shape \[3, 8\], but ids has "
+                                           r"shape \[4\]"):
+        torch.ops.torch_tp._vocab_shard_lookup_backward(
+            torch.zeros(3, 8, dtype=dtype), torch.zeros(4, dtype=torch.long), 0, 5, -1)
 
 
 # ---------------------------------------------------------------- errors

@@ -180,6 +180,10 @@ at::Tensor vocab_shard_lookup_kernel(const at::Tensor& ids, const at::Tensor& we
 // _vocab_shard_lookup_backward: grad_weight [rows, D] from grad [.., D].
 at::Tensor vocab_shard_lookup_backward_kernel(const at::Tensor& grad, const at::Tensor& ids, int64_t start,
                                               int64_t rows, int64_t padding_idx) {
+  // The op's Function passes the output's gradient; a direct call could pass any.
+  TORCH_CHECK(grad.dim() == ids.dim() + 1 && grad.sizes().slice(0, ids.dim()).equals(ids.sizes()),
+              "torch_tp::_vocab_shard_lookup_backward: grad has shape ", grad.sizes(), ", but ids has shape ",
+              ids.sizes(), ": grad must be [*ids.shape, embedding_dim]");
   if (!is_cpu_strided(grad) || !is_cpu_strided(ids)) {
     return shard_lookup_backward_composition(grad, ids, start, rows, padding_idx);
   }
