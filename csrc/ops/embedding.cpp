@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <utility>
 
 namespace torch_tp {
 namespace {
@@ -107,19 +108,25 @@ std::optional<int64_t> wrap_padding_idx(const char* op, std::optional<int64_t> p
 // so a bad one raises before anything is written or communicated), and a row
 // added per owned id, in the order of i and with embedding_dense_backward's
 // rounding (opmath adds, bfloat16 and float16 rounded after each, as its row
-// add_), so both give the composition's numbers. Elsewhere (CUDA) the pieces are that composition. The
-// op differentiates through a Function whose backward is the backward piece;
-// a gradient taken with create_graph, and a forward-mode tangent on the
-// weight, go through the composition instead, which ATen differentiates.
+// add_), so both give the composition's numbers. Elsewhere (CUDA) the
+// pieces are that composition. The op differentiates through a Function
+// whose backward is the backward piece; a gradient taken with create_graph,
+// and a forward-mode tangent on the weight, go through the composition
+// instead, which ATen differentiates.
+
+// The composition's masks: which ids the shard owns, and their rows in it (0 for the others).
+std::pair<at::Tensor, at::Tensor> owned_and_local(const at::Tensor& ids, int64_t start, int64_t rows) {
+  at::Tensor owned = (ids >= start) & (ids < start + rows);
+  at::Tensor local = (ids - start).masked_fill(owned.logical_not(), 0);
+  return {std::move(owned), std::move(local)};
+}
 
 // The composition: out[i] as above, from ATen ops (differentiable, forward
 // mode included). padding_idx is local (-1: none); it matters to the backward.
 at::Tensor shard_lookup_composition(const at::Tensor& ids, const at::Tensor& weight, int64_t start,
                                     int64_t vocab_size, int64_t padding_idx) {
   check_ids_in_range(kVocabOp, ids, vocab_size, "vocab_size");
-  const int64_t rows = weight.size(0);
-  const at::Tensor owned = (ids >= start) & (ids < start + rows);
-  const at::Tensor local = (ids - start).masked_fill(owned.logical_not(), 0);
+  const auto [owned, local] = owned_and_local(ids, start, weight.size(0));
   const at::Tensor looked_up = at::embedding(weight, local, padding_idx);
   return at::where(owned.unsqueeze(-1), looked_up, at::zeros({}, looked_up.options()));
 }
@@ -127,8 +134,7 @@ at::Tensor shard_lookup_composition(const at::Tensor& ids, const at::Tensor& wei
 // The composition's gradient for the table: where's, then embedding's.
 at::Tensor shard_lookup_backward_composition(const at::Tensor& grad, const at::Tensor& ids, int64_t start,
                                              int64_t rows, int64_t padding_idx) {
-  const at::Tensor owned = (ids >= start) & (ids < start + rows);
-  const at::Tensor local = (ids - start).masked_fill(owned.logical_not(), 0);
+  const auto [owned, local] = owned_and_local(ids, start, rows);
   const at::Tensor masked = at::where(owned.unsqueeze(-1), grad, at::zeros({}, grad.options()));
   return at::embedding_dense_backward(masked, local, rows, padding_idx, /*scale_grad_by_freq=*/false);
 }
