@@ -239,6 +239,52 @@ def test_reduce_scatter(ranks, world_size, dtype):
     _assert_results(backend_pool(ranks, world_size).run(_check_reduce_scatter, dtype))
 
 
+def _check_reduce_scatter_own_piece():
+    """A rank folds its own piece straight from its input (shm_collectives.cpp,
+    reads_own_piece_in_place): in place (output = its piece of the input, NCCL's
+    in-place reduce-scatter), with the output overlapping the piece shifted by a few
+    elements (which must take the copy through the slot: a direct read would read
+    elements it has already written), and the ops' strided pieces of a dim-1
+    reduce-scatter whose runs cross the slot's blocks. Each against the plain
+    out-of-place reduce-scatter of the same values, bit for bit (the fold adds the
+    ranks in the same order wherever the pieces are read from)."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    failures = []
+    numel = 3000  # 12000 bytes per piece: runs far over the direct read's 1 KiB minimum, several slot blocks
+    inputs = [rank_input(r, p * numel, torch.float32) for r in range(p)]
+    expected = torch.empty(numel)
+    dist.reduce_scatter_tensor(expected, inputs[rank].clone())
+    failures.append(mismatch(expected, reduce_reference(torch.stack(inputs), "sum")[rank * numel:(rank + 1) * numel],
+                             "out of place", **reference_tolerance(torch.float32, p)))
+
+    storage = torch.zeros(p * numel + 5)
+    storage[:p * numel] = inputs[rank]
+    in_place = storage[rank * numel:(rank + 1) * numel]
+    dist.reduce_scatter_tensor(in_place, storage[:p * numel])
+    failures.append(mismatch(in_place, expected, "in place", rtol=0, atol=0))
+
+    storage = torch.zeros(p * numel + 5)
+    storage[:p * numel] = inputs[rank]
+    shifted = storage[rank * numel + 5:(rank + 1) * numel + 5]
+    dist.reduce_scatter_tensor(shifted, storage[:p * numel])
+    failures.append(mismatch(shifted, expected, "output overlapping the piece, shifted", rtol=0, atol=0))
+
+    # [outer, p * c, inner] reduce-scattered along dim 1: rank r's piece is `outer` runs of c * inner.
+    outer, c, inner = 3, 10, 100
+    xs = [rank_input(r, outer * p * c * inner, torch.float32, seed=1).view(outer, p * c, inner) for r in range(p)]
+    piece = torch.ops.torch_tp.reduce_scatter(xs[rank], 1, "sum", dist.group.WORLD.group_name)
+    flat = torch.empty(outer * c * inner)
+    dist.reduce_scatter_tensor(flat, torch.cat([x.chunk(p, dim=1)[r].reshape(-1) for r in range(p)
+                                                for x in xs[rank:rank + 1]]))
+    failures.append(mismatch(piece, flat.view(outer, c, inner), "dim-1 pieces", rtol=0, atol=0))
+    return [f for f in failures if f], {}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter_reads_own_piece(ranks, world_size):
+    _assert_results(backend_pool(ranks, world_size).run(_check_reduce_scatter_own_piece))
+
+
 # ---------------------------------------------------------------- rooted collectives
 
 
