@@ -131,6 +131,13 @@ def test_dtensor_internals(mesh):
     made = private.dtensor_from_spec(grad, spec, requires_grad=True, subclass=Sub)
     assert type(made) is Sub and made.placements == (Shard(0),) and made.shape == dt.shape
     assert private.dtensor_local(made) is grad and made.requires_grad and made.grad_fn is None
+    # _params.py's gradient constructor, called by the unwrap's C++ node: the same DTensor as
+    # dtensor_from_spec's, with no graph.
+    constructed = private.dtensor_constructor(requires_grad=False)(grad, twin)
+    assert type(constructed) is DTensor and constructed.placements == (Partial(),)
+    assert constructed.shape == wrapped.shape and constructed.stride() == wrapped.stride()
+    assert private.dtensor_local(constructed) is grad
+    assert constructed.grad_fn is None and not constructed.requires_grad
 
 
 def test_dtensor_accessors_trace_under_compile(mesh):

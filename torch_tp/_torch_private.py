@@ -42,6 +42,7 @@ one built outside the graph.
 This module imports only torch (and the standard library).
 """
 
+import functools
 import importlib
 from typing import Any, Optional
 
@@ -104,6 +105,14 @@ def dtensor_from_spec(local: torch.Tensor, spec: Any, *, requires_grad: bool, su
     if torch.compiler.is_exporting():
         return cls(local, spec, requires_grad=requires_grad)
     return cls.__new__(cls, local, spec, requires_grad=requires_grad)
+
+
+def dtensor_constructor(*, requires_grad: bool) -> Any:
+    """``(local, spec) -> DTensor``: :func:`dtensor_from_spec` without its torch.export branch and with
+    no Python frame (a partial of DTensor's ``__new__``, which is C on torch 2.14), for callers that
+    never run under export: the C++ unwrap's backward node builds each parameter's gradient with it
+    (NOTE [the parameter unwrap in C++] in csrc/python/parameters.cpp)."""
+    return functools.partial(_DTensor.__new__, _DTensor, requires_grad=requires_grad)
 
 
 # DTensor declares both attributes in __slots__, so the class has them.

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
 
 from .._C import _local_parameter as local_parameter
-from .._torch_private import DTensorSpec, dtensor_from_spec, dtensor_local, dtensor_spec, fused_adam_ops
+from .._torch_private import DTensorSpec, dtensor_constructor, dtensor_local, dtensor_spec, fused_adam_ops
 from ._replicated_grad import take_partial_grad
 
 # The qualified name (from the module parallelize_module was given) of the
@@ -108,13 +108,16 @@ def distribute_parameters(module: nn.Module, placements: Dict[str, Placement], m
     return [module._parameters[name] for name in names]
 
 
-def _gradient_dtensor(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """A parameter's local gradient as the DTensor its ``.grad`` holds (NOTE [unwrapping a parameter]);
-    called by the unwrap's C++ backward node."""
-    if torch.is_grad_enabled():  # create_graph: the gradient must stay differentiable
-        return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                  stride=spec.stride)
-    return dtensor_from_spec(grad.contiguous(), spec, requires_grad=False)
+# A parameter's local gradient as the DTensor its ``.grad`` holds (NOTE [unwrapping a parameter]),
+# ``(grad, spec) -> DTensor``, called by the unwrap's C++ backward node: DTensor's constructor with no
+# Python frame (the eager unwrap's backward never runs under torch.export, which traces to_local); under
+# create_graph, from_local, so the gradient stays differentiable.
+_new_gradient = dtensor_constructor(requires_grad=False)
+
+
+def _differentiable_gradient(grad: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    return DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                              stride=spec.stride)
 
 
 # NOTE [unwrapping a parameter]
@@ -147,9 +150,9 @@ def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> O
     # loss_parallel() turns on for DTensors) and returns the local tensor as it is when the
     # parameter does not require grad.
     if partial_grad:
-        return local_parameter(param, dtensor_local(param), _partial_twin(param), _gradient_dtensor,
-                               take_partial_grad)
-    return local_parameter(param, dtensor_local(param), dtensor_spec(param), _gradient_dtensor)
+        return local_parameter(param, dtensor_local(param), _partial_twin(param), _new_gradient,
+                               _differentiable_gradient, take_partial_grad)
+    return local_parameter(param, dtensor_local(param), dtensor_spec(param), _new_gradient, _differentiable_gradient)
 
 
 # A spec's Partial() twin, while the spec lives (the specs of the DTensor views
