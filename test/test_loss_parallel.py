@@ -372,7 +372,8 @@ def test_model_end_to_end(ranks, world_size, flat_input):
 def _run_handed_logits_reshaped():
     """NOTE [reshaping the leading dims of a handed DTensor]: the logits torch_tp's ColwiseParallel
     hands back, reshaped the ways losses reshape them, stay handed DTensors sharded on the class dim
-    (no DTensor dispatch), and the loss and every gradient match the unsharded model's. Reshapes that
+    (no DTensor dispatch) that loss_parallel's kernels take as they are (no twin), and the loss and
+    every gradient match the unsharded model's. Reshapes that
     touch the class dim go through DTensor and still give its values."""
     from torch_tp.parallel._layout import _HandedDTensor
 
@@ -400,6 +401,8 @@ def _run_handed_logits_reshaped():
             assert type(logits) is _HandedDTensor, (name, type(logits))
             assert logits.shape == (BATCH * SEQ, vocab) and logits.placements == (Shard(1),), (name, logits)
             loss = loss_fn(logits, labels)
+            # The kernels took the handed DTensor itself: no differentiable twin was made for them.
+            assert logits._tp_twin is None, name
         loss.backward()
         ref_loss = loss_fn(reshape(ref(x_ref)), labels)
         ref_loss.backward()

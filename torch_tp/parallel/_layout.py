@@ -130,7 +130,9 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # It carries the local tensor it wraps, with that tensor's autograd history,
 # and the next torch_tp module (a PrepareModuleInput after a SequenceParallel
 # norm, the column-parallel linears after a PrepareModuleInput) computes on the
-# local tensor directly. Anything else that uses it as a tensor (a torch function or
+# local tensor directly, as loss_parallel's kernels do with handed logits
+# (parallel/loss.py replaces this class's __torch_function__ inside the
+# context for the functions it handles). Anything else that uses it as a tensor (a torch function or
 # Tensor method, through its __torch_function__; DTensor's to_local,
 # redistribute, full_tensor) gets its twin: an ordinary differentiable DTensor
 # over the same local tensor, made the first time one is needed. Reading its

@@ -447,32 +447,35 @@ def _loss(fn: str, input: DTensor, target: Any, weight: Any, ignore_index: int,
         raise TypeError(_err(fn, f"input must be floating point, got dtype {input.dtype}"))
     shard = _class_shard(input, class_dim, fn, "input")
     mesh = input.device_mesh
+    mesh_ndim = mesh.ndim  # a property that computes it, on torch's DeviceMesh
     target_placements = _target_placements(input, class_dim, shard)
     global_target_shape = input.shape[:class_dim] + input.shape[class_dim + 1:]
     target = _check_target(target, input, class_dim, target_placements, fn)
     weight = _check_weight(weight, mesh, shard.num_classes, fn)
-    if mesh.ndim > 1 and reduction == "mean":
+    if mesh_ndim > 1 and reduction == "mean":
         # "one-dimensional": torch's words, which code written for torch matches.
         raise NotImplementedError(_err(
-            fn, f"reduction='mean' on a {mesh.ndim}-D DeviceMesh: each rank holds only its rows, so their mean "
+            fn, f"reduction='mean' on a {mesh_ndim}-D DeviceMesh: each rank holds only its rows, so their mean "
             "is not the global mean; as in torch's loss_parallel, 'mean' is only supported on a one-dimensional "
             "DeviceMesh; use reduction='sum' or 'none' and divide by the global count"))
     if not isinstance(ignore_index, int):
         raise TypeError(_err(fn, f"ignore_index must be an int, got {ignore_index!r}"))
-    record: Optional[_LogSoftmaxRecord] = _log_softmax_records.get(input)
     if cross_entropy:
-        local = _local_shard(input).movedim(class_dim, -1)
+        local = _local_shard(input)
+        if class_dim != input.ndim - 1:
+            local = local.movedim(class_dim, -1)
         loss = torch.ops.torch_tp.vocab_parallel_cross_entropy(
             local, target, shard.group, shard.num_classes, weight, ignore_index, reduction)
     else:
         w = _row_weights(target, weight, ignore_index, shard.num_classes, _compute_dtype(input.dtype))
+        record: Optional[_LogSoftmaxRecord] = _log_softmax_records.get(input)
         if record is not None and record.dim == class_dim and record.versions == _versions(input):
             # NOTE [log_softmax then nll_loss]: differentiate straight into the logits.
             loss = _NLLOfLogSoftmax.apply(record.x, target, w, reduction, shard, record.m, record.sum_exp,
                                           record.logp)
         else:
             loss = _NLLLoss.apply(_local_shard(input).movedim(class_dim, -1), target, w, reduction, shard)
-    if mesh.ndim == 1:
+    if mesh_ndim == 1:
         return loss  # complete on every rank
     # NOTE [loss_parallel on a multi-dimensional mesh]
     if reduction == "none":
@@ -569,6 +572,23 @@ _HANDLERS: Dict[Callable, Callable[[tuple, dict], Any]] = {
 }
 
 
+def _handled(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """The vocab-parallel result of a handled ``func`` whose input is a DTensor, or NotImplemented
+    (torch functions off for subclasses)."""
+    handler = _HANDLERS.get(func)
+    if handler is None or not _first_is_dtensor(args, kwargs):
+        return NotImplemented
+    # The handlers pass DTensors to autograd Functions, which would bypass a handed DTensor's
+    # torch functions (NOTE [DTensors handed between torch_tp modules]); the input itself, given
+    # first, is the exception: the handlers read its local tensor through _local_shard. pytree
+    # only where there is one, or a container to look into: on the usual plain target and
+    # options it cost ~20 us a call.
+    rest = args[1:]
+    if any(type(v) is _HandedDTensor or isinstance(v, (list, tuple, dict)) for v in (*rest, *kwargs.values())):
+        rest, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (rest, kwargs))
+    return handler(args[:1] + rest, kwargs)
+
+
 @classmethod
 def _loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
     """DTensor's ``__torch_function__`` inside :func:`loss_parallel`: the handled functions on DTensor
@@ -576,25 +596,30 @@ def _loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
     off for subclasses, as DTensor has them)."""
     kwargs = kwargs or {}
     with disable_torch_function_subclass():
-        handler = _HANDLERS.get(func)
-        if handler is not None and _first_is_dtensor(args, kwargs):
-            # The handlers pass DTensors to autograd Functions, which would bypass a handed
-            # DTensor's torch functions (NOTE [DTensors handed between torch_tp modules]); the
-            # input itself, given first, is the exception: the handlers read its local tensor
-            # through _local_shard. pytree only where there is one, or a container to look into:
-            # on the usual plain target and options it cost ~20 us a call.
-            rest = args[1:]
-            if any(type(v) is _HandedDTensor or isinstance(v, (list, tuple, dict))
-                   for v in (*rest, *kwargs.values())):
-                rest, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (rest, kwargs))
-                args = args[:1] + rest
-            result = handler(args, kwargs)
-            if result is not NotImplemented:
-                return result
+        result = _handled(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
         return func(*args, **kwargs)
 
 
+@classmethod
+def _handed_loss_parallel_torch_function(cls, func, types, args=(), kwargs=None):
+    """A handed DTensor's ``__torch_function__`` inside :func:`loss_parallel`. Its own runs first (the
+    subclass's), and would replace it by its twin, a DTensor on an autograd Function of its own, before
+    DTensor's above saw the call: per loss, a Function forward and backward and a pytree pass over the
+    arguments, ~40 us warm, for a gradient the handed DTensor's local tensor carries to its producer
+    directly. So the handled functions go to the kernels with the handed DTensor itself; anything
+    else, or what they decline, takes the handed DTensor's own path."""
+    if func in _HANDLERS:
+        with disable_torch_function_subclass():
+            result = _handled(func, args, kwargs or {})
+        if result is not NotImplemented:
+            return result
+    return _HANDED_TORCH_FUNCTION.__func__(cls, func, types, args, kwargs)
+
+
 _DTENSOR_TORCH_FUNCTION = DTensor.__dict__["__torch_function__"]
+_HANDED_TORCH_FUNCTION = _HandedDTensor.__dict__["__torch_function__"]
 _loss_parallel_depth = 0
 
 
@@ -672,6 +697,7 @@ def loss_parallel() -> Iterator[None]:
     global _loss_parallel_depth
     if _loss_parallel_depth == 0:
         DTensor.__torch_function__ = _loss_parallel_torch_function
+        _HandedDTensor.__torch_function__ = _handed_loss_parallel_torch_function
     _loss_parallel_depth += 1
     try:
         yield
@@ -679,3 +705,4 @@ def loss_parallel() -> Iterator[None]:
         _loss_parallel_depth -= 1
         if _loss_parallel_depth == 0:
             DTensor.__torch_function__ = _DTENSOR_TORCH_FUNCTION
+            _HandedDTensor.__torch_function__ = _HANDED_TORCH_FUNCTION
