@@ -4,7 +4,7 @@ perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded mo
 intra-op thread and with one per core (what a CPU user tries first), side by side (CPU, eager).
 
     torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024] [--compile] [--amp]
-        [--cold]
+        [--cold] [--keep-freed-memory]
 
 A step is forward, loss (inside loss_parallel() for the TP models), backward, a fused AdamW step and
 zero_grad(set_to_none=True), as a training loop runs them. Scaling
@@ -28,12 +28,23 @@ bfloat16 GEMM, torch's bfloat16 GEMMs are its scalar fallback and torch_tp's lin
 [half-precision GEMMs through float32 panels] in csrc/ops/gemm_cpu.cpp), so the float32 step is the fair
 unsharded baseline there.
 
+Each step also counts the minor page faults it took (the notes' medians, rank 0). Tensors of a few hundred
+KiB and more come from glibc's malloc, which hands freed memory at the top of its heap, and whole freed mmap
+chunks, back to the kernel; the next step faults it in again, zeroed, page by page. How often depends on the
+tensors' sizes, so it differs between the unsharded step and a rank's half-sized one (the unsharded example
+step ~600-1000 faults, the TP step ~0, on an Intel Xeon VM: docs/benchmark_log.md, "A seventeenth stop"), and
+a fault's cost differs between machines. --keep-freed-memory turns glibc's trimming off and its mmap threshold
+up to 32 MiB (mallopt, every rank, before the models are built), so freed memory stays in the process for the
+next step, as a caching allocator (jemalloc, tcmalloc) keeps it: every side without that cost.
+
 Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
 
 import contextlib
 import copy
+import ctypes
 import os
+import resource
 import sys
 import time
 from typing import Any, Callable, Dict, List
@@ -72,19 +83,20 @@ class Case:
         tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(4321))
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         self.steps: Dict[str, Callable[[], Dict[str, float]]] = {}
+        self.faults: Dict[str, List[int]] = {impl: [] for impl in impls}  # per step taken, this rank's
         rank0 = dist.get_rank() == 0
         for impl in impls:
             if impl.startswith("unsharded"):
                 threads = 2 if impl.endswith("2 threads") else 1
                 autocast = amp and not impl.endswith("float32")
                 model = copy.deepcopy(reference)
-                self.steps[impl] = (self._step(model, None, inputs, targets, threads, autocast) if rank0
-                                    else self._idle)
+                self.steps[impl] = (self._step(model, None, inputs, targets, threads, autocast, self.faults[impl])
+                                    if rank0 else self._idle)
             else:
                 api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
                 model = copy.deepcopy(reference)
                 api.parallelize_module(model, mesh, lm.tp_plan(api))
-                self.steps[impl] = self._step(model, api, inputs, targets, 1, amp)
+                self.steps[impl] = self._step(model, api, inputs, targets, 1, amp, self.faults[impl])
             if compile_blocks:  # torchtitan's recipe, on every side alike
                 for block in model.layers.values():
                     block.compile(fullgraph=True)
@@ -96,13 +108,15 @@ class Case:
         return {"forward": now, "backward": now, "end": now}
 
     @staticmethod
-    def _step(model, api, inputs, targets, threads: int, autocast: bool):
+    def _step(model, api, inputs, targets, threads: int, autocast: bool, faults_taken: List[int]):
         optimizer = lm.make_optimizer(model, lr=1e-5)  # small: hundreds of repeats stay far from divergence
         loss_context = contextlib.nullcontext if api is None else api.loss_parallel
 
         def step() -> Dict[str, float]:
-            """One training step; returns its laps: the loss computed, the gradients complete, the end."""
+            """One training step; returns its laps: the loss computed, the gradients complete, the end; appends
+            the minor page faults it took to ``faults_taken``."""
             torch.set_num_threads(threads)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             try:
                 with loss_context():
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -114,7 +128,9 @@ class Case:
                 t_backward = time.perf_counter()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                return {"forward": t_forward, "backward": t_backward, "end": time.perf_counter()}
+                end = time.perf_counter()
+                faults_taken.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+                return {"forward": t_forward, "backward": t_backward, "end": end}
             finally:
                 torch.set_num_threads(1)
         return step
@@ -127,6 +143,23 @@ def phases(samples: harness.Samples, impl: str) -> List[float]:
     forward, backward, end = (per_rank[f"{impl}/{lap}"] for lap in ("forward", "backward", "end"))
     return [harness.quantile(t.max(dim=0).values.tolist(), 0.5) * 1e3
             for t in (forward, backward - forward, end - backward)]
+
+
+def median_faults(case: Case, impl: str) -> float:
+    """This rank's median minor page faults per step of ``impl`` (nan where it ran none: the unsharded steps
+    on ranks other than 0)."""
+    return harness.quantile(case.faults[impl], 0.5) if case.faults[impl] else float("nan")
+
+
+def keep_freed_memory() -> None:
+    """glibc's malloc keeps freed memory for reuse instead of returning it to the kernel (the module's notes):
+    no trimming of the heap's top (M_TRIM_THRESHOLD -1), and blocks up to 32 MiB, the largest mmap threshold
+    glibc takes on 64-bit, from the heap rather than their own mappings (M_MMAP_THRESHOLD; setting either
+    also stops glibc adjusting them)."""
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_trim_threshold, -1) and libc.mallopt(m_mmap_threshold, 32 << 20)):
+        raise RuntimeError("bench_train: --keep-freed-memory: glibc's mallopt refused the thresholds")
 
 
 def breakdown(step: Callable[[], Any], steps: int = 3) -> Dict[str, float]:
@@ -149,6 +182,8 @@ def measure(args):
     group = dist.group.WORLD
     p = group.size()
     mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
+    if args.keep_freed_memory:
+        keep_freed_memory()
     impls = COMPILED_IMPLS if args.compile else AMP_IMPLS if args.amp else IMPLS
     ratios = [("unsharded", "torch_tp"), ("unsharded 2 threads", "torch_tp"), ("dtensor", "torch_tp")]
     if args.amp:
@@ -201,14 +236,19 @@ def measure(args):
                      "waiting included): " + ", ".join(f"{k[4:]} {v:.3f} ms" for k, v in parts.items()
                                                       if k.startswith("per ")) +
                      f". The 2-thread phase: 2 threads {two:.2f}x faster than 1 thread. Per phase (ms, medians of "
-                     f"the slowest rank's laps): {per_phase}.")
+                     f"the slowest rank's laps): {per_phase}. Minor page faults per step (rank 0, median): "
+                     f"{median_faults(case, 'unsharded'):.0f} unsharded, {median_faults(case, 'torch_tp'):.0f} "
+                     "torch_tp.")
         del case
     compiled = ("; every side's blocks compiled (`block.compile(fullgraph=True)`, torchtitan's recipe; DTensor TP "
                 "left out: torch 2.14's own TP fails compiled in backward)") if args.compile else ""
     amp = ("; every side but **unsharded float32** runs its forward and loss under `torch.autocast(\"cpu\", "
            "dtype=torch.bfloat16)` (float32 parameters and optimizer); `torch_tp scaling against float32` = "
            f"unsharded float32 / ({p} x torch_tp)") if args.amp else ""
-    mode = (" compile" if args.compile else " amp" if args.amp else "") + (" cold" if args.cold else "")
+    keep = ("; glibc's malloc keeps freed memory for reuse (`--keep-freed-memory`: no trimming, mmap threshold 32 "
+            "MiB), as a caching allocator does") if args.keep_freed_memory else ""
+    mode = ((" compile" if args.compile else " amp" if args.amp else "") + (" cold" if args.cold else "")
+            + (" keep" if args.keep_freed_memory else ""))
     sample = ("A sample: one step right after another implementation's (--cold). " if args.cold else
               f"A sample: the mean of {STEADY_STEPS} steps back to back after {WARM_STEPS} untimed one(s) of the "
               "same implementation, a training loop's steady state; the laps are its last step's. ")
@@ -217,8 +257,9 @@ def measure(args):
         "stem": "train" + mode.replace(" ", "_"),
         "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded"
         + (", blocks compiled" if args.compile else ", bfloat16 autocast" if args.amp else "")
-        + (", each step right after another implementation's" if args.cold else ""),
-        "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}{amp}, {args.backend} backend, "
+        + (", each step right after another implementation's" if args.cold else "")
+        + (", freed memory kept by malloc" if args.keep_freed_memory else ""),
+        "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}{amp}{keep}, {args.backend} backend, "
         f"{p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
         "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
         "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
@@ -245,6 +286,9 @@ def main(argv) -> int:
                    "train_compile.*")
     p.add_argument("--amp", action="store_true",
                    help="bfloat16 autocast on every side, beside the unsharded float32 step; writes train_amp.*")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="glibc's malloc keeps freed memory for the next step instead of returning it to the kernel "
+                   "(see above); writes train[_compile|_amp][_cold]_keep.*")
     p.add_argument("--cold", action="store_true",
                    help="time single steps right after another implementation's, not a training loop's steady "
                    "state; writes train[_compile|_amp]_cold.*")
