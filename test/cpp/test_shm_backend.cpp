@@ -374,6 +374,36 @@ TEST(ShmBackend, MultiChunkCollectivesMatchReferencesOnEveryRank) {
   EXPECT_TRUE(shm_files().empty());
 }
 
+// A reduce-scatter folds its own piece where it lies in its input (NOTE in
+// shm_reduce_scatter). An output that is exactly that piece (NCCL's in-place
+// reduce-scatter) is folded in place; one that overlaps the input anywhere else
+// (here: the piece shifted by 5 elements) goes through a scratch buffer, or
+// later chunks would read input the earlier ones overwrote.
+TEST(ShmBackend, ReduceScatterIntoItsOwnInput) {
+  constexpr int64_t n = 3000;  // int32: 12000 bytes a piece, ~6 chunks of the small slot
+  for (int world : {1, 2, 3, 4}) {
+    for (int64_t shift : {0, 5}) {
+      std::vector<at::Tensor> scattered(world);
+      expect_no_errors(run_ranks(world, kSmallBuffer, std::chrono::seconds(30), [&](int rank, ProcessGroupShm& pg) {
+        at::Tensor storage = at::zeros({n * world + 5}, at::kInt);
+        storage.narrow(0, 0, n * world).copy_(input(rank, n * world, at::kInt, 5));
+        at::Tensor out = storage.narrow(0, rank * n + shift, n);
+        at::Tensor in = storage.narrow(0, 0, n * world);
+        pg._reduce_scatter_base(out, in)->wait();
+        scattered[rank] = out.clone();
+      }));
+      for (int r = 0; r < world; ++r) {
+        SCOPED_TRACE(c10::str("W=", world, " shift ", shift, " rank ", r));
+        std::vector<at::Tensor> pieces;
+        for (int q = 0; q < world; ++q) {
+          pieces.push_back(input(q, n * world, at::kInt, 5).narrow(0, r * n, n));
+        }
+        EXPECT_TRUE(equal_exactly(scattered[r], fold_reference(pieces, Reduction::Sum, at::kLong).to(at::kInt)));
+      }
+    }
+  }
+}
+
 // The ops' direct calls move each rank's piece along dim 1 of [outer, rows,
 // inner] (<torch_tp/direct_collectives.h>): runs of rows * inner elements,
 // which here fall across the 2048-byte slots' chunk boundaries (a 7 x 33 run
