@@ -32,7 +32,7 @@ Each step also counts the minor page faults it took (the notes' medians, rank 0)
 KiB and more come from glibc's malloc, which hands freed memory at the top of its heap, and whole freed mmap
 chunks, back to the kernel; the next step faults it in again, zeroed, page by page. How often depends on the
 tensors' sizes, so it differs between the unsharded step and a rank's half-sized one (the unsharded example
-step ~600-1000 faults, the TP step ~0, on an Intel Xeon VM: docs/benchmark_log.md, "A seventeenth stop"), and
+step 600-1160 faults, the TP step 0, on an Intel Xeon VM: docs/benchmark_log.md, "A seventeenth stop"), and
 a fault's cost differs between machines. --keep-freed-memory turns glibc's trimming off and its mmap threshold
 up to 32 MiB (mallopt, every rank, before the models are built), so freed memory stays in the process for the
 next step, as a caching allocator (jemalloc, tcmalloc) keeps it: every side without that cost.
