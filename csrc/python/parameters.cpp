@@ -107,13 +107,14 @@ class LocalParameterBackward : public torch::autograd::Node {
       return {at::Tensor()};
     }
     auto* accumulator = sole_accumulator(grads[0]);
+    const bool create_graph = at::GradMode::is_enabled();
     // The local tensor is contiguous, and so is its .grad (NOTE [unwrapping a parameter]).
-    const at::Tensor local_grad = at::GradMode::is_enabled() ? grads[0] : grads[0].contiguous();
+    const at::Tensor local_grad = create_graph ? grads[0] : grads[0].contiguous();
     at::Tensor grad;
     {
       py::gil_scoped_acquire gil;
       try {
-        const py::object& make = at::GradMode::is_enabled() ? refs_->differentiable_grad : refs_->new_grad;
+        const py::object& make = create_graph ? refs_->differentiable_grad : refs_->new_grad;
         grad = make(local_grad, refs_->spec).cast<at::Tensor>();
         if (accumulator != nullptr && !refs_->take_partial.is_none() &&
             !refs_->take_partial(accumulator->variable).cast<bool>()) {
