@@ -282,7 +282,7 @@ def _reshape_leading_dims(func, args) -> Optional["_HandedDTensor"]:
             return None
         out = func(local, (*new_shape[:-1], local.size(-1)))
     new_shape = torch.Size(new_shape)
-    return _hand(out, None, x._tp_rank, _spec(spec.mesh, Shard(len(new_shape) - 1), new_shape, out.dtype),
+    return _hand(out, None, x._tp_rank, layout_spec(spec.mesh, Shard(len(new_shape) - 1), new_shape, out.dtype),
                  out.requires_grad)
 
 
@@ -297,6 +297,11 @@ def _gradient_went_astray(_tensor: torch.Tensor) -> None:
 # One dict for every handed DTensor: nothing else registers hooks on them (a user's
 # register_post_accumulate_grad_hook reaches the twin), so it is never changed.
 _ASTRAY_HOOKS = {0: _gradient_went_astray}
+
+
+def hand_local(local: torch.Tensor, spec: DTensorSpec) -> "_HandedDTensor":
+    """``local``, a piece with a complete gradient, handed on as the DTensor ``spec`` describes."""
+    return _hand(local, None, 0, spec, local.requires_grad)
 
 
 def _hand(local: Optional[torch.Tensor], partial: Optional[torch.Tensor], rank: int, spec: DTensorSpec,
@@ -317,7 +322,7 @@ def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh
     module's forward ends."""
     full = torch.ops.torch_tp.all_gather(local, dim, group.name, full_size)
     if not torch.compiler.is_compiling():
-        return _hand(None, full, group.rank, _spec(mesh, Replicate(), full.shape, full.dtype), full.requires_grad)
+        return _hand(None, full, group.rank, layout_spec(mesh, Replicate(), full.shape, full.dtype), full.requires_grad)
     dt = to_dtensor(_CompleteGradAsPartial.apply(full, group.rank), mesh, Replicate(), full.shape)
     records.gathered.append((dt, full))
     return dt
@@ -579,7 +584,8 @@ _specs: "OrderedDict[tuple, DTensorSpec]" = OrderedDict()
 _SPECS_KEPT = 256
 
 
-def _spec(mesh, placement: Placement, global_shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+def layout_spec(mesh, placement: Placement, global_shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    """The spec of a DTensor torch_tp hands on, made once per layout, shape and dtype."""
     key = (mesh, placement, global_shape, dtype)
     spec = _specs.get(key)
     if spec is None:
@@ -597,7 +603,7 @@ def to_dtensor(local: torch.Tensor, mesh, placement: Placement, global_shape) ->
     if torch.compiler.is_compiling():  # from_local is what dynamo traces
         stride = contiguous_stride(global_shape)
         return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
-    return _hand(local, None, 0, _spec(mesh, placement, global_shape, local.dtype), local.requires_grad)
+    return hand_local(local, layout_spec(mesh, placement, global_shape, local.dtype))
 
 
 def convert(local: torch.Tensor, src: Placement, dst: Placement, group: TPGroup,

@@ -92,7 +92,7 @@ class _ClassShard:
 
 
 # Checked (spec, class dim) -> (spec, _ClassShard), by id: the spec is the same object from one step
-# to the next for the logits torch_tp hands on (its specs are shared, _layout._spec), and the checks
+# to the next for the logits torch_tp hands on (its specs are shared, _layout.layout_spec), and the checks
 # and DeviceMesh lookups behind a _ClassShard cost tens of microseconds a call. An entry holds its
 # spec, so the id is not reused while it exists; the table is cleared when it outgrows _KEPT_SHARDS.
 _class_shards: Dict[Tuple[int, int], Tuple[Any, _ClassShard]] = {}
