@@ -25,6 +25,7 @@ identical on every rank (the backend reduces in the same order everywhere).
 """
 
 import hashlib
+import os
 import time
 
 import pytest
@@ -770,6 +771,21 @@ def _check_ops_call_the_backend_directly():
         want = {f"torch_tp_backend::{direct}"} if p > 1 else set()  # one rank: no collective at all
         if called != want:
             failures.append(f"{direct}: the profiler shows {sorted(called)}, want {sorted(want)}")
+    # The column linear's backward starts its gather and reduce-scatter to overlap them with GEMMs. Where the
+    # node's CPUs leave no core for each rank's worker thread, the op makes those calls directly instead
+    # (NOTE [async calls without a core to run on]); otherwise they are c10d's async calls.
+    xs = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(29), requires_grad=True)
+    out = torch.ops.torch_tp.column_parallel_linear(xs, w, None, name, 0, None)
+    called = _collectives_called(lambda: out.backward(torch.ones_like(out)))
+    if p == 1:
+        want = set()
+    elif 2 * p > os.sysconf("SC_NPROCESSORS_ONLN"):
+        want = {"torch_tp_backend::all_gather_into_tensor", "torch_tp_backend::reduce_scatter_tensor"}
+    else:
+        want = {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_"}
+    if called != want:
+        failures.append(f"column_parallel_linear backward: the profiler shows {sorted(called)}, want {sorted(want)}")
     # A direct call behind queued async calls waits its turn: results in issue order.
     big = [rank_input(rank, 100_000, torch.float32, seed=25 + k) for k in range(3)]
     works = [dist.all_reduce(t, async_op=True) for t in big]

@@ -222,6 +222,10 @@ ProcessGroupShm::ProcessGroupShm(const c10::intrusive_ptr<c10d::Store>& store, i
   } else {
     collectives_ = node_collectives(*transport_, rank, size);
   }
+  // NOTE [async calls without a core to run on]: inside one node the worker
+  // overlaps an op's collective with its GEMM only on a core of its own.
+  // Across nodes it also overlaps gloo's network time, so it always runs.
+  overlaps_async_calls_ = num_nodes > 1 || transport_->ranks_have_spare_cores();
   queue_ = std::make_shared<WorkQueue>(rank);
   p2p_ = std::make_unique<PointToPoint>(*transport_, std::move(local_index), options_.gloo_all, rank,
                                         options_.timeout);

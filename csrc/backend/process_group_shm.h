@@ -134,6 +134,9 @@ class ProcessGroupShm : public c10d::Backend, public DirectCollectives {
   void all_gather_now(const at::Tensor& input, const at::Tensor& output, int64_t dim) override;
   void reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, const c10d::ReduceOp& reduce_op,
                           int64_t dim) override;
+  bool overlaps_async_calls() const override {
+    return overlaps_async_calls_;
+  }
 
  private:
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
@@ -158,6 +161,7 @@ class ProcessGroupShm : public c10d::Backend, public DirectCollectives {
   Options options_;
   std::unique_ptr<ShmTransport> transport_;
   std::unique_ptr<Collectives> collectives_;  // single- or multi-node, picked at construction
+  bool overlaps_async_calls_ = true;  // NOTE [async calls without a core to run on]
   uint64_t seq_ = 0;  // collective calls issued; guarded by the caller's order
   std::shared_ptr<WorkQueue> queue_;  // the collectives' (shared with the Works it may still run)
   std::unique_ptr<PointToPoint> p2p_;

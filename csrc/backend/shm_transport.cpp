@@ -255,6 +255,7 @@ ShmTransport::ShmTransport(const c10::intrusive_ptr<c10d::Store>& store, Options
   while (most < n && !most_node_ranks.compare_exchange_weak(most, n)) {
   }
   yield_for_ = std::max(most, n) > cpus ? kYieldFor : kYieldForOwnCores;
+  ranks_have_spare_cores_ = 2L * std::max(most, n) <= cpus;
   // Slots start on cache lines, so chunk boundaries do too.
   slot_bytes_ = options_.buffer_bytes / 2 / 64 * 64;
   data_offset_ = round_up(sizeof(Control), kPage);

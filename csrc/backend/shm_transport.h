@@ -175,6 +175,13 @@ class ShmTransport {
   bool ranks_outnumber_cpus() const {
     return ranks_outnumber_cpus_;
   }
+  // Whether the node's online CPUs leave each rank a second core, for a
+  // worker thread beside it: at least two per rank of the largest group of
+  // this node the process has been in (NOTE [waiting]). Like the above, the
+  // same on every rank of the node.
+  bool ranks_have_spare_cores() const {
+    return ranks_have_spare_cores_;
+  }
 
   // The step the next arrive() publishes, and this rank's slot for it.
   uint64_t next_step() const {
@@ -240,6 +247,7 @@ class ShmTransport {
   size_t rings_offset_;
   int cores_;  // the cores this rank may run on (NOTE [waiting])
   bool ranks_outnumber_cpus_;
+  bool ranks_have_spare_cores_;
   std::chrono::microseconds yield_for_;  // NOTE [waiting]
   std::vector<ShmSegment> segments_;  // by local rank; ours is segments_[local_rank]
   uint64_t step_ = 0;

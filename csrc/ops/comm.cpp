@@ -144,11 +144,14 @@ c10d::Backend* backend_for(c10d::ProcessGroup& group, const at::Tensor& x) {
 }
 
 // The backend's direct calls if it offers them and the caller waits at once
-// (NOTE [direct calls from the ops] in <torch_tp/direct_collectives.h>), else
-// null: the call goes through c10d. Avg reaches them as SUM (to_c10d), and
-// the caller divides, as on every backend.
+// (NOTE [direct calls from the ops] in <torch_tp/direct_collectives.h>), or
+// starts the call to overlap it where the backend has no core to overlap it
+// on (NOTE [async calls without a core to run on]), else null: the call goes
+// through c10d. Avg reaches them as SUM (to_c10d), and the caller divides,
+// as on every backend.
 DirectCollectives* direct_calls(c10d::Backend* backend, bool async_op) {
-  return async_op ? nullptr : dynamic_cast<DirectCollectives*>(backend);
+  auto* direct = dynamic_cast<DirectCollectives*>(backend);
+  return direct != nullptr && (!async_op || !direct->overlaps_async_calls()) ? direct : nullptr;
 }
 
 // The context a backend's failure is rethrown with: the op, the group, x, and

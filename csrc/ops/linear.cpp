@@ -22,9 +22,12 @@
 //     wait; start reduce_scatter(grad_x_full)
 //                             | grad_W = grad^T @ x_full,  grad_b = sum(grad)
 //     wait
-// On CPU the collective runs on the backend's threads (gloo); on CUDA, NCCL
-// runs it on its own stream, ordered after the current stream by an event,
-// and wait() makes the current stream wait for it, so the GEMM overlaps.
+// On CPU the collective runs on the backend's threads (gloo, and the torch_tp
+// backend where its ranks have cores to spare); on CUDA, NCCL runs it on its
+// own stream, ordered after the current stream by an event, and wait() makes
+// the current stream wait for it, so the GEMM overlaps. Where the torch_tp
+// backend's worker would share the rank's core, the op makes the call at
+// start and computes after it (NOTE [async calls without a core to run on]).
 //
 // NOTE [partial grad_x]
 // Several column-parallel layers often read one replicated input that was
