@@ -18,6 +18,7 @@ here) moves weights by ~1e-7, below 1e-5 of their magnitude; the gradients
 themselves are compared before each step.
 """
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -183,6 +184,39 @@ MODELS = {
 }
 
 
+# The calls of one torch_tp forward that take the styles' short paths (NOTE [gathering a handed shard],
+# NOTE [the sequence-parallel norm of a plain shard] in style.py), by model, under the sequence-parallel
+# plan: each block gathers its two norms' handed outputs; the Llama's RMSNorms (the others are LayerNorms,
+# which run their own forward) read plain, recorded shards of the residual stream.
+SHORT_PATHS = {"transformer": {"gather": 4, "norm": 0}, "transformer_tied": {"gather": 4, "norm": 0},
+               "transformer_uneven": {"gather": 4, "norm": 0}, "llama": {"gather": 4, "norm": 5}}
+
+
+@contextlib.contextmanager
+def _short_paths_taken():
+    """Counts the calls that took the styles' short paths while it is on."""
+    from torch_tp.parallel import style
+
+    counts = {"gather": 0, "norm": 0}
+    gather, norm = style._gather_handed, style._SequenceParallelModule._tp_norm_of_recorded_shard
+
+    def counted_gather(*args):
+        out = gather(*args)
+        counts["gather"] += out is not None
+        return out
+
+    def counted_norm(module, x):
+        out = norm(module, x)
+        counts["norm"] += out is not None
+        return out
+
+    style._gather_handed, style._SequenceParallelModule._tp_norm_of_recorded_shard = counted_gather, counted_norm
+    try:
+        yield counts
+    finally:
+        style._gather_handed, style._SequenceParallelModule._tp_norm_of_recorded_shard = gather, norm
+
+
 def _check_against_torch(model_name, sequence_parallel, steps=3):
     world_size = dist.get_world_size()
     make_model, make_plan, make_input = MODELS[model_name]
@@ -208,7 +242,10 @@ def _check_against_torch(model_name, sequence_parallel, steps=3):
         else:
             x = make_input(gen)
             inputs = {name: x for name in models}
-        outputs = {name: models[name](inputs[name]) for name in models}
+        with _short_paths_taken() as taken:
+            outputs = {name: models[name](inputs[name]) for name in models}
+        want = SHORT_PATHS.get(model_name, {}) if sequence_parallel else {}
+        assert taken == {"gather": want.get("gather", 0), "norm": want.get("norm", 0)}, (model_name, taken)
         full_numel = outputs["reference"].numel()
         if model_name == "mlp_sp":
             # Sequence-sharded outputs (local tensors in both libraries): compare
