@@ -768,7 +768,9 @@ class SequenceParallel(ParallelStyle):
 # Its spec holds the placement and global shape, so the gather needs none of
 # the generation layouts, placement normalization and global-size lookup of
 # the general path, which cost ~40 us a call beside the gather's ~80 in the
-# example's training step (medians in the step, Intel Xeon VM).
+# example's training step (medians in the step, Intel Xeon VM). Inside
+# generation_layouts(), with use_local_output, and for any other input or
+# desired layout, _prepare takes the general path.
 def _gather_handed(value: _HandedDTensor, mesh: DeviceMesh, group: TPGroup,
                    records: ForwardRecords) -> Optional[DTensor]:
     """A handed ``Shard(d)`` DTensor gathered to a Replicate one (NOTE [gathering a handed shard]);
