@@ -542,7 +542,7 @@ class _SequenceParallelModule(_ParallelModule):
         if records.replicate_sequence or torch.compiler.is_compiling():
             return None
         ndim = x.dim()
-        dim = state.sequence_sharding.dim + (ndim if state.sequence_sharding.dim < 0 else 0)
+        dim = normalize(state.sequence_sharding, ndim).dim
         if not 0 <= dim < ndim - len(self.normalized_shape):  # the sequence dim is not a normalized one
             return None
         size = records.shard_sizes.get((group.name, ndim, dim))
@@ -779,7 +779,7 @@ def _gather_handed(value: _HandedDTensor, mesh: DeviceMesh, group: TPGroup,
     placement = spec.placements[0]
     if type(placement) is not Shard:
         return None
-    dim = placement.dim + (len(spec.shape) if placement.dim < 0 else 0)
+    dim = normalize(placement, len(spec.shape)).dim
     return gather_to_replicated_dtensor(value.local(), dim, mesh, group, spec.shape[dim], records)
 
 
