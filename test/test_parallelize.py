@@ -741,6 +741,44 @@ def _check_parameter_gradient_paths():
     for name, p in ours.named_parameters():
         check(p.grad, name, 2, "accumulated over two backwards")
 
+    # A plain backward makes every gradient DTensor at its first parameter node, before any
+    # .grad is set (NOTE [gradient DTensors made together] in csrc/python/parameters.cpp).
+    from torch_tp.parallel import _params
+
+    ours.zero_grad(set_to_none=True)
+    grads_set_before_each = []
+    new_gradient = _params._new_gradient
+
+    def recording_new_gradient(local, spec):
+        grads_set_before_each.append(sum(p.grad is not None for p in ours.parameters()))
+        return new_gradient(local, spec)
+
+    _params._new_gradient = recording_new_gradient
+    try:
+        loss(ours).backward()
+    finally:
+        _params._new_gradient = new_gradient
+    assert grads_set_before_each == [0] * len(list(ours.parameters())), grads_set_before_each
+    for name, p in ours.named_parameters():
+        check(p.grad, name, 1, "made together")
+
+    # Two forwards before their backwards (a pipeline's micro-batches): each backward makes
+    # its own forward's gradients; and a module run twice in one forward, whose parameters'
+    # second gradients accumulate into the .grad the first set.
+    ours.zero_grad(set_to_none=True)
+    first, second = loss(ours), loss(ours)
+    first.backward()
+    for name, p in ours.named_parameters():
+        check(p.grad, name, 1, "the first of two forwards")
+    ours.zero_grad(set_to_none=True)
+    second.backward()
+    for name, p in ours.named_parameters():
+        check(p.grad, name, 1, "the second of two forwards")
+    ours.zero_grad(set_to_none=True)
+    (loss(ours) + loss(ours)).backward()
+    for name, p in ours.named_parameters():
+        check(p.grad, name, 2, "a module run twice in one forward")
+
     ours.zero_grad(set_to_none=True)
     seen = {}
 
