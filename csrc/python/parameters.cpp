@@ -60,9 +60,10 @@
 // local tensor; a Partial gradient's node calls `take_partial` then. When a
 // node runs, its placeholder takes the gradient's storage, sizes and strides
 // (on the TensorImpl, as set_ would, without the dispatcher and with no Python:
-// 1.3 us a node, against 4-6 through set_) and the DTensor becomes .grad. The first node finds the others in a list of
-// the unwrap nodes forwards made (weak references, below), keeping those in the
-// graph task's node set (the engine fills it before it runs any node). A node
+// 1.3 us a node, against 4-6 through set_) and the DTensor becomes .grad. The
+// first node finds the others in a list of the unwrap nodes forwards made (weak
+// references, below), keeping those in the graph task's node set (the engine
+// fills it before it runs any node). A node
 // whose conditions no longer hold when it runs (its parameter got a .grad from
 // another node meanwhile, a hook was added) takes the path above, and its made
 // DTensor is dropped unused. Paired steps (the two ways alternated in one
@@ -136,7 +137,7 @@ class LocalParameterBackward : public torch::autograd::Node {
     if (!grads[0].defined()) {
       return {at::Tensor()};
     }
-    auto* accumulator = grads[0].device().is_cpu() ? sole_accumulator() : nullptr;
+    auto* accumulator = sole_accumulator();
     if (accumulator != nullptr) {
       make_graph_task_gradients();
       if (refs_->made_grad.defined()) {  // NOTE [gradient DTensors made together]
@@ -177,7 +178,8 @@ class LocalParameterBackward : public torch::autograd::Node {
 
  private:
   // The parameter's AccumulateGrad when this node may set .grad in its place,
-  // else nullptr (NOTE [the gradient straight to .grad]); the caller checks the device.
+  // else nullptr (NOTE [the gradient straight to .grad]). The gradient is on the
+  // parameter's device: its local tensor's, which the engine checks it against.
   torch::autograd::AccumulateGrad* sole_accumulator() const {
     if (at::GradMode::is_enabled()) {
       return nullptr;
@@ -196,7 +198,7 @@ class LocalParameterBackward : public torch::autograd::Node {
     const bool hooked = !accumulator->pre_hooks().empty() || !accumulator->post_hooks().empty() ||
         tensor_hooked || !accumulator->retains_grad_hooks().empty() ||
         accumulator->tensor_post_acc_grad_hooks() != nullptr;
-    if (hooked || !param.defined() || !param.requires_grad() || param.grad().defined()) {
+    if (hooked || !param.defined() || !param.device().is_cpu() || !param.requires_grad() || param.grad().defined()) {
       return nullptr;
     }
     return accumulator;
@@ -294,7 +296,7 @@ void LocalParameterBackward::make_graph_task_gradients() {
       released.push_back(std::move(weak));
       auto* unwrap = static_cast<LocalParameterBackward*>(node.get());
       auto* accumulator = node ? unwrap->sole_accumulator() : nullptr;
-      if (accumulator != nullptr && accumulator->variable.device().is_cpu()) {
+      if (accumulator != nullptr) {
         todo.emplace_back(std::move(node), accumulator);
       } else if (node) {
         others.push_back(std::move(node));
