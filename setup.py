@@ -1,7 +1,9 @@
 """Drives the CMake build (CMakeLists.txt is the one list of sources).
 
 `pip install --no-build-isolation .` and `pip install --no-build-isolation -e .`
-both end here. Environment:
+both end here. It builds against the installed torch, 2.11 to 2.15, and the
+package requires that torch's minor release (NOTE [the torch a wheel is built
+against]). Environment:
   TORCH_TP_CUDA=0|1          force the CPU-only or the CUDA build (default: CUDA
                              when torch is a CUDA build and nvcc is found)
   TORCH_TP_BUILD_TESTS=1     also build the GoogleTest executables
@@ -20,6 +22,34 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+
+# NOTE [the torch a wheel is built against]
+# libtorch_tp.so links torch's C++ API (c10d's Backend and Work among it), which
+# changes between minor releases: a library built against one minor release does
+# not load under another. So the build takes the installed torch (pip's
+# --no-build-isolation), refuses one outside the supported range before compiling
+# anything, and the wheel requires the minor release it was built against. pip
+# then keeps the torch it built with, rather than resolving a range to another
+# release and swapping it in under the finished library.
+SUPPORTED_TORCH = ((2, 11), (2, 15))  # oldest and newest minor release, inclusive
+
+
+def installed_torch_release() -> tuple[int, int]:
+    """The installed torch's (major, minor), or SystemExit saying what to do."""
+    oldest, newest = (".".join(map(str, release)) for release in SUPPORTED_TORCH)
+    try:
+        import torch
+    except ImportError:
+        sys.exit(f"torch_tp: no torch to build against: install torch {oldest} to {newest} first, then build with "
+                 "`pip install --no-build-isolation .` (an isolated build does not see the installed torch)")
+    version = torch.__version__
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if not SUPPORTED_TORCH[0] <= release <= SUPPORTED_TORCH[1]:
+        sys.exit(f"torch_tp: the installed torch is {version}; torch_tp supports torch {oldest} to {newest}")
+    return release
+
+
+TORCH_RELEASE = installed_torch_release()
 
 
 class CMakeExtension(Extension):
@@ -75,9 +105,15 @@ class CMakeBuild(build_ext):
 #   include/torch_tp/*.h                the public headers (csrc/include)
 #   share/cmake/torch_tp/               torch_tpConfig.cmake and its version file,
 #                                       found through torch_tp.cmake_prefix_path
+#   _build.py                           the torch it was built against, which
+#                                       `import torch_tp` checks first
 # CMakeLists.txt stages all of it in its output directory; this list says what
 # is copied from there into the wheel (or the source tree, for -e).
-PACKAGE_PAYLOAD = ("libtorch_tp.so", "include", "share")
+PACKAGE_PAYLOAD = ("libtorch_tp.so", "include", "share", "_build.py")
 
 
-setup(ext_modules=[CMakeExtension("torch_tp._C")], cmdclass={"build_ext": CMakeBuild})
+setup(
+    ext_modules=[CMakeExtension("torch_tp._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    install_requires=[f"torch=={TORCH_RELEASE[0]}.{TORCH_RELEASE[1]}.*"],
+)

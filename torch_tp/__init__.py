@@ -14,13 +14,30 @@ import os
 import torch
 import torch.distributed  # noqa: F401  (c10d's Python types, which _C's backend class derives from)
 
-from . import _C
 
-if _C.built_with_torch.split("+")[0] != torch.__version__.split("+")[0]:
-    raise ImportError(
-        f"torch_tp was built against torch {_C.built_with_torch} but torch {torch.__version__} "
-        "is installed; rebuild it with `pip install --no-build-isolation .`"
-    )
+
+def _load_native_library() -> None:
+    """Loads libtorch_tp.so through ``torch_tp._C``, or raises an ImportError that names the torch
+    it was built against and the torch running: the library links torch's C++ API and loads only
+    under the minor release it was compiled for (NOTE [the torch a wheel is built against] in
+    setup.py), where it would otherwise fail on an undefined symbol."""
+    rebuild = "rebuild torch_tp against the installed torch: `pip install --no-build-isolation --force-reinstall .`"
+    try:
+        from . import _build
+    except ImportError as e:
+        raise ImportError(f"torch_tp is not built (no torch_tp/_build.py): {rebuild}") from e
+    built, running = _build.torch_version, torch.__version__
+    if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
+        raise ImportError(f"torch_tp was built against torch {built} but torch {running} is installed; {rebuild}")
+    try:
+        from . import _C  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"torch_tp's native library, built against torch {built}, does not load under torch {running} "
+            f"({e}); {rebuild}") from e
+
+
+_load_native_library()
 
 from . import backend  # noqa: E402,F401  (registers the "torch_tp" process-group backend)
 from . import ops  # noqa: E402

@@ -1,8 +1,6 @@
 // torch_tp._C: importing it loads libtorch_tp.so (a link dependency), whose
 // static initialisers register the torch_tp ops with the dispatcher. The module
-// carries the facts of the build that `import torch_tp` checks (a library
-// built against another torch fails with a clear message instead of an
-// undefined symbol), the bindings of the DDP reducer (ddp.cpp), the
+// carries the bindings of the DDP reducer (ddp.cpp), the
 // constructor of the "torch_tp" process-group backend (backend.cpp) and the
 // unwrap of DTensor parameters for the forwards (parameters.cpp) and the
 // entry points of the sharded linears for the modules' plain tensors
@@ -20,7 +18,6 @@ void init_linear_entries(pybind11::module_& m);
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_tp native library: registers torch.ops.torch_tp.*, the DDP reducer, the torch_tp backend, "
            "the parameter unwrap and the sharded linears' entry points";
-  m.attr("built_with_torch") = TORCH_TP_TORCH_VERSION;
   torch_tp::python::init_ddp(m);
   torch_tp::python::init_backend(m);
   torch_tp::python::init_parameters(m);
