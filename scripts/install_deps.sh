@@ -4,10 +4,11 @@ set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
 
-# torch: keep an installed 2.11-2.14; otherwise the CUDA build of 2.14.1 (from
-# the local wheel cache where there is one). --no-build-isolation builds
-# against exactly this torch.
+# torch: keep an installed one that torch_tp supports (setup.py refuses any
+# other, naming it); with none, the newest supported release, which is what
+# `pip install torch` gives a new user (scripts/torch-newest.txt).
+# --no-build-isolation then builds against exactly this torch.
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-  "$PYTHON" -m pip install torch==2.14.1
+  "$PYTHON" -m pip install -r "$(dirname "${BASH_SOURCE[0]}")/torch-newest.txt"
 fi
 "$PYTHON" -m pip install -q "cmake>=3.22" ninja setuptools wheel

@@ -50,9 +50,11 @@ ctest --test-dir "$WORK/build" --output-on-failure --timeout 300 || status=1
 phase "a fresh virtual environment with the wheel"
 "$PYTHON" -m venv --system-site-packages "$WORK/venv"
 VENV_PYTHON="$WORK/venv/bin/python"
-"$VENV_PYTHON" -m pip install -q --no-deps "$WHEEL"
+# --no-index: the wheel's torch requirement must be met by the torch it was built against.
+"$VENV_PYTHON" -m pip install -q --no-index "$WHEEL"
 mkdir -p "$WORK/src"
-cp -r test examples "$WORK/src/"
+# setup.py too: test_package.py checks what it refuses before building.
+cp -r test examples setup.py "$WORK/src/"
 cd "$WORK/src/test"
 "$VENV_PYTHON" - "$WORK/venv" <<'PY'
 import os, sys
