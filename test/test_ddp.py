@@ -51,8 +51,8 @@ SCALE_FLOOR = 1e-12
 TINY_BUCKET_MB = 0.002  # ~2 KB: several buckets even for the small test models
 
 # The arguments torch's DDP gained after torch 2.11, with the release that added each: torch_tp's
-# DDP has them all (torch 2.14's signature), an older torch's does not.
-DDP_ARGUMENTS_ADDED = {"batched_grad_copy": (2, 12), "forward_sync_buffers": (2, 13)}
+# DDP has them all (torch 2.15's signature), an older torch's does not.
+DDP_ARGUMENTS_ADDED = {"batched_grad_copy": (2, 12), "forward_sync_buffers": (2, 13), "lazy_bucket_allocation": (2, 15)}
 TORCH_DDP_HAS_FORWARD_SYNC_BUFFERS = torch.__version__ >= DDP_ARGUMENTS_ADDED["forward_sync_buffers"]
 
 
@@ -557,7 +557,7 @@ def test_2d_dp_tp_matches_unsharded(ranks, ddp_class):
 
 
 def test_signature_matches_torch_ddp():
-    """torch 2.14's signature (README), which is the running torch's with the arguments added since."""
+    """torch 2.15's signature (README), which is the running torch's with the arguments added since."""
     ours = [(p.name, p.kind, p.default)
             for p in inspect.signature(torch_tp.DistributedDataParallel.__init__).parameters.values()]
     theirs = [(p.name, p.kind, p.default)
@@ -577,11 +577,26 @@ def test_signature_matches_torch_ddp():
     ("skip_all_reduce_unused_params", True),
     ("bucket_cap_mb_list", [1, 25]),
     ("batched_grad_copy", True),
+    ("lazy_bucket_allocation", True),
 ])
 def test_unimplemented_options_raise(option, value):
     # Checked before anything else, so no process group is needed.
     with pytest.raises(NotImplementedError, match=rf"DistributedDataParallel: {option}=.* is not implemented"):
         torch_tp.DistributedDataParallel(_mlp(), **{option: value})
+
+
+def test_manual_backward_finalization_is_off_and_refused():
+    """torch 2.15's manual finalization: off, as torch's DDP is by default; turning it on is refused (not
+    implemented), and finalize_backward raises as torch's does while it is off. No process group is needed:
+    the module is never built past the properties, which read no state."""
+    ddp = torch_tp.DistributedDataParallel.__new__(torch_tp.DistributedDataParallel)
+    assert ddp.require_manual_backward_finalization is False
+    assert ddp.should_finalize_after_backward is False
+    with pytest.raises(NotImplementedError, match="require_manual_backward_finalization=True is not implemented"):
+        ddp.require_manual_backward_finalization = True
+    ddp.require_manual_backward_finalization = False
+    with pytest.raises(RuntimeError, match="require_manual_backward_finalization is False"):
+        ddp.finalize_backward()
 
 
 def _check_device_arguments():

@@ -49,11 +49,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     r"""Data parallelism over a process group, gradients reduced in buckets by a C++ reducer.
 
     A drop-in replacement for :class:`torch.nn.parallel.DistributedDataParallel`:
-    torch 2.14's arguments in the same order with the same defaults, and the same
+    torch 2.15's arguments in the same order with the same defaults, and the same
     behaviour for those it implements (the others raise
     ``NotImplementedError`` when set), on every torch it supports: with torch
     2.11 and 2.12, whose DDP lacks ``forward_sync_buffers`` (2.11 also
-    ``batched_grad_copy``) and does not deprecate ``broadcast_buffers``, this
+    ``batched_grad_copy``, and every torch before 2.15 ``lazy_bucket_allocation``)
+    and does not deprecate ``broadcast_buffers``, this
     one takes ``forward_sync_buffers`` and warns on ``broadcast_buffers`` as
     2.13's does. At construction the parameter shapes are checked across
     ranks and rank 0's parameters and buffers are broadcast. In backward,
@@ -134,6 +135,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             :meth:`join` from the highest rank still training) and after a
             join. Construction always broadcasts them (with ``init_sync``).
             Default ``None``: as ``broadcast_buffers``, which defaults to ``True``.
+        lazy_bucket_allocation (bool): not implemented; must be ``False``.
 
     Example::
 
@@ -168,6 +170,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_cap_mb_list: Optional[List[float]] = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: Optional[bool] = None,
+        lazy_bucket_allocation: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -175,7 +178,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                                      ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
                                      ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
                                      ("bucket_cap_mb_list", bucket_cap_mb_list, None),
-                                     ("batched_grad_copy", batched_grad_copy, False)):
+                                     ("batched_grad_copy", batched_grad_copy, False),
+                                     ("lazy_bucket_allocation", lazy_bucket_allocation, False)):
             if value is not default:
                 raise NotImplementedError(
                     f"torch_tp.DistributedDataParallel: {name}={reprlib.repr(value)} is not implemented; leave "
@@ -281,6 +285,32 @@ class DistributedDataParallel(nn.Module, Joinable):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
+
+    # torch 2.15's manual finalization of backward, where the caller ends each backward itself. The reducer
+    # here always ends it (NOTE [end of backward] in csrc/ddp/reducer.cpp): the mode reads as off, and
+    # asking for it is refused rather than silently ignored.
+    @property
+    def require_manual_backward_finalization(self) -> bool:
+        """Always ``False``: the reducer finalizes every backward itself (manual finalization, torch 2.15's,
+        is not implemented)."""
+        return False
+
+    @require_manual_backward_finalization.setter
+    def require_manual_backward_finalization(self, required: bool) -> None:
+        if required:
+            raise NotImplementedError(
+                "torch_tp.DistributedDataParallel: require_manual_backward_finalization=True is not implemented; "
+                "every backward is finalized when it ends (or use torch.nn.parallel.DistributedDataParallel)")
+
+    @property
+    def should_finalize_after_backward(self) -> bool:
+        """``False``, as torch's is while manual finalization is off."""
+        return False
+
+    def finalize_backward(self) -> None:
+        """Refused, as torch's is while manual finalization is off: every backward is finalized when it ends."""
+        raise RuntimeError("DistributedDataParallel.finalize_backward: require_manual_backward_finalization is "
+                           "False; the reducer finalized the backward when it ended")
 
     def _check_devices(self, device_ids: Optional[List[Any]], output_device: Optional[Any]) -> None:
         # torch's checks, in torch's order, over every parameter (trained or frozen).
