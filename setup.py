@@ -58,6 +58,13 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        # setuptools copies a file only where the target is older than its source, so a
+        # library built against another torch (from another build directory) would stay
+        # in place beside this build's; CMake already rebuilds only what changed.
+        self.force = True
+
     def build_extension(self, ext: Extension) -> None:
         build_dir = Path(os.environ.get("TORCH_TP_BUILD_DIR", ROOT / "build" / "cmake")).resolve()
         cuda = {"0": "OFF", "1": "ON"}.get(os.environ.get("TORCH_TP_CUDA", ""), "AUTO")
