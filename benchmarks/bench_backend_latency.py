@@ -26,7 +26,7 @@ SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IMPLS = ["tp dist", "tp op", "tp op_", "ds", "ds raw", "gloo", "all_gather tp dist", "all_gather tp op",
          "reduce_scatter tp dist", "reduce_scatter tp op"]
-# torch 2.13 deprecated the old names, which warn on every call (about 1.5 us at 4 KiB).
+# torch 2.13 deprecated the old names, which warn on every call (a cost that shows at small sizes).
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

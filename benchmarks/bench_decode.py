@@ -20,9 +20,9 @@ the peer), and everything else (dispatch, Python, attention, norms).
 A sample is a decode loop's steady state: each implementation decodes WARM_TOKENS untimed tokens, then
 STEADY_TOKENS timed ones back to back (the sample: their mean), as generate() runs tokens, so the caches hold
 what that implementation's own last token left there. Per token right after another implementation (--cold,
-how the sections up to issue 26's eleventh stop were taken) every token starts with the other models'
-weights in the caches; where a rank's shard of the weights fits in the last-level cache and the whole model
-does not (an Intel Xeon with a 480 MiB L3, docs/benchmark_log.md), that is not what a user's decode sees.
+how the earlier sections were taken) every token starts with the other models' weights in the caches; where
+a rank's shard of the weights fits in the last-level cache and the whole model does not, that is not what a
+user's decode sees.
 
 With --prefill a step is the prompt's forward instead: the PROMPT tokens into an empty cache, so every linear
 is a GEMM of PROMPT rows, not a GEMV (no GEMV-only rows then). There torch's bfloat16 on a CPU without a native

@@ -20,7 +20,7 @@ import harness
 import torch_tp
 
 IMPLS = ["torch_tp", "torch_tp_fused", "dtensor", "floor"]
-# (batch, hidden): the first is framework cost and latency (GEMMs of microseconds), the last two are
+# (batch, hidden): the first is framework cost and latency (tiny GEMMs), the last two are
 # GEMM-bound, the one between shows the crossover. --quick leaves out the largest.
 SIZES = [(8, 256), (128, 512), (512, 1024), (1024, 2048)]
 # Timed repeats and untimed warm-up steps per size: fewer where a step is longer (a full run takes minutes);

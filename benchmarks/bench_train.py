@@ -16,11 +16,10 @@ bmm), the collectives (torch_tp_backend::* and c10d::* events, waiting for the p
 
 A sample is a training loop's steady state: each implementation runs WARM_STEPS untimed steps, then
 STEADY_STEPS timed ones back to back (the sample: their mean; the laps: the last one's), implementations
-interleaved sample by sample against the VM's drift. A step right after another implementation's (--cold, how
-the sections up to issue 26's fifteenth stop were taken) starts with the other models' data in the caches and,
-after the unsharded step, with the other ranks' CPUs idle for a whole step; on the 2-vCPU VMs here that costs
-a 2-rank step more than a 1-rank one (a TP step 16% on an Intel Xeon, the unsharded step 6%:
-docs/benchmark_log.md, "A sixteenth stop"), and no training loop runs that way.
+interleaved sample by sample against the machine's drift. A step right after another implementation's (--cold,
+how the earlier sections were taken) starts with the other models' data in the caches and, after the unsharded
+step, with the other ranks' CPUs idle for a whole step; on a VM with a vCPU per rank that costs a 2-rank step
+more than a 1-rank one, and no training loop runs that way.
 
 With --amp every side runs its forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the CPU
 AMP recipe, and the unsharded float32 step runs beside them (**unsharded float32**): on a CPU without a native
@@ -32,8 +31,8 @@ Each step also counts the minor page faults it took (the notes' medians, rank 0)
 KiB and more come from glibc's malloc, which hands freed memory at the top of its heap, and whole freed mmap
 chunks, back to the kernel; the next step faults it in again, zeroed, page by page. How often depends on the
 tensors' sizes, so it differs between the unsharded step and a rank's half-sized one (the unsharded example
-step 600-1160 faults, the TP step 0, on an Intel Xeon VM: docs/benchmark_log.md, "A seventeenth stop"), and
-a fault's cost differs between machines. --keep-freed-memory turns glibc's trimming off and its mmap threshold
+step can fault every step where a TP rank's step does not), and a fault's cost differs between machines.
+--keep-freed-memory turns glibc's trimming off and its mmap threshold
 up to 32 MiB (mallopt, every rank, before the models are built), so freed memory stays in the process for the
 next step, as a caching allocator (jemalloc, tcmalloc) keeps it: every side without that cost.
 

@@ -584,7 +584,7 @@ def _check_cuda_ops():
                                    full.double().sum(0), **tol)
         assert torch.equal(torch.ops.torch_tp.all_gather(x, 1, group).cpu(), torch.cat(list(full), 1))
         # On gloo the op runs as an all_to_all (NOTE [reduce-scatter on gloo]), which gloo stages
-        # through host memory for CUDA tensors (seen working at 2 ranks on an H200).
+        # through host memory for CUDA tensors.
         torch.testing.assert_close(
             torch.ops.torch_tp.reduce_scatter(x, 0, "sum", group).cpu().double(),
             full.double().sum(0).chunk(world_size, 0)[rank], **tol)

@@ -431,8 +431,8 @@ def test_bf16_autocast_tracks_unsharded(ranks, world_size):
 @pytest.mark.parametrize("world_size", [2])
 def test_fp16_autocast_with_grad_scaler_cuda(ranks, world_size):
     # gloo moves CUDA tensors, so two ranks may share one GPU. torch_tp against the unsharded
-    # model only: torch's TP segfaults here (torch 2.11.0 on an H200, 2026-11-27: gloo::allgather
-    # copies from the device pointer of the all-gather that DTensor's redistribute runs), and
+    # model only: torch's TP segfaults here (torch 2.11.0: gloo::allgather copies from the
+    # device pointer of the all-gather that DTensor's redistribute runs), and
     # the CPU test above already runs torch's TP beside it.
     ranks(world_size, "gloo").run(_check_autocast, "cuda", torch.float16, ("torch_tp",), timeout=300)
 

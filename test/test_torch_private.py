@@ -1,6 +1,6 @@
 """torch_tp/_torch_private.py: every private torch symbol torch_tp uses, against real objects.
 
-Run on the oldest and the newest supported torch (2.11 and 2.14): a symbol that
+Run on the oldest and the newest supported torch (2.11 and 2.15): a symbol that
 moved or changed behaviour fails here, by name, rather than deep in a test of a
 feature. One process; a gloo group of one rank where a group is needed.
 """

@@ -1,6 +1,6 @@
 """Every private torch symbol torch_tp uses, in one place.
 
-torch_tp supports torch 2.11 to 2.14 (pyproject.toml). torch may move or change
+torch_tp supports torch 2.11 to 2.15 (setup.py). torch may move or change
 anything private between releases without notice, so the rest of the package
 reaches torch's private API only through the names below: when a release moves
 one, this file is the only one to change, and ``import torch_tp`` names what is
@@ -22,9 +22,9 @@ What stays at the call sites, as torch's public contract in all but name:
   - ``ParallelStyle._apply``: the method torch's ``parallelize_module`` calls,
     which every third-party style overrides.
 
-Guards: every symbol below was checked on torch 2.11.0, 2.12.0, 2.13.0 and
-2.14.1 (existence and signature; the Python sources of 2.11.0 and 2.14.1 side by
-side): none moved, so none needs a version guard today. When one moves, resolve
+Guards: every symbol below was checked on torch 2.11.0, 2.12.0, 2.13.0, 2.14.1
+and 2.15.0 (existence and signature; the Python sources of 2.11.0, 2.14.1 and
+2.15.0 side by side): none moved, so none needs a version guard today. When one moves, resolve
 it here by ``torch.__version__`` and say which releases take which path. A
 symbol missing from the running torch raises ImportError at ``import torch_tp``,
 naming it. (One difference of behaviour, in DTensor's public ops, is avoided on
@@ -33,11 +33,11 @@ in parallel/loss.py.)
 
 Per-call cost: most accessors are torch's own objects bound once (functions,
 classes, bound methods), so routing through them adds no call layer. DTensor's
-attributes are read through one-line functions: one Python call, about 20 ns,
-on the unwrap of each parameter in a forward without grad (with grad, the unwrap
-makes a C++ autograd node, about a microsecond). A C accessor (``operator.attrgetter``)
-costs as much and breaks ``torch.compile(fullgraph=True)``, which cannot trace
-one built outside the graph.
+attributes are read through one-line functions: one Python call on the unwrap of
+each parameter in a forward, small beside the unwrap itself even without grad
+(with grad, the unwrap also makes a C++ autograd node). A C accessor
+(``operator.attrgetter``) costs as much and breaks ``torch.compile(fullgraph=True)``,
+which cannot trace one built outside the graph.
 
 This module imports only torch (and the standard library).
 """
@@ -59,7 +59,7 @@ def _lookup(module: str, name: str) -> Any:
     except (ImportError, AttributeError) as e:
         raise ImportError(
             f"torch_tp needs torch's private {module}.{name}, which torch {torch.__version__} does not have; "
-            "torch_tp supports torch 2.11 to 2.14 (torch_tp/_torch_private.py resolves every private "
+            "torch_tp supports torch 2.11 to 2.15 (torch_tp/_torch_private.py resolves every private "
             "symbol it uses)") from e
     return found
 
@@ -99,8 +99,9 @@ def dtensor_from_spec(local: torch.Tensor, spec: Any, *, requires_grad: bool, su
     and the DTensors torch_tp hands between its modules (``subclass``, a DTensor subclass).
 
     Outside torch.export it runs DTensor's ``__new__`` alone: ``DTensor.__init__`` only
-    calls torch.export's constructor hook, behind ``torch._disable_dynamo``, ~3 us of
-    Python per DTensor, and torch_tp builds one per parameter and step."""
+    calls torch.export's constructor hook, behind ``torch._disable_dynamo``: Python that
+    does nothing outside export, run per DTensor, and torch_tp builds one per parameter
+    and step."""
     cls = subclass or _DTensor
     if torch.compiler.is_exporting():
         return cls(local, spec, requires_grad=requires_grad)
@@ -215,7 +216,7 @@ cast of floating-point inputs to ``mixed_precision.param_dtype``."""
 
 tree_flatten = _lookup("torch.utils._pytree", "tree_flatten")
 """``tree_flatten(tree) -> (leaves, spec)``: the forward output's tensors, whose
-backward the reducer waits for; torch has no public pytree module in 2.11-2.14."""
+backward the reducer waits for; torch has no public pytree module in 2.11-2.15."""
 
 tree_map_only = _lookup("torch.utils._pytree", "tree_map_only")
 """``tree_map_only(type, fn, tree)``: ``tree`` with ``fn`` applied to its leaves of ``type``;
@@ -234,6 +235,6 @@ def set_post_accumulate_grad_hooks(tensor: "torch.Tensor", hooks: dict) -> None:
     ``Tensor._post_accumulate_grad_hooks``, the dict AccumulateGrad calls after updating
     ``.grad``, which ``register_post_accumulate_grad_hook`` fills one hook at a time. Set
     whole, one shared dict serves every handed DTensor without that method's handle and
-    torch.compile guard (~2-3 us a call; NOTE [DTensors handed between torch_tp modules]
-    in parallel/_layout.py)."""
+    torch.compile guard, which every handed DTensor would pay
+    (NOTE [DTensors handed between torch_tp modules] in parallel/_layout.py)."""
     tensor._post_accumulate_grad_hooks = hooks

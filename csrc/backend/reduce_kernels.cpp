@@ -29,7 +29,7 @@
 //
 // NOTE [float16 in hardware]
 // float16's bit arithmetic is some twenty operations a vector each way, so
-// on 1 MiB it took twice bfloat16's time. The AVX2 and AVX-512 variants
+// it ran well behind bfloat16. The AVX2 and AVX-512 variants
 // convert it with the conversion instructions instead (F16C, which every
 // AVX2 CPU has, and AVX-512F; Half256 and Half512 below), the one place
 // this file uses intrinsics, each inside its variant's target. They widen a

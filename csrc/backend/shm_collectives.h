@@ -31,8 +31,7 @@
 // memcpy moves 1 and 1, so half of memcpy's bandwidth is the ceiling.
 // Reading the peers' tensors in place with process_vm_readv (Linux
 // cross-memory attach) would cut that to 1.5 and 1, but the kernel's copy is
-// slower than memcpy, and the in-place path measured slower than the chunked
-// one (docs/benchmark_log.md, "Notes on the misses", which has the figures);
+// slower than memcpy, and the in-place path ran slower than the chunked one;
 // so the backend copies through the segments only.
 
 #include "backend/reduce_kernels.h"
@@ -47,10 +46,8 @@ namespace torch_tp::backend {
 // The largest all-reduce done in one step (NOTE [all-reduce algorithms]).
 // With a CPU per rank a synchronisation is a spin on a cache line, cheaper
 // than every rank folding every rank's whole tensor above 4 KiB, so one step
-// only below 4 KiB (the per-step times measured are in docs/benchmark_log.md,
-// "The torch_tp backend at the latency limit"); when the ranks outnumber the
-// CPUs a synchronisation may cost a context switch, and one step is worth it
-// up to 128 KiB.
+// only below 4 KiB; when the ranks outnumber the CPUs a synchronisation may
+// cost a context switch, and one step is worth it up to 128 KiB.
 constexpr size_t kOneShotBytes = 4 * 1024 - 1;
 constexpr size_t kOneShotBytesOversubscribed = 128 * 1024;
 // The granularity of the reduced portion's two writes (NOTE [all-reduce traffic]).

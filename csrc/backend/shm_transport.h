@@ -40,13 +40,12 @@
 //   step, flagged in `parked`, so that the peer wakes it when it posts
 //   (arrive(): the poster's store and the sleeper's flag and reload are
 //   sequentially consistent, so one of them sees the other); in short naps
-//   for the rings. Sleeping costs a wake-up: a sleeping VM CPU was measured
-//   to resume 70-250 us after the post (the end of the same collective on
-//   the two ranks), a yielding one within a few microseconds, which is why
-//   the ranks that fit the CPUs yield that long; in the example model's
-//   2-rank training step, where a rank waits 0.5-10 ms for its peer several
-//   times per step, yielding 10 ms instead of 500 us took ~1 ms off the step
-//   (docs/benchmark_log.md, "Training, a third stop").
+//   for the rings. Sleeping costs a wake-up: a sleeping CPU (a VM's
+//   especially) resumes long after the post, a yielding one almost at once,
+//   which is why the ranks that fit the CPUs yield that long; in the example
+//   model's 2-rank training step, where a rank waits for its peer several
+//   times per step, often for longer than kYieldFor, yielding
+//   kYieldForOwnCores instead made the step faster.
 // A wait gives up when the peer has made no progress for the group's
 // timeout, or at once when the peer's process is gone (checked with kill(pid,
 // 0) and /proc, every few milliseconds), and then names the op and the rank.

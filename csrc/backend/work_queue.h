@@ -14,8 +14,7 @@
 // NOTE [synchronous calls run inline]
 // A call made with async_op=False (torch passes it as opts.asyncOp) is waited
 // for at once, so handing it to the worker only adds two thread wake-ups
-// (on a busy machine more than a small all-reduce takes: docs/benchmark_log.md,
-// "The torch_tp backend at the latency limit") and a second runnable thread
+// (on a busy machine more than a small all-reduce takes) and a second runnable thread
 // per rank for the scheduler to place.
 // When nothing is queued or running, such a call runs on the caller's thread;
 // otherwise it queues behind the earlier calls, so the order stays the

@@ -204,8 +204,7 @@ struct ReduceFromTpRegionFunction : public torch::autograd::Function<ReduceFromT
 // NOTE [no gradient, no Function]
 // Function::apply builds a graph node, its context and saved data even when
 // nothing needs a gradient, which costs more than a small all-reduce on the
-// torch_tp backend takes (docs/benchmark_log.md, "The torch_tp backend at
-// the latency limit"). So when x needs no gradient (no
+// torch_tp backend takes. So when x needs no gradient (no
 // grad mode or x does not require grad, and x carries no forward-mode
 // tangent, which apply would reject), the kernels below redispatch straight
 // below autograd (redispatch_or_apply): the same result, and no graph either way.

@@ -98,11 +98,9 @@ std::optional<int64_t> wrap_padding_idx(const char* op, std::optional<int64_t> p
 //                    k != padding_idx (local)                          [rows, D]
 // As ATen ops that is a dozen calls forward (the range check, the masks, the
 // shifted ids, embedding, where) and where's and embedding's gradients
-// backward: on a training step's ids each is a few microseconds of dispatch
-// around almost no work. At the example's shape (ids [4, 64], a [128, 256]
-// shard, one thread, on a group whose collectives do nothing) the op took
-// 150 us forward and 450 forward and backward; with the loops 30 and 160
-// (docs/benchmark_log.md, "A sixteenth stop"). So the pieces
+// backward: on a training step's ids each is dispatch around almost no work,
+// and at the example's shape (ids [4, 64], a [128, 256] shard) that dispatch
+// is most of the op's time, forward and backward. So the pieces
 // _vocab_shard_lookup and _vocab_shard_lookup_backward run one loop each on
 // the CPU: a row copied or zeroed per id (after a pass that checks every id,
 // so a bad one raises before anything is written or communicated), and a row

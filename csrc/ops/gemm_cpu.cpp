@@ -2,20 +2,20 @@
 // ATen runs a bfloat16 or float16 GEMM on the CPU through oneDNN where oneDNN
 // supports the type natively (bfloat16: AVX-512 core or AVX-NE-CONVERT;
 // float16: AVX-512 FP16 or AVX-NE-CONVERT) and otherwise through its scalar
-// fallback loops. On the project's AVX2 VM (AMD EPYC, Zen 3, one thread) torch
-// 2.14's fallback ran x @ W^T at 6-11 GFLOP/s and grad @ W (W not transposed,
-// the input gradient) at 0.5-1.3, where float32 SGEMM runs at 60-72: a
-// bfloat16 model (autocast training, a bfloat16 prompt, batched decode above
-// kSmallBatchRows rows) spent 5-12x its float32 GEMM time in the forward
-// GEMMs there and 45-140x in the input gradient's. On such a CPU
+// fallback loops. On an AVX2 CPU torch 2.14's fallback runs x @ W^T, and
+// grad @ W (W not transposed, the input gradient) even more so, far slower
+// than float32 SGEMM: a bfloat16 model (autocast training, a bfloat16 prompt,
+// batched decode above kSmallBatchRows rows) spends many times its float32
+// GEMM time in the forward GEMMs there, and more in the input gradient's. On
+// such a CPU
 // local_mm computes a [M, K] @ b [K, N] as
 //     a32 = float32(a)                                   (once)
 //     for each panel of b's columns [n0, n1):            (~2 MiB in float32)
 //         out[:, n0:n1] = round(a32 @ float32(b[:, n0:n1]) (+ bias[n0:n1]))
 // The conversions are O(MK + KN + MN) against the GEMM's O(MNK); the panels
 // keep the float32 copy of b (usually the weight) cache-sized instead of twice
-// the weight's size, at the speed of converting it whole (measured from 64 x
-// 704 x 512 to 4096 x 11008 x 4096: 45-75 GFLOP/s either way). Each entry is
+// the weight's size, at the speed of converting it whole (alike from the
+// example's shapes to LLM-sized ones). Each entry is
 // the float32 sum of the half-precision products rounded once to nearest even,
 // as ATen's fallback and oneDNN compute it too (each within half an ulp of the
 // exact product plus the float32 sum's error, checked for ATen's fallback at
@@ -90,9 +90,9 @@ bool half_gemm_through_float32(at::ScalarType dtype) {
 at::Tensor local_mm(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias) {
   // One or two rows of a against b = W^T of a row-major W [N, K] stay ATen's:
   // its fallback computes them as dot products of contiguous rows, faster than
-  // the panels' conversions at that size (float16, the decode shapes of
-  // bench_decode's dim512x8 on the Zen 3 VM: 3.2 against 5.1 ms a token at one
-  // row, 5.2 against 6.9 at two, 11.4 against 7.9 at four). The linear ops'
+  // the panels' conversions at that size (float16 at the decode shapes of
+  // bench_decode's dim512x8: ATen's dot products win at one and two rows, the
+  // panels from four). The linear ops'
   // forward rows go to the decode GEMV first (linear_gemm_aten); these are the
   // ones it does not take, such as x strided in K.
   const bool aten_dot_products = a.size(0) <= 2 && b.stride(0) == 1 && b.stride(1) == b.size(0);

@@ -1,35 +1,25 @@
 // NOTE [few-row GEMV on the CPU]
 // Decode runs one token per forward: every linear is a GEMV, x [1, K] @ W [N, K]^T,
 // that reads each weight once and so should run at memory bandwidth. torch
-// 2.14's CPU GEMM does not, in bfloat16 nor in float32. Measured on the
-// project's AVX-512 BF16 machine (AMD EPYC, one thread, N x K from 512 x 512 to
-// 8192 x 512, median of 200, W cache-resident or streamed from DRAM by cycling
-// copies of it > 100 MB in all), in GB/s of W (float32 cache-resident: the
-// lower figures through the op, the higher calling the kernel directly):
-//                      x rows   ATen: cache  DRAM    this kernel: cache  DRAM
-//   bfloat16             1           20-37   11-18                75-100  24-32
-//   float32              1           61-91   16-22                78-111  27-36
-//   float32              2           38-46    8-13                72-102  25-37
-//   float32              4           17-27   10-13                56-97   23-32
-//   float32              8           13-19    9-10                28-46   15-26
-// With two ranks streaming at once (one thread each, taskset -c 0 / -c 1, one
-// x row) it still gets bfloat16 22-31 GB/s per process, float32 26-38 (ATen's
-// float32 16-22). The design, one template on the element type T:
+// 2.14's CPU GEMM does not, in bfloat16 nor in float32, with W cache-resident
+// or streamed from DRAM, and falls further behind as x gains rows; this
+// kernel stays ahead of it with two ranks streaming at once, one thread each
+// (benchmarks/RESULTS.md's decode sections time both in the model). The
+// design, one template on the element type T:
 //   - R rows of W per block (8 down to 3 as M grows: M * R accumulators, the
 //     loads beside them, fit the 32 vector registers), one 64-byte load per W
 //     row and per x row per step (32 bfloat16 or 16 float32 K-elements)
 //     feeding M * R multiply-adds into float32 lanes (vdpbf16ps: pairs of
 //     bfloat16 products; vfmadd231ps), so an x load serves R rows and a W
 //     load M rows; the loops over M and R are unrolled so the accumulators
-//     stay in registers (without that M >= 3 spilled and ran at half speed);
+//     stay in registers (without that M >= 3 spilled and ran far slower);
 //   - each step prefetches the same columns of the next block's rows: the
-//     hardware prefetcher alone kept a single core at 20-24 GB/s from DRAM in
-//     bfloat16; in float32 it lifts 4 and 8 rows (25 -> 29, 13 -> 19 GB/s) and
-//     is a wash at 2, but at 1 row float32 streams faster without it
-//     (presumably the prefetches take load slots the hardware prefetcher does
-//     not need there): -8% to +23% over 7 shapes and 2 runs of one process, +3%
-//     to +31% with two processes streaming at once, so float32 prefetches from
-//     2 rows on;
+//     hardware prefetcher alone leaves a single core short of DRAM bandwidth
+//     in bfloat16; in float32 prefetching lifts 4 and 8 rows and is a wash at
+//     2, but at 1 row float32 streams faster without it (presumably the
+//     prefetches take load slots the hardware prefetcher does not need
+//     there), with one process and with two streaming at once, so float32
+//     prefetches from 2 rows on;
 //   - the K tail through masked (zeroing) loads, the N tail with R = 1;
 //   - the bias added in float32 to the float32 sum, rounded once for a
 //     bfloat16 or float16 output (to nearest even, as c10::BFloat16 and
@@ -37,15 +27,12 @@
 //     the order of the float32 sum;
 //   - at::parallel_for over output rows, in tasks of >= 64 KiB of W (inline
 //     with one intra-op thread, as each rank runs).
-// It takes up to kSmallBatchRows = 8 rows: at 8 it still beat at::mm by
-// 1.2-1.8x (bfloat16) and 1.5-3.3x (float32) cache-resident, 1.15-2.2x and
-// 1.5-2.8x from DRAM; at 9 ATen takes over. float16 runs the float32 loop on
-// half the bytes, widened as it loads (vcvtph2ps): ATen's float16 GEMV is no
-// faster than its bfloat16 one (an Intel Xeon with AVX-512 FP16 and AMX, one
-// thread, the dim 512 decode shapes' 54 MiB cycled from DRAM, GB/s of W through
-// the op against F.linear, one run: 1 row 13.8 against 6.3, 2 rows 11.3
-// against 3.6, 4 rows 10.0 against 3.8, 8 rows 5.8 against 2.8; bfloat16 in
-// the same run 14.7, 12.9, 11.0 and 7.4). Other dtypes go to ATen. A CPU
+// It takes up to kSmallBatchRows = 8 rows: at 8 it still beat at::mm, in
+// bfloat16 and float32, cache-resident and from DRAM; at 9 ATen takes over.
+// float16 runs the float32 loop on half the bytes, widened as it loads
+// (vcvtph2ps): ATen's float16 GEMV is no faster than its bfloat16 one, even
+// on a CPU with AVX-512 FP16 and AMX, and this loop beats it at every row
+// count up to 8. Other dtypes go to ATen. A CPU
 // without AVX-512 BF16 but with AVX2, FMA and F16C runs the variant of NOTE
 // [few-row GEMV on AVX2]; one without, ATen's GEMM.
 
@@ -113,8 +100,8 @@ struct Lanes<float> {
 
 // float16: the float32 loop over half the bytes, 16 float16 (32 bytes) a step
 // widened to float32 as they load (vcvtph2ps). It prefetches from one x row on,
-// as bfloat16 does: prefetching from two instead cost one row 10-30% (the dim
-// 512 decode shapes, 3 runs each).
+// as bfloat16 does: prefetching from two instead slowed one row (the dim 512
+// decode shapes).
 template <>
 struct Lanes<c10::Half> : Lanes<float> {
   static constexpr int kPrefetchFromRows = 1;
@@ -227,17 +214,12 @@ namespace avx2 {
 // shifted up and the high halves masked are exactly their float32 values, and
 // x and W split alike, so the two halves' products are the pairs vdpbf16ps
 // sums. float16 is widened by F16C's vcvtph2ps, 8 elements a load, into the
-// float32 loop. Measured on an AMD EPYC of the Zen 3 generation (one thread, 58-117
-// MB of W cycled from DRAM, GB/s of W, this kernel / ATen, two runs; the VM's
-// speed drifts by 15% between runs, so the prefetch choices are the AVX-512
-// variant's, not tuned here):
-//   x rows        1           2          4       8
-//   float32       1.05-1.26x  2.3-2.6x   4.1x    2.4x    (18-22 GB/s at 1 row)
-//   bfloat16      1.3-1.5x    2.4x       4.3x    4.9x    (10-15 GB/s at 1 row)
-// One and two x rows now read W row by row, NOTE [W row by row on AVX2]: at
-// one row, through torch_tp's op over the dim 512 decode shapes (54 MiB of
-// W), against F.linear in the same run, float32 1.26x alone and 1.24x with a
-// second rank streaming at once, bfloat16 1.56x with the second rank.
+// float32 loop. It beats ATen from DRAM at every row count up to 8, in
+// float32 and bfloat16; the prefetch choices are the AVX-512 variant's, not
+// tuned here (its speed drifted too much between runs to tune them on). One
+// and two x rows read W row by
+// row instead, NOTE [W row by row on AVX2], which keeps one row ahead of
+// F.linear alone and with a second rank streaming at once.
 template <typename T>
 struct Lanes256;
 
@@ -368,24 +350,18 @@ template <typename T, int M>
 // With one or two x rows, gemv_rows' blocks read R rows of W side by side: R
 // short streams (a row is 1-2 KiB at the models' K) that the hardware
 // prefetcher picks up anew at every block. Read a row at a time, front to
-// back like a sum, W streams faster. Standalone loops over the decode shapes'
-// weights (dim 512: [256|688, 512] and [512, 256|688], 56 MiB cycled from
-// DRAM; GB/s of W, median of 25; two processes, one per core, at once) on the
-// Zen 3 VM:
-//   x rows  dtype      blocks of R rows     row by row      a plain AVX2 sum
-//   1       float32    7.9-10.2 (R = 6)     10.1-13.9       10.8-15.1 (4 runs)
-//   1       bfloat16   7.4-8.6 (R = 4)      10.0-13.1
-//   2       float32    11.1-15.0 (R = 4)    12.2-17.6       (2 runs)
-//   2       bfloat16   9.4-11.4 (R = 3)     14.4-14.8
-// Through torch_tp's op at two rows, both ranks at once, the blocks against
-// row by row: float32 7.5-9.8 -> 12.2-12.9 GB/s (2 pairs of runs), bfloat16
-// -19% to +27% (5 pairs, median +9%; the op's call costs more of a bfloat16
-// GEMV). At 4 x rows it was a wash in bfloat16 (+6-25% in float32), and at 8
-// slower in both, so from 3 rows on the blocks stay. A step reads 128 bytes of
+// back like a sum, W streams faster: in standalone loops over the decode
+// shapes' weights (cycled from DRAM, two processes, one per core, at once),
+// row by row came near a plain AVX2 sum at one and two x rows in float32 and
+// bfloat16, where the blocks fell behind. Through torch_tp's op at two rows,
+// both ranks at once, row by row wins in float32 and, within the runs'
+// spread, in bfloat16 (the op's call costs more of a bfloat16 GEMV). At 4 x
+// rows it was a wash in bfloat16 (a gain in float32), and at 8 slower in
+// both, so from 3 rows on the blocks stay. A step reads 128 bytes of
 // W (2 cache lines) into four accumulators per x row, which cover the
 // multiply-add latency. A software prefetch 1 KiB ahead (past the row's end:
 // the next row's start) helps bfloat16 and two float32 rows; one float32 row
-// runs best on the hardware prefetcher alone (1-4 KiB ahead cost it 3-25%).
+// runs best on the hardware prefetcher alone (1-4 KiB ahead slowed it).
 // Widening x to float32 once per call instead of in every row did not pay.
 // float16 takes bfloat16's prefetch (as many bytes a row; not measured here).
 template <typename T, int M>

@@ -96,10 +96,10 @@ Activation parse_activation(const char* op, c10::string_view activation) {
 }
 
 // Decode's few-row float32, bfloat16 and float16 GEMMs (x [<= 8, K]) go to
-// small_batch_linear_cpu, which streams W from DRAM at 24-32 GB/s (bfloat16)
-// and 27-36 (float32) with one x row and one thread, where ATen's GEMV gets
-// 11-18 and 16-22, and ATen's float32 GEMM with 2-8 rows only 8-13 (NOTE
-// [few-row GEMV on the CPU] in gemv_cpu.cpp; float16 there too). Everything else goes to ATen,
+// small_batch_linear_cpu, which streams W from DRAM nearer memory bandwidth
+// than ATen's GEMV does with one x row, and than ATen's GEMM does with 2-8
+// rows (NOTE [few-row GEMV on the CPU] in gemv_cpu.cpp; float16 there too).
+// Everything else goes to ATen,
 // except bfloat16 and float16 on a CPU where ATen's GEMM for them is its scalar
 // fallback (local_mm, NOTE [half-precision GEMMs through float32 panels]).
 GemmResult linear_gemm_aten(const char* /*op*/, const at::Tensor& x2d, const at::Tensor& weight,

@@ -6,10 +6,10 @@
 // On the CPU torch's rms_norm is a composition: upcast, pow, mean, add, rsqrt,
 // mul, mul, downcast forward, and about twice as many ops backward, each
 // dispatched, allocated and passed over memory on its own. At the example
-// model's sequence-parallel shard ([4, 32, 256] fp32, one thread) that is
-// 44 us forward and 443 us forward and backward; this op takes 19 and 139
-// (autograd's own cost included), and the example's TP step ~3 ms less
-// (docs/benchmark_log.md, "A twelfth stop"). Here a row x [N] (N =
+// model's sequence-parallel shard ([4, 32, 256] fp32) that per-op cost is
+// most of the norm's time, forward and backward; this op takes a fraction of
+// it (autograd's own cost included), which shortens the example's TP step.
+// Here a row x [N] (N =
 // prod(normalized_shape)), in opmath (float for bfloat16, double for double),
 // as torch's fused formula for an input and weight of one dtype:
 //   rstd = 1 / sqrt(mean_j x_j^2 + eps)    eps None: opmath's epsilon, as torch
@@ -21,12 +21,12 @@
 // the order of the sums differs (a few ulps of float32). Anything else (another
 // device, an input and weight of different dtypes, a forward-mode tangent)
 // goes to at::rms_norm itself, so the op is torch's rms_norm wherever it does
-// not fuse, float16 included (its conversions did not vectorise here: 3x
-// torch's forward time). The row loops are compiled per instruction set and
-// the widest the CPU runs is taken (NOTE [instruction-set variants of the row
-// loops] in cpu_isa.h): with AVX-512 on a Zen 4, forward and backward of that
-// shard (autograd.grad of the op) took 68 us against the SSE2 build's 83, and
-// 136 against 189 at [4, 128, 256].
+// not fuse, float16 included (its conversions did not vectorise here, and the
+// fused forward was slower than torch's). The row loops are compiled per
+// instruction set and the widest the CPU runs is taken (NOTE [instruction-set
+// variants of the row loops] in cpu_isa.h): with AVX-512, forward and
+// backward of that shard run faster than the SSE2 build's, and more so at
+// longer sequences.
 
 #include "ops/common.h"
 #include "ops/norm.h"
@@ -48,8 +48,8 @@ namespace torch_tp {
 namespace {
 
 // float16 is left to torch: c10's float16 conversions are bit arithmetic that
-// does not vectorise here, and made the fused forward three times slower than
-// torch's composition (NOTE [fused RMSNorm on the CPU]).
+// does not vectorise here, and made the fused forward slower than torch's
+// composition (NOTE [fused RMSNorm on the CPU]).
 bool is_fused_dtype(c10::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16;
 }

@@ -2,8 +2,8 @@
 // path: torch_tp._C._column_parallel_linear and _row_parallel_linear.
 //
 // NOTE [calling the sharded linears from the modules]
-// A torch.ops.torch_tp.<op>(...) call from Python costs ~15K instructions on
-// top of the kernel (callgrind, one row): OpOverloadPacket.__call__ is a Python
+// A torch.ops.torch_tp.<op>(...) call from Python does much work on top of
+// the kernel: OpOverloadPacket.__call__ is a Python
 // frame, the overload is picked among the packet's, and the call is boxed (the
 // arguments parsed against the schema into a stack of IValues). A decode step
 // of a TP model calls its linears' ops once per linear and token from the

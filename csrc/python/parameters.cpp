@@ -7,7 +7,7 @@
 // the parameter's spec. An autograd.Function does that with a Python forward
 // and a Python backward (two Python frames, a ctx object, the tuple plumbing of
 // PyNode), and, while loss_parallel() has DTensor's __torch_function__ on,
-// Function.apply on a DTensor also detours through it: tens of microseconds per
+// Function.apply on a DTensor also detours through it: Python work per
 // parameter and step, which a model of many small parameters pays 2 x params
 // times per step. Here the forward is one call: the output aliases the local
 // tensor (a new TensorImpl on the same storage and version counter, as
@@ -19,10 +19,10 @@
 // one). The node makes that choice and the gradient contiguous itself, so
 // new_grad can be a partial of DTensor's C-level __new__ and the call runs no
 // Python frame. In the backward, between GEMMs that evict the interpreter from
-// the caches, frames are dear: the earlier two-frame Python wrapper took 20-23
-// us a gradient in the example's step (medians, Intel Xeon VM), ~1 us in a warm
-// loop, and dropping its frames saved 0.28-0.42 ms of the step's 39 gradients
-// (paired backward times, 150-250 pairs). Pybind11 functions see no
+// the caches, frames are dear: the earlier two-frame Python wrapper cost a
+// gradient in the example's step many times what it cost in a warm loop, and
+// dropping its frames shortened the backward (paired backward times).
+// Pybind11 functions see no
 // __torch_function__, so loss_parallel() costs the unwrap nothing.
 //
 // NOTE [the gradient straight to .grad]
@@ -49,25 +49,24 @@
 // whether it is the parameter's only hook; the node then sets .grad itself.
 //
 // NOTE [gradient DTensors made together]
-// Made one at a time, each gradient DTensor cost its node 13-14 us in the
-// example's training step (the constructor call alone, timed in the node, both
-// ranks, Intel Xeon VM), ~18 us with the rest of its Python section: the GEMMs
-// between two parameters' nodes evict the interpreter and DTensor's objects. So
-// the first node of a backward that sets .grad itself makes the gradient
-// DTensors of every such node of the graph task at once, in one GIL section:
-// ~4.5 us each, placeholder included (the 39 of the example's step in ~180 us).
+// Made one at a time, each gradient DTensor's constructor runs cold in its
+// node, and with it the rest of its Python section: the GEMMs between two
+// parameters' nodes evict the interpreter and DTensor's objects. So the first
+// node of a backward that sets .grad itself makes the gradient DTensors of
+// every such node of the graph task at once, in one GIL section, where the
+// interpreter stays warm from one to the next.
 // Each wraps an empty placeholder of the parameter's dtype and device as its
 // local tensor; a Partial gradient's node calls `take_partial` then. When a
 // node runs, its placeholder takes the gradient's storage, sizes and strides
-// (on the TensorImpl, as set_ would, without the dispatcher and with no Python:
-// 1.3 us a node, against 4-6 through set_) and the DTensor becomes .grad. The
+// (on the TensorImpl, as set_ would, without the dispatcher and with no Python,
+// a fraction of set_'s cost) and the DTensor becomes .grad. The
 // first node finds the others in a list of the unwrap nodes forwards made (weak
 // references, below), keeping those in the graph task's node set (the engine
 // fills it before it runs any node). A node
 // whose conditions no longer hold when it runs (its parameter got a .grad from
 // another node meanwhile, a hook was added) takes the path above, and its made
-// DTensor is dropped unused. Paired steps (the two ways alternated in one
-// process, 150 pairs, three runs): backward 0.28-0.71 ms less (medians).
+// DTensor is dropped unused. With the two ways alternated in one process,
+// the backward is shorter this way.
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>

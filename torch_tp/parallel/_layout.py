@@ -125,8 +125,8 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # gathered input, a linear with use_local_output=False), torch_tp hands back a
 # _HandedDTensor: a DTensor of the same global shape, placements and values,
 # made without an autograd node. Made and read back by the next module, it
-# costs 3.7 us, 4.2 with a gradient (the hook below), where DTensor.from_local
-# and to_local cost ~15 us and two backward nodes (benchmarks/bench_handoff.py).
+# costs a fraction of DTensor.from_local and to_local, which also add two
+# backward nodes (benchmarks/bench_handoff.py times both).
 # It carries the local tensor it wraps, with that tensor's autograd history,
 # and the next torch_tp module (a PrepareModuleInput after a SequenceParallel
 # norm, the column-parallel linears after a PrepareModuleInput) computes on the

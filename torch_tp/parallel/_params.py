@@ -176,7 +176,7 @@ def _partial_twin(param: DTensor) -> DTensorSpec:
 # aten._fused_adam(w)_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
 # state_steps, *, lr, ...). On DTensor parameters DTensor's dispatch builds an
 # op schema over every one of those tensors and turns each plain step counter
-# into a replicated spec, tens of microseconds per parameter and step, for an
+# into a replicated spec, Python work per parameter and step, for an
 # update that is elementwise within each parameter. Where a parameter, its
 # gradient and its states share one layout, DTensor runs the kernel on their
 # local tensors unchanged, so the rule below does that directly. It is

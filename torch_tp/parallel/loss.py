@@ -14,8 +14,8 @@ unwraps the local shard and computes on plain tensors with
 runs the normal op untouched. A call on plain tensors alone never reaches
 Python: a training step that runs its forward inside the context (as
 torchtitan does) pays nothing for the context there; a
-:class:`~torch.overrides.TorchFunctionMode`, which sees every call, cost ~1 ms
-per step of the example model (~650 calls). Like torch's loss_parallel, which
+:class:`~torch.overrides.TorchFunctionMode`, which sees every call, would run
+Python on each of the hundreds of calls in a step of the example model. Like torch's loss_parallel, which
 patches DTensor's op dispatcher, the context changes the DTensor class for the
 process while it is open; it nests, and the outermost exit restores it.
 
@@ -93,7 +93,7 @@ class _ClassShard:
 
 # Checked (spec, class dim) -> (spec, _ClassShard), by id: the spec is the same object from one step
 # to the next for the logits torch_tp hands on (its specs are shared, _layout.layout_spec), and the checks
-# and DeviceMesh lookups behind a _ClassShard cost tens of microseconds a call. An entry holds its
+# and DeviceMesh lookups behind a _ClassShard are Python work that would run on every call. An entry holds its
 # spec, so the id is not reused while it exists; the table is cleared when it outgrows _KEPT_SHARDS.
 _class_shards: Dict[Tuple[int, int], Tuple[Any, _ClassShard]] = {}
 _KEPT_SHARDS = 1024
@@ -582,7 +582,7 @@ def _handled(func: Callable, args: tuple, kwargs: dict) -> Any:
     # torch functions (NOTE [DTensors handed between torch_tp modules]); the input itself, given
     # first, is the exception: the handlers read its local tensor through _local_shard. pytree
     # only where there is one, or a container to look into: on the usual plain target and
-    # options it cost ~20 us a call.
+    # options it is a pass over nothing, paid on every call.
     rest = args[1:]
     if any(type(v) is _HandedDTensor or isinstance(v, (list, tuple, dict)) for v in (*rest, *kwargs.values())):
         rest, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (rest, kwargs))
@@ -607,8 +607,8 @@ def _handed_loss_parallel_torch_function(cls, func, types, args=(), kwargs=None)
     """A handed DTensor's ``__torch_function__`` inside :func:`loss_parallel`. Its own runs first (the
     subclass's), and would replace it by its twin, a DTensor on an autograd Function of its own, before
     DTensor's above saw the call: per loss, a Function forward and backward and a pytree pass over the
-    arguments, for a gradient the handed DTensor's local tensor carries to its producer directly (the
-    call took 155 us warm on 2 ranks that way, 102 now, the op itself 47). So the handled functions go
+    arguments, for a gradient the handed DTensor's local tensor carries to its producer directly (that
+    detour cost about as much as the op itself). So the handled functions go
     to the kernels with the handed DTensor itself; anything else, or what they decline, takes the handed
     DTensor's own path."""
     if func in _HANDLERS:

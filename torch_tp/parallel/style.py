@@ -279,7 +279,7 @@ class _ColwiseModule(_ShardedModule):
 # calls skip the layout machinery (DTensor checks, generation layouts,
 # placement normalization, the records' bookkeeping of outputs that need
 # none): a 1-token decode step is bound by memory bandwidth and by per-call
-# cost, and the general path costs ~6 us of Python per linear on top of the op.
+# cost, and the general path runs Python per linear on top of the op.
 # Nothing else changes: the same op with the same arguments, the same record
 # of a sequence shard's global size. Two per-call costs are cut further there:
 # the op is called through an entry of torch_tp._C instead of torch.ops'
@@ -287,7 +287,7 @@ class _ColwiseModule(_ShardedModule):
 # csrc/python/linear_entry.cpp), and weight and bias are read from
 # _parameters, not through nn.Module.__getattr__, which on Python 3.11 is
 # reached only after a failed attribute lookup has formatted an
-# AttributeError (~7K instructions each).
+# AttributeError, on every read.
 
 
 @torch.compiler.substitute_in_graph(_column_parallel_linear)
@@ -467,9 +467,9 @@ def restore_parameters(module: nn.Module, set_aside: Dict[str, DTensor]) -> None
 # none of the layout machinery: the input is the local tensor, the recorded
 # length is the global one, and the output's spec (same shape as the input) is
 # the one the module handed last time, kept on its state. In the example's
-# training step the general path cost ~80 us a call beside the op's ~60
-# (medians in the step, Intel Xeon VM); this one runs the op and hands its
-# output. Anything else (a DTensor input, an unrecorded or unequal length,
+# training step the general path cost more a call than the op itself; this
+# one runs the op and hands its output. Anything else (a DTensor input, an
+# unrecorded or unequal length,
 # generation_layouts(), torch.compile) takes the general path.
 class _SequenceParallelModule(_ParallelModule):
     _tp_kind = "SequenceParallel"
@@ -767,8 +767,8 @@ class SequenceParallel(ParallelStyle):
 # SequenceParallel norm's output, a DTensor torch_tp handed on, to Replicate.
 # Its spec holds the placement and global shape, so the gather needs none of
 # the generation layouts, placement normalization and global-size lookup of
-# the general path, which cost ~40 us a call beside the gather's ~80 in the
-# example's training step (medians in the step, Intel Xeon VM). Inside
+# the general path, which cost a good part of the gather's own time a call
+# in the example's training step. Inside
 # generation_layouts(), with use_local_output, and for any other input or
 # desired layout, _prepare takes the general path.
 def _gather_handed(value: _HandedDTensor, mesh: DeviceMesh, group: TPGroup,

@@ -68,9 +68,9 @@ class DirectCollectives {
   // call directly when they start it, and compute after it. The answer must
   // be the same on every rank of a group (the two ways are different calls).
   // The torch_tp backend says false on a node with fewer than two CPUs per
-  // rank: on the 2-vCPU VM, 2 ranks, the example's training step (its output
-  // projection's backward gathers and reduce-scatters this way) took 0.3 ms
-  // less backward (paired steps, medians of two runs of 150 pairs).
+  // rank: with 2 ranks on 2 CPUs the example's training step (its output
+  // projection's backward gathers and reduce-scatters this way) has a shorter
+  // backward so (paired steps).
   virtual bool overlaps_async_calls() const {
     return true;
   }
