@@ -20,7 +20,7 @@ NaN under min and max: torch.amax/amin propagate a NaN from any rank, and so
 do torch_tp's ops where torch_tp computes (the torch_tp backend, and
 reduce_scatter's fold on gloo). An all_reduce on gloo is gloo's own reduction,
 which keeps a NaN only when it sits on the rank its fold starts from (see
-test_collectives.test_nan_under_min_max_on_gloo): those cases are not drawn there.
+test_collectives.test_nan_under_min_max): those cases are not drawn there.
 """
 
 import os

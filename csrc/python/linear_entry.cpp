@@ -20,7 +20,7 @@
 // TorchFunctionMode is on, or an argument is a tensor subclass or not a
 // tensor at all, the entry hands its arguments to torch.ops as they are, so
 // the result, and any error, is torch.ops'. Dynamo does not trace C
-// functions; torch_tp/ops.py gives it the torch.ops call in their place
+// functions; torch_tp/parallel/style.py gives it the torch.ops call in their place
 // (torch.compiler.substitute_in_graph).
 
 #include <torch_tp/ops.h>
