@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The other end of the supported range: run_tests.sh runs everything on the
-# newest torch (scripts/torch-newest.txt); this builds torch_tp against the
+# installed torch (on a fresh machine the newest, scripts/torch-newest.txt);
+# this builds torch_tp against the
 # oldest one, 2.11, in a virtual environment of its own, and runs the tests
 # that reach furthest into torch's API there: the package and its private
 # torch symbols, the ops, the sharded linears and parallelize_module. The wheel
