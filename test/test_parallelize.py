@@ -707,6 +707,62 @@ def test_handed_dtensors(ranks, world_size):
     ranks(world_size).run(_check_handed_dtensors)
 
 
+def _check_module_backward_hooks():
+    """Module backward hooks pass a module's inputs and outputs through an autograd.Function, which
+    a handed DTensor must not meet (NOTE [DTensors handed between torch_tp modules]). Under
+    CommDebugMode (whose module tracker registers a process-wide full backward pre-hook), and with
+    full backward hooks and pre-hooks on single modules (a sequence-parallel norm, the linear reading
+    it, a PrepareModuleInput module), the output, the input's gradient, the parameters' gradients and
+    the gradients the hooks see equal torch's TP (RTOL)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.randn(2, 4 * world_size, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    reference = _TwoNorms()
+    for p in reference.parameters():
+        p.data.add_(0.1 * torch.randn_like(p))
+
+    def plan(lib):
+        return {**_two_norms_plan(lib), "": lib.PrepareModuleInput(input_layouts=Shard(1),
+                                                                   desired_input_layouts=Shard(1))}
+
+    def run(lib, setting):
+        model = lib.parallelize_module(copy.deepcopy(reference), mesh, plan(lib))
+        seen = []
+
+        def record(module, grad):
+            seen.append(_full_param(grad[0]))
+
+        if setting == "module hooks":
+            model.norm1.register_full_backward_hook(lambda module, grad_input, grad_output: record(module, grad_output))
+            model.up.register_full_backward_pre_hook(record)
+            model.norm2.register_full_backward_pre_hook(record)
+            model.register_full_backward_hook(lambda module, grad_input, grad_output: record(module, grad_input))
+        inp = torch_tp.shard(x, 1).requires_grad_()
+        with CommDebugMode() if setting == "CommDebugMode" else contextlib.nullcontext():
+            out = model(inp)
+            out.backward(torch.ones_like(out))
+        grads = {n: _full_param(p.grad) for n, p in model.named_parameters()}
+        return _full_param(out), inp.grad, grads, seen
+
+    for setting in ("CommDebugMode", "module hooks"):
+        (out, grad_x, grads, seen), expected = (run(lib, setting) for lib in (torch_tp, torch_tp_api))
+        assert_close(out, expected[0], f"{setting}: output", RTOL, floor=SCALE_FLOOR)
+        assert_close(grad_x, expected[1], f"{setting}: input grad", RTOL, floor=SCALE_FLOOR)
+        for name, grad in expected[2].items():
+            assert_close(grads[name], grad, f"{setting}: {name} grad", RTOL, floor=SCALE_FLOOR)
+        assert len(seen) == len(expected[3]) == (4 if setting == "module hooks" else 0), (len(seen), len(expected[3]))
+        for i, (ours, theirs) in enumerate(zip(seen, expected[3])):
+            assert_close(ours, theirs, f"{setting}: gradient the hook saw {i}", RTOL, floor=SCALE_FLOOR)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_module_backward_hooks(ranks, world_size):
+    ranks(world_size).run(_check_module_backward_hooks)
+
+
 def _check_parameter_gradient_paths():
     """Every way a backward delivers a parameter's gradient gives torch's TP gradients: a plain
     backward (where the unwrap's node sets .grad itself, NOTE [the gradient straight to .grad] in

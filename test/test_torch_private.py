@@ -216,6 +216,18 @@ def test_incompatible_keys():
     assert (result.missing_keys, result.unexpected_keys) == ([], [])
 
 
+def test_global_backward_hooks():
+    # The dicts the public registration functions fill, and empty again once their handles are removed.
+    for register, hooks in ((torch.nn.modules.module.register_module_full_backward_hook, private.global_backward_hooks),
+                            (torch.nn.modules.module.register_module_full_backward_pre_hook,
+                             private.global_backward_pre_hooks)):
+        assert not hooks
+        handle = register(lambda *args: None)
+        assert len(hooks) == 1
+        handle.remove()
+        assert not hooks
+
+
 def test_legacy_get_string():
     with pytest.warns(UserWarning, match="deprecated"):
         assert private.legacy_get_string(None, False) == "none"

@@ -178,6 +178,13 @@ than the OpOverload's boxed call."""
 
 # ---------------------------------------------------------------- nn.Module and optimizer helpers
 
+global_backward_hooks = _lookup("torch.nn.modules.module", "_global_backward_hooks")
+global_backward_pre_hooks = _lookup("torch.nn.modules.module", "_global_backward_pre_hooks")
+"""The dicts ``register_module_full_backward_hook`` and ``register_module_full_backward_pre_hook``
+fill (CommDebugMode's module tracker uses the latter). While either is non-empty, nn.Module
+passes every module's inputs and outputs through a custom autograd.Function, which a handed
+DTensor must not meet (NOTE [DTensors handed between torch_tp modules] in parallel/_layout.py)."""
+
 IncompatibleKeys = _lookup("torch.nn.modules.module", "_IncompatibleKeys")
 """The ``(missing_keys, unexpected_keys)`` named tuple ``load_state_dict`` returns;
 ``load_full_state_dict`` returns one too."""

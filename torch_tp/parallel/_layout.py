@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils.hooks import RemovableHandle
 
 from .._torch_private import (DTensorSpec, TensorMeta, disable_torch_function_subclass, dtensor_from_spec,
-                              dtensor_local, dtensor_spec, set_post_accumulate_grad_hooks, tree_map_only)
+                              dtensor_local, dtensor_spec, global_backward_hooks, global_backward_pre_hooks,
+                              set_post_accumulate_grad_hooks, tree_map_only)
 from ..ops import chunk_range
 
 
@@ -149,6 +150,14 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # no __torch_function__) would send the gradient to the handed tensor, where
 # nothing reads it: that raises in backward, naming the cause. Under
 # torch.compile DTensor.from_local is what gets traced, and none of this applies.
+#
+# Module backward hooks are such a Function: with a full backward hook or a
+# backward pre-hook on a module (register_full_backward_hook, or process-wide
+# register_module_full_backward_pre_hook, as CommDebugMode's module tracker
+# does), nn.Module passes the module's inputs and outputs through
+# BackwardHookFunction. So while a process-wide one is registered, nothing is
+# handed: the twin is given out instead (_hand), and a module with hooks of its
+# own gives out twins (hand_out).
 
 
 _NO_TWIN_NEEDED = frozenset({
@@ -290,7 +299,8 @@ def _gradient_went_astray(_tensor: torch.Tensor) -> None:
     raise RuntimeError(
         "torch_tp: a gradient reached a DTensor that torch_tp handed from one of its modules to the next, "
         "where nothing reads it: a custom torch.autograd.Function took that DTensor as an input (Function.apply "
-        "bypasses torch functions). Pass it x.to_local() or a DTensor made from it by a torch op instead "
+        "bypasses torch functions), or a module with a full backward hook returned it from another module. "
+        "Pass the Function x.to_local() or a DTensor made from it by a torch op instead "
         "(NOTE [DTensors handed between torch_tp modules] in torch_tp/parallel/_layout.py).")
 
 
@@ -312,7 +322,18 @@ def _hand(local: Optional[torch.Tensor], partial: Optional[torch.Tensor], rank: 
     if requires_grad:
         with disable_torch_function_subclass():
             set_post_accumulate_grad_hooks(handed, _ASTRAY_HOOKS)
+    if global_backward_hooks or global_backward_pre_hooks:
+        return handed.twin()
     return handed
+
+
+def hand_out(module: nn.Module, value):
+    """``value`` (an input or output of ``module``) with each handed DTensor swapped for its twin where
+    ``module`` has backward hooks of its own, which pass its inputs and outputs through an
+    autograd.Function (NOTE [DTensors handed between torch_tp modules])."""
+    if module._backward_hooks or module._backward_pre_hooks:
+        return tree_map_only(_HandedDTensor, _HandedDTensor.twin, value)
+    return value
 
 
 def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh, group: TPGroup,

@@ -70,6 +70,7 @@ from ._layout import (
     gather_replicated,
     gather_to_replicated_dtensor,
     hand_local,
+    hand_out,
     layout_spec,
     normalize,
     partial_grad_local,
@@ -223,7 +224,7 @@ class _ShardedModule(_ParallelModule):
         state.records.record_shard(local, placement, state.group, global_shape)
         if state.use_local_output:
             return local
-        return to_dtensor(local, state.mesh, placement, global_shape)
+        return hand_out(self, to_dtensor(local, state.mesh, placement, global_shape))
 
 
 class _ColwiseModule(_ShardedModule):
@@ -520,7 +521,8 @@ class _SequenceParallelModule(_ParallelModule):
         if not isinstance(output, torch.Tensor):
             return output
         if isinstance(sharding, Replicate):
-            return output if state.use_local_output else to_dtensor(output, state.mesh, sharding, output.shape)
+            return output if state.use_local_output else hand_out(self, to_dtensor(output, state.mesh, sharding,
+                                                                                   output.shape))
         wanted = normalize(sharding, output.dim())
         if global_shape is None or len(global_shape) != output.dim():
             global_shape = list(output.shape)
@@ -531,7 +533,7 @@ class _SequenceParallelModule(_ParallelModule):
         records.record_shard(output, wanted, group, global_shape)
         if state.use_local_output:
             return output
-        return to_dtensor(output, state.mesh, wanted, global_shape)
+        return hand_out(self, to_dtensor(output, state.mesh, wanted, global_shape))
 
     def _tp_norm_of_recorded_shard(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The fused norm of a plain sequence shard [.., s_r, .., features] whose global length s this
@@ -557,7 +559,7 @@ class _SequenceParallelModule(_ParallelModule):
         if handed is None or handed[0] != key:
             global_shape = output.shape[:dim] + (size,) + output.shape[dim + 1:]
             handed = state.handed_spec = (key, layout_spec(state.mesh, Shard(dim), global_shape, output.dtype))
-        return hand_local(output, handed[1])
+        return hand_out(self, hand_local(output, handed[1]))
 
 
 # ---------------------------------------------------------------- the styles
@@ -871,12 +873,13 @@ class PrepareModuleInput(ParallelStyle):
                 prepared = {key: _prepare(value, device_mesh, group, records, self.input_kwarg_layouts.get(key),
                                           self.desired_input_kwarg_layouts.get(key), self.use_local_output)
                             for key, value in kwargs.items()}
-                return self._prepare_inputs(inputs, device_mesh, group, records), prepared
+                return hand_out(module, (self._prepare_inputs(inputs, device_mesh, group, records), prepared))
 
             module.register_forward_pre_hook(hook, with_kwargs=True)
         else:
             module.register_forward_pre_hook(
-                lambda module, inputs: self._prepare_inputs(inputs, device_mesh, group, module._tp_state.records))
+                lambda module, inputs: hand_out(module, self._prepare_inputs(inputs, device_mesh, group,
+                                                                             module._tp_state.records)))
         if not self.use_local_output:
             # Under torch.compile a gathered Replicate DTensor is paired with its local tensor only
             # while the module runs (NOTE [replicated DTensor inputs without DTensor] in _layout.py).
@@ -936,8 +939,8 @@ class PrepareModuleOutput(ParallelStyle):
         group = tp_group(device_mesh)
         _module_state(module, device_mesh)  # holds the records the hook reads (shared by parallelize_module)
         module.register_forward_hook(
-            lambda module, _inputs, outputs: self._prepare_outputs(outputs, device_mesh, group,
-                                                                   module._tp_state.records))
+            lambda module, _inputs, outputs: hand_out(module, self._prepare_outputs(outputs, device_mesh, group,
+                                                                                    module._tp_state.records)))
         return module
 
     def __repr__(self) -> str:
