@@ -264,13 +264,14 @@ def test_tied_weights(ranks):
 # ---------------------------------------------------------------- Phi3's fused projections, block by block
 
 
-def _phi3(seed: int = 0):
-    """A float64 Phi3 (fused qkv_proj [q | k | v] with 8 query and 4 KV heads, fused gate_up_proj)."""
+def _phi3(seed: int = 0, kv_heads: int = 4):
+    """A float64 Phi3 (fused qkv_proj [q | k | v] with 8 query and ``kv_heads`` KV heads of 8, fused
+    gate_up_proj)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(seed)
     config = Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=128,
-                        num_attention_heads=8, num_key_value_heads=4, pad_token_id=0, bos_token_id=1,
+                        num_attention_heads=8, num_key_value_heads=kv_heads, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2)
     return Phi3ForCausalLM(config).double()
 
@@ -281,18 +282,23 @@ def _rank_major(module: nn.Module, name: str, natural: torch.Tensor) -> torch.Te
     return natural.index_select(layout.dim, layout.rank_major_index(natural.device))
 
 
-def _check_phi3_packed():
+def _check_phi3_packed(kv_heads):
+    """With fewer KV heads than ranks, each rank computes the one its query heads read (NOTE [a packed
+    qkv with fewer KV heads than ranks]); it stores its chunk of every block all the same."""
     world_size = dist.get_world_size()
-    what = f"phi3 block-wise at {world_size} ranks"
+    what = f"phi3 block-wise with {kv_heads} KV heads at {world_size} ranks"
     mesh = init_device_mesh("cpu", (world_size,))
-    unsharded = _phi3()
+    unsharded = _phi3(kv_heads=kv_heads)
     plan = torch_tp.parallel.packed_tp_plan(unsharded)
     ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, plan)
     attention = ours.model.layers[0].self_attn
-    # Each rank holds and computes its own heads: (8 + 4 + 4) heads x 8 rows / world_size.
-    assert attention.qkv_proj.weight.to_local().shape == (16 * 8 // world_size, 64), what
+    # Each rank holds its chunk of every block: (8 + 2 kv_heads) heads x 8 rows / world_size.
+    assert attention.qkv_proj.weight.to_local().shape == ((8 + 2 * kv_heads) * 8 // world_size, 64), what
     assert attention.o_proj.weight.placements == (Shard(1),), what
-    assert attention.config.num_attention_heads == 8 // world_size and attention.num_key_value_heads == 4 // world_size
+    local_kv_heads = max(kv_heads // world_size, 1)
+    assert attention.config.num_attention_heads == 8 // world_size, what
+    assert attention.num_key_value_heads == local_kv_heads, what
+    assert attention.num_key_value_groups == 8 // world_size // local_kv_heads, what
 
     torch.manual_seed(1)
     forward_backward_match(ours, unsharded, torch.randint(3, 128, (2, 12)), what)
@@ -317,18 +323,18 @@ def _check_phi3_packed():
     assert torch.equal(runs[1], runs[0]), f"{what}: generated tokens"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_phi3_fused_projections_block_wise(ranks, world_size):
-    ranks(world_size).run(_check_phi3_packed, timeout=300)
+@pytest.mark.parametrize("world_size, kv_heads", [(2, 4), (4, 4), (2, 1), (4, 2)])
+def test_phi3_fused_projections_block_wise(ranks, world_size, kv_heads):
+    ranks(world_size).run(_check_phi3_packed, kv_heads, timeout=300)
 
 
-def _phi3_parallel(impl: str, seed: int):
+def _phi3_parallel(impl: str, seed: int, kv_heads: int = 4):
     """Phi3 parallelized by torch_tp's block-wise plan, or by torch's TP with HF's plan's meaning
     (fused outputs gathered: Shard(0) fused weights in their own order)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _phi3(seed)
+    model = _phi3(seed, kv_heads)
     if impl == "torch_tp":
         return torch_tp.parallelize_module(model, mesh, torch_tp.parallel.packed_tp_plan(model))
     gathered, split = ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(input_layouts=Replicate())
@@ -338,10 +344,10 @@ def _phi3_parallel(impl: str, seed: int):
                                             "model.layers.*.mlp.down_proj": split})
 
 
-def _phi3_dcp_save(path: str):
+def _phi3_dcp_save(path: str, kv_heads: int):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    model = _phi3_parallel("torch_tp", 0)
+    model = _phi3_parallel("torch_tp", 0, kv_heads)
     torch.manual_seed(1)
     ids = torch.randint(3, 128, (2, 12))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -352,11 +358,11 @@ def _phi3_dcp_save(path: str):
         torch.save(full, path + ".full.pt")
 
 
-def _phi3_dcp_load(path: str, impl: str):
+def _phi3_dcp_load(path: str, impl: str, kv_heads: int):
     """Load into a model of other weights: torch_tp's or torch's TP at this world size, or unsharded."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    model = _phi3(seed=1) if impl == "unsharded" else _phi3_parallel(impl, 1)
+    model = _phi3(1, kv_heads) if impl == "unsharded" else _phi3_parallel(impl, 1, kv_heads)
     state = get_model_state_dict(model)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state)
@@ -367,10 +373,12 @@ def _phi3_dcp_load(path: str, impl: str):
         assert torch.equal(full[key], want), f"{impl} at {dist.get_world_size()} ranks: {key}"
 
 
-def test_phi3_dcp_reshards_fused_weights(ranks, tmp_path):
-    """Saved block-wise at 2 ranks; loaded block-wise at 4, by torch's TP at 4, and unsharded."""
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_phi3_dcp_reshards_fused_weights(ranks, tmp_path, kv_heads):
+    """Saved block-wise at 2 ranks; loaded block-wise at 4, by torch's TP at 4, and unsharded. With 1 KV
+    head, 2 and then 4 ranks share it."""
     path = str(tmp_path / "phi3")
-    ranks(2).run(_phi3_dcp_save, path, timeout=300)
-    ranks(4).run(_phi3_dcp_load, path, "torch_tp", timeout=300)
-    ranks(4).run(_phi3_dcp_load, path, "torch", timeout=300)
-    ranks(1).run(_phi3_dcp_load, path, "unsharded", timeout=300)
+    ranks(2).run(_phi3_dcp_save, path, kv_heads, timeout=300)
+    ranks(4).run(_phi3_dcp_load, path, "torch_tp", kv_heads, timeout=300)
+    ranks(4).run(_phi3_dcp_load, path, "torch", kv_heads, timeout=300)
+    ranks(1).run(_phi3_dcp_load, path, "unsharded", kv_heads, timeout=300)

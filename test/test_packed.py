@@ -533,6 +533,16 @@ def _check_errors():
     assert repr(PackedColwiseParallel([32, 16, 16])) == (
         "PackedColwiseParallel((32, 16, 16), input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),), "
         "use_local_output=True)")
+    # num_kv_heads: the blocks of an attention, whole heads, heads and ranks dividing one another.
+    assert_error_names(lambda: PackedColwiseParallel(2, num_kv_heads=1),
+                       ["torch_tp.PackedColwiseParallel", "num_kv_heads=1", "[q, k, v]", "got 2"], ValueError)
+    assert_error_names(lambda: PackedColwiseParallel([32, 16, 16], num_kv_heads=3),
+                       ["torch_tp.PackedColwiseParallel", "num_kv_heads=3", "(32, 16, 16)"], ValueError)
+    assert_error_names(lambda: PackedColwiseParallel([32, 16, 16], num_kv_heads=0),
+                       ["torch_tp.PackedColwiseParallel", "num_kv_heads", "positive", "0"], ValueError)
+    assert_error_names(lambda: apply(PackedColwiseParallel([40, 12, 12], num_kv_heads=3)),
+                       ["torch_tp.PackedColwiseParallel", "'attn.qkv_proj'", "3 KV heads", "2 ranks"], ValueError)
+    assert "num_kv_heads=1" in repr(PackedColwiseParallel([32, 16, 16], num_kv_heads=1))
 
 
 @pytest.mark.parametrize("world_size", [2])

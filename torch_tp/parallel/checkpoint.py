@@ -32,7 +32,7 @@ from .._torch_private import (
     group_tensors_by_device_and_dtype,
     has_foreach_support,
 )
-from .packed import _packed_parameters
+from .packed import packed_parameters
 
 __all__ = ["clip_grad_norm_", "get_full_state_dict", "load_full_state_dict"]
 
@@ -178,7 +178,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, str
         if unexpected:
             errors.append("unexpected key(s) in state_dict: " + ", ".join(repr(k) for k in unexpected))
 
-    packed = _packed_parameters()
+    packed = packed_parameters()
     parameters = dict(model.named_parameters(remove_duplicate=False))
     pieces: Dict[str, Any] = OrderedDict()
     for key, value in state_dict.items():

@@ -81,27 +81,24 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from ._install import ParallelModule, TPState, install
 from ._layout import tp_group
 from ._params import local_tensor
 from .kv_heads import KVHeadColwiseParallel, KVHeadState
 from .packed import PackedColwiseParallel, PackedRowwiseParallel, PackedState
-
-__all__ = ["packed_tp_plan"]
 from .style import (
+    ColwiseModule,
     ColwiseParallel,
     ParallelStyle,
+    RowwiseModule,
     RowwiseParallel,
     SequenceParallel,
-    TPState,
-    _ColwiseModule,
-    _module_state,
-    _parallel_class,
-    _ParallelModule,
-    _RowwiseModule,
-    replicate_with_partial_grads,
+    leaf_parameter_names,
     restore_parameters,
     swap_in_local_parameters,
 )
+
+__all__ = ["packed_tp_plan"]
 
 
 @dataclass(eq=False)
@@ -112,7 +109,7 @@ class ReplicatedGradState(TPState):
     partial_grad: bool  # False on one rank, whose gradient is already the whole sum
 
 
-class _ReplicatedGradModule(_ParallelModule):
+class _ReplicatedGradModule(ParallelModule):
     _tp_kind = "ReplicatedWithGradAllReduce"
     _tp_state: ReplicatedGradState
 
@@ -139,11 +136,9 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
     parameters] in ``_replicated_grad.py``). Inputs and outputs pass as they are."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        names = replicate_with_partial_grads(module, self, device_mesh)
-        records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
-        module._tp_state = ReplicatedGradState(repr(self), device_mesh, tp_group(device_mesh), records, names,
-                                               device_mesh.size() > 1)
-        module.__class__ = _parallel_class(type(module), _ReplicatedGradModule)
+        names = leaf_parameter_names(module, self)
+        install(module, device_mesh, self, dict.fromkeys(names, Replicate()), _ReplicatedGradModule,
+                ReplicatedGradState, names, device_mesh.size() > 1, partial_grads=True)
         return module
 
     def __repr__(self) -> str:
@@ -301,9 +296,9 @@ def activations_on_local_columns(root: nn.Module) -> Iterator[Tuple[str, nn.Modu
             continue
         down_proj = mlp._modules.get("down_proj")
         inputs = [mlp._modules[name] for name in _MLP_INPUT_PROJECTIONS if mlp._modules.get(name) is not None]
-        if not (isinstance(down_proj, _RowwiseModule) and down_proj._tp_state.input_layout == Shard(-1) and inputs):
+        if not (isinstance(down_proj, RowwiseModule) and down_proj._tp_state.input_layout == Shard(-1) and inputs):
             continue
-        if all(isinstance(proj, _ColwiseModule) and proj._tp_state.output_layout == Shard(-1)
+        if all(isinstance(proj, ColwiseModule) and proj._tp_state.output_layout == Shard(-1)
                and proj._tp_state.use_local_output for proj in inputs):
             yield (f"{path}.act_fn" if path else "act_fn"), act_fn
 
@@ -353,7 +348,7 @@ def packed_tp_plan(model: nn.Module) -> Dict[str, Any]:
         parent, _, name = key.rpartition(".")
         if name not in _FUSED or string not in ("colwise_gather_output", "colwise_rep", "colwise"):
             continue
-        plan[key] = PackedColwiseParallel(sizes[name])
+        plan[key] = PackedColwiseParallel(sizes[name], num_kv_heads=kv_heads if name == "qkv_proj" else None)
         after = f"{parent}.{_FUSED[name]}" if parent else _FUSED[name]
         if plan.get(after) in ("rowwise_split_input", "rowwise_rep"):
             plan[after] = "rowwise"
@@ -389,10 +384,14 @@ def _localize_packed_attention(attention: nn.Module, qkv_proj: nn.Module) -> Non
         return
     heads, kv_heads, _ = _head_counts(config)
     ranks = qkv_proj._tp_state.mesh.size()
-    attention.config = LocalHeadsConfig(config, num_attention_heads=heads // ranks,
-                                        num_key_value_heads=kv_heads // ranks)
+    # One KV head per rank where fewer heads than ranks share them (NOTE [a packed qkv with fewer KV
+    # heads than ranks] in packed.py); each of its query heads reads it.
+    local_heads, local_kv_heads = heads // ranks, max(kv_heads // ranks, 1)
+    attention.config = LocalHeadsConfig(config, num_attention_heads=local_heads, num_key_value_heads=local_kv_heads)
     if isinstance(getattr(attention, "num_key_value_heads", None), int):
-        attention.num_key_value_heads = kv_heads // ranks
+        attention.num_key_value_heads = local_kv_heads
+    if isinstance(getattr(attention, "num_key_value_groups", None), int):
+        attention.num_key_value_groups = local_heads // local_kv_heads
 
 
 def check_hf_parameter_entry(string: str, path: str) -> None:

@@ -43,23 +43,13 @@ When ``n_kv`` is a multiple of ``p`` the style is ColwiseParallel.
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from ._layout import tp_group
-from ._params import distribute_parameters, local_tensor, module_path
-from ._replicated_grad import complete_partial_grads_after_backward
-from .style import (
-    ColwiseParallel,
-    ParallelStyle,
-    ShardedState,
-    _ColwiseModule,
-    _module_state,
-    _parallel_class,
-    _refuse_second_style,
-)
+from ._install import install
+from ._params import local_tensor, module_path
+from .style import ColwiseLinear, ColwiseParallel, ParallelStyle, ShardedState
 
 __all__ = ["KVHeadColwiseParallel"]
 
@@ -71,21 +61,16 @@ class KVHeadState(ShardedState):
     rows: slice  # this rank's head's rows of the (replicated) weight and bias
 
 
-class _KVHeadColwiseLinear(_ColwiseModule):
+class _KVHeadColwiseLinear(ColwiseLinear):
     _tp_kind = "KVHeadColwiseParallel"
     _tp_state: KVHeadState
 
     def forward(self, x):
         """x (replicated, or Shard(d) to gather) -> [..., head_dim]: this rank's KV head."""
-        state = self._tp_state
-        weight = local_tensor(self.weight, partial_grad=True)[state.rows]
-        bias = None if self.bias is None else local_tensor(self.bias, partial_grad=True)[state.rows]
-        local = self._tp_replicated_input(x)
-        if local is not None:
-            return torch.ops.torch_tp.column_parallel_linear(local, weight, bias, state.group.name,
-                                                             partial_grad_input=True)
-        local, dim, full = self._tp_gathered_input(x, 0)
-        return torch.ops.torch_tp.column_parallel_linear(local, weight, bias, state.group.name, dim, full)
+        rows = self._tp_state.rows
+        weight = local_tensor(self.weight, partial_grad=True)[rows]
+        bias = None if self.bias is None else local_tensor(self.bias, partial_grad=True)[rows]
+        return self._tp_linear(x, weight, bias)
 
 
 class KVHeadColwiseParallel(ParallelStyle):
@@ -154,17 +139,11 @@ class KVHeadColwiseParallel(ParallelStyle):
             raise ValueError(f"torch_tp.KVHeadColwiseParallel: {where} has {heads} KV heads and the TP group "
                              f"{ranks} ranks; the heads must divide the ranks or the ranks the heads, so that "
                              "each rank's query heads read whole KV heads")
-        _refuse_second_style(module, self)
-        names = {name: Replicate() for name in ("weight", "bias")}
-        params = distribute_parameters(module, names, device_mesh, self.src_data_rank, "KVHeadColwiseParallel")
-        complete_partial_grads_after_backward([p for p in params if p.requires_grad])
         head_dim = module.out_features // heads
         head = device_mesh.get_local_rank() // (ranks // heads)
-        records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
-        module._tp_state = KVHeadState(repr(self), device_mesh, tp_group(device_mesh), records,
-                                       self.input_layouts[0], Shard(-1), True,
-                                       slice(head * head_dim, (head + 1) * head_dim))
-        module.__class__ = _parallel_class(type(module), _KVHeadColwiseLinear)
+        install(module, device_mesh, self, {"weight": Replicate(), "bias": Replicate()}, _KVHeadColwiseLinear,
+                KVHeadState, self.input_layouts[0], Shard(-1), True, slice(head * head_dim, (head + 1) * head_dim),
+                partial_grads=True)
         return module
 
     def __repr__(self) -> str:

@@ -89,7 +89,7 @@ example), never gather it.
 """
 
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -98,14 +98,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._params import module_path
-from .style import (
-    ShardedState,
-    _ColwiseLinear,
-    _refuse_second_style,
-    _RowwiseLinear,
-    _ShardedModuleStyle,
-)
+from ._install import refuse_second_style
+from ._params import local_tensor, module_path
+from .style import ColwiseLinear, RowwiseLinear, ShardedModuleStyle, ShardedState
 
 __all__ = ["PackedColwiseParallel", "PackedRowwiseParallel"]
 
@@ -159,13 +154,16 @@ class PackedState(ShardedState):
     layout of each packed parameter, by name."""
 
     layouts: Dict[str, PackedLayout]
+    # With KV heads shared by several ranks (NOTE [a packed qkv with fewer KV heads than ranks]):
+    # (local query rows, ranks per KV head, this rank's KV head); None otherwise.
+    shared_kv: Optional[Tuple[int, int, int]] = None
 
 
 # The modules a packed style was applied to: their current parameters are the packed ones.
 _PACKED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _packed_parameters() -> Dict[int, Tuple[torch.Tensor, PackedLayout]]:
+def packed_parameters() -> Dict[int, Tuple[torch.Tensor, PackedLayout]]:
     """id(parameter) -> (parameter, layout), for every live packed module."""
     found = {}
     for module in list(_PACKED_MODULES):
@@ -213,7 +211,7 @@ def _saved_to_parameter(optimizer: torch.optim.Optimizer, state_dict) -> Dict:
 def _convert_optimizer_states(optimizer: torch.optim.Optimizer, state_dict, to_natural: bool):
     """A copy of ``state_dict`` whose states of packed parameters shaped like the parameter
     (``exp_avg``, not ``step``) are reordered; the states the optimizer holds are not touched."""
-    packed = _packed_parameters()
+    packed = packed_parameters()
     states = dict(state_dict["state"])
     for key, param in _saved_to_parameter(optimizer, state_dict).items():
         found = packed.get(id(param))
@@ -247,7 +245,7 @@ def _hook_optimizer(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
     if optimizer.__dict__.get("_tp_packed_checked"):
         return
     optimizer._tp_packed_checked = True
-    packed = _packed_parameters()
+    packed = packed_parameters()
     params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in packed]
     if not params:
         return
@@ -290,11 +288,56 @@ class _PackedModule:
         _PACKED_MODULES.add(self)
 
 
-class _PackedColwiseLinear(_PackedModule, _ColwiseLinear):
+class _PackedColwiseLinear(_PackedModule, ColwiseLinear):
     _tp_kind = "PackedColwiseParallel"
 
 
-class _PackedRowwiseLinear(_PackedModule, _RowwiseLinear):
+# NOTE [a packed qkv with fewer KV heads than ranks]
+# A fused [q | k | v] with n_kv KV heads of hd rows, at a TP degree p that is a
+# multiple of n_kv (MQA, or GQA at a high degree): rank r's query heads all
+# read KV head h = r // m, which the m = p / n_kv ranks [h m, (h + 1) m) share
+# (NOTE [fewer KV heads than ranks] in kv_heads.py). The parameters are stored
+# exactly as for any packed blocks: rank r holds [q_r | k_r | v_r], each chunk
+# r of its block, where k_r and v_r (hd / m rows) are the r % m-th piece of
+# head h. So state dicts, DCP, optimizers and FSDP2 see the packed layout
+# they know, at any degree. The forward first puts head h together:
+#
+#     [k_r | v_r]  --all_gather(dim 0)-->  [k_0 | v_0 | k_1 | v_1 | ...]   (p pieces)
+#     k_h = [k_(hm) | ... | k_(hm+m-1)],  v_h likewise                     (hd rows each)
+#     x @ [q_r | k_h | v_h]^T  ->  [.., q / p + 2 hd]
+#
+# and the all-gather's backward reduce-scatters the rows' gradients, which sums
+# each piece's gradient over the ranks whose query heads read it (the others
+# contribute zeros): every rank's gradient is complete for its own chunk, as
+# for any Shard(0) parameter. The gather moves 2 n_kv hd rows of the weight,
+# far fewer than the rank's query rows the GEMM reads. Like vLLM's
+# QKVParallelLinear, each rank computes one KV head; unlike it, no rank stores
+# a head another rank also stores.
+
+
+def _head_rows(piece: torch.Tensor, state: PackedState) -> torch.Tensor:
+    """This rank's weight (or bias) piece [q_r | k_r | v_r] -> [q_r | k_h | v_h] (NOTE [a packed qkv with
+    fewer KV heads than ranks])."""
+    q_rows, per_head, head = state.shared_kv
+    ranks = state.group.size
+    kv = torch.ops.torch_tp.all_gather(piece[q_rows:], 0, state.group.name, None)  # [p * 2 hd / m, ..]
+    kv = kv.view(ranks, 2, -1, *piece.shape[1:])[head * per_head:(head + 1) * per_head]  # [m, (k, v), hd / m, ..]
+    k, v = (kv[:, i].reshape(-1, *piece.shape[1:]) for i in (0, 1))
+    return torch.cat([piece[:q_rows], k, v])
+
+
+class _PackedSharedKVLinear(_PackedModule, ColwiseLinear):
+    _tp_kind = "PackedColwiseParallel"
+
+    def forward(self, x):
+        """x (replicated, or Shard(d) to gather) -> [.., q / p + 2 head_dim]: this rank's query heads and
+        its one KV head."""
+        weight = _head_rows(local_tensor(self.weight), self._tp_state)
+        bias = None if self.bias is None else _head_rows(local_tensor(self.bias), self._tp_state)
+        return self._tp_linear(x, weight, bias)
+
+
+class _PackedRowwiseLinear(_PackedModule, RowwiseLinear):
     _tp_kind = "PackedRowwiseParallel"
 
     def forward(self, x):
@@ -316,9 +359,9 @@ def _where() -> str:
     return f"'{module_path()}'" if module_path() else "the root module"
 
 
-class _PackedStyle(_ShardedModuleStyle):
+class _PackedStyle(ShardedModuleStyle):
     """What both packed styles share: check the blocks, put the packed dim of the module's
-    plain parameters in the rank-major order, let ``_ShardedModuleStyle`` distribute them
+    plain parameters in the rank-major order, let ``ShardedModuleStyle`` distribute them
     (``Shard`` pieces of the permuted tensor are the per-rank ``[block chunks]``) and swap
     the class, then add the state-dict hooks (NOTE [packed parameters])."""
 
@@ -359,12 +402,16 @@ class _PackedStyle(_ShardedModuleStyle):
                              f"{degree} ranks (each rank's rows are then one Shard piece); {uneven} do not")
         return sizes
 
+    def _shared_kv(self, module: nn.Module, device_mesh: DeviceMesh, sizes: Tuple[int, ...]):
+        """PackedState.shared_kv: None but for a PackedColwiseParallel with fewer KV heads than ranks."""
+        return None
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
         if not isinstance(module, nn.Linear):
             raise NotImplementedError(f"torch_tp.{name} applies to nn.Linear; {_where()} is a "
                                       f"{type(module).__name__}")
-        _refuse_second_style(module, self)
+        refuse_second_style(module, self)
         if type(module).forward is not nn.Linear.forward:
             raise NotImplementedError(f"torch_tp.{name}: {_where()} ({type(module).__name__}) has a forward of its "
                                       "own; packed sharding needs nn.Linear's (torch has no packed style to run it)")
@@ -384,9 +431,9 @@ class _PackedStyle(_ShardedModuleStyle):
             with torch.no_grad():
                 rank_major = param.index_select(dim, layout.rank_major_index(param.device))
             module._parameters[param_name] = nn.Parameter(rank_major, requires_grad=param.requires_grad)
-        super()._apply(module, device_mesh)
-        state = module._tp_state
-        module._tp_state = PackedState(*(getattr(state, f.name) for f in fields(ShardedState) if f.init), layouts)
+        shared_kv = self._shared_kv(module, device_mesh, sizes)
+        self._install(module, device_mesh, PackedState, layouts, shared_kv,
+                      mixin=None if shared_kv is None else _PackedSharedKVLinear)
         module.register_state_dict_post_hook(_natural_state_dict)
         module.register_load_state_dict_pre_hook(_rank_major_load)
         _PACKED_MODULES.add(module)
@@ -422,6 +469,13 @@ class PackedColwiseParallel(_PackedStyle):
             divide evenly by the TP degree.
 
     Keyword Args:
+        num_kv_heads (int, optional): for ``blocks=[q, k, v]`` of an
+            attention, the heads of ``k`` and of ``v``. With fewer heads than
+            ranks (the TP degree a multiple of it), each rank computes the one
+            KV head its query heads read, and its output is ``[.., q / p +
+            2 head_dim]``; the parameters are stored as without it (NOTE [a
+            packed qkv with fewer KV heads than ranks] in
+            ``torch_tp/parallel/packed.py``).
         input_layouts (Placement, optional): layout of the module input;
             ``Replicate()`` by default (``Shard(d)``: gathered along ``d``
             first, for sequence parallelism).
@@ -450,10 +504,20 @@ class PackedColwiseParallel(_PackedStyle):
     _packed = {"weight": 0, "bias": 0}
     _features = "out_features"
 
-    def __init__(self, blocks: Union[int, Sequence[int]], *, input_layouts: Optional[Placement] = None,
-                 output_layouts: Optional[Placement] = None, use_local_output: bool = True):
+    def __init__(self, blocks: Union[int, Sequence[int]], *, num_kv_heads: Optional[int] = None,
+                 input_layouts: Optional[Placement] = None, output_layouts: Optional[Placement] = None,
+                 use_local_output: bool = True):
         super().__init__(blocks, input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
+        if num_kv_heads is not None:
+            if not _is_int(num_kv_heads) or num_kv_heads < 1:
+                raise ValueError(f"torch_tp.PackedColwiseParallel: num_kv_heads must be a positive int, got "
+                                 f"{num_kv_heads!r}")
+            if isinstance(self.blocks, int) or len(self.blocks) != 3 or self.blocks[1] != self.blocks[2] \
+                    or self.blocks[1] % num_kv_heads:
+                raise ValueError(f"torch_tp.PackedColwiseParallel: num_kv_heads={num_kv_heads} needs the blocks "
+                                 f"[q, k, v] of an attention, k and v equal and whole heads; got {self.blocks!r}")
+        self.num_kv_heads = num_kv_heads
         why = ("its output's features are in the per-rank order [block_0 chunk r | block_1 chunk r | ...], "
                "which a gathered or DTensor output would present as the unsharded output's order")
         if self.output_layouts[0] != Shard(-1):
@@ -461,6 +525,26 @@ class PackedColwiseParallel(_PackedStyle):
                              f"supported, only Shard(-1): {why}")
         if not use_local_output:
             raise ValueError(f"torch_tp.PackedColwiseParallel: use_local_output=False is not supported: {why}")
+
+    def _shared_kv(self, module: nn.Module, device_mesh: DeviceMesh, sizes: Tuple[int, ...]):
+        """NOTE [a packed qkv with fewer KV heads than ranks]: (local query rows, ranks per head, this
+        rank's head) when ``num_kv_heads`` is below the TP degree; None when each rank has whole heads."""
+        heads, ranks = self.num_kv_heads, device_mesh.size()
+        if heads is None:
+            return None
+        if heads % ranks == 0:
+            return None
+        if ranks % heads:
+            raise ValueError(f"torch_tp.PackedColwiseParallel: {_where()} has {heads} KV heads and the TP group "
+                             f"{ranks} ranks; the heads must divide the ranks or the ranks the heads, so that "
+                             "each rank's query heads read whole KV heads")
+        per_head = ranks // heads
+        return sizes[0] // ranks, per_head, device_mesh.get_local_rank() // per_head
+
+    def __repr__(self) -> str:
+        kv = "" if self.num_kv_heads is None else f", num_kv_heads={self.num_kv_heads}"
+        return (f"{type(self).__name__}({self.blocks!r}{kv}, input_layouts={self.input_layouts}, "
+                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
 
 
 class PackedRowwiseParallel(_PackedStyle):

@@ -24,28 +24,14 @@ hand back a DTensor too, wrapping the local result (``DTensor.from_local``, no
 communication), and every style accepts DTensor inputs, so code written for
 torch's styles keeps working.
 
-NOTE [torch_tp forwards without replacing module.forward]
-A column- or row-parallel ``nn.Linear``/``nn.Embedding`` must run a torch_tp
-op, not its own forward (``F.linear`` on the local shards would skip the
-collectives). The style therefore changes the instance's class to a subclass
-of its own class whose ``forward`` calls the op, which is how FSDP2's
-``fully_shard`` adds its behaviour (``FSDPLinear``): ``isinstance``, the
-state-dict keys, hooks, further wrappers (``fully_shard``, DDP) and
-``torch.compile`` all see an ordinary subclass, and its name says what it
-does (``ColwiseParallelLinear``, made from ``nn.Linear`` and the mixin
-``_ColwiseLinear`` that holds the forward; it pickles as that pair, so
-``torch.save(model)`` works). What the forward reads (mesh, group, layouts,
-the root's records) is one state object, ``module._tp_state``. A class that
-overrides ``forward`` itself (a LoRA or quantized linear) keeps it: torch's
-own style parallelizes that module (DTensor parameters, its forward on
-DTensors), which runs its computation as written and composes with the
-torch_tp modules around it. SequenceParallel swaps the class the same way
-(``SequenceParallelRMSNorm``): its ``forward`` wraps the class's own
-(``super().forward``). A class swap, not hooks, also keeps
-``torch.compile`` to one graph for all blocks: an ``always_call`` forward hook
-(which a hook-based SequenceParallel needs to put the parameters back when the
-forward raises) is looked up by its id, which dynamo guards on, so each block
-would compile anew and a deep model would hit the recompile limit.
+A style installs itself on a module through one step (NOTE [installing a style] in
+``_install.py``): its parameters' placements, the mixin class whose forward the module
+gets (NOTE [torch_tp forwards without replacing module.forward]) and the state that
+forward reads. A class that overrides ``forward`` itself (a LoRA or quantized linear)
+keeps it: torch's own style parallelizes that module (DTensor parameters, its forward
+on DTensors), which runs its computation as written and composes with the torch_tp
+modules around it. SequenceParallel's mixin wraps the class's own forward
+(``super().forward``).
 """
 
 from abc import ABC, abstractmethod
@@ -80,8 +66,8 @@ from ._layout import (
 )
 from .._torch_private import dtensor_spec
 from ..ops import chunk_range
-from ._params import distribute_parameters, local_tensor, module_path
-from ._replicated_grad import complete_partial_grads_after_backward
+from ._install import ParallelModule, TPState, install, module_state, refuse_second_style
+from ._params import local_tensor
 
 __all__ = [
     "ColwiseParallel",
@@ -95,17 +81,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------- what a parallelized module keeps
-
-
-@dataclass(eq=False)
-class TPState:
-    """``module._tp_state``: what torch_tp keeps on a module a style was applied to, for
-    its forward and hooks. One object, so that a module's torch_tp state is in one place."""
-
-    style: Optional[str]  # repr of the parameter style applied (None: only PrepareModule*)
-    mesh: DeviceMesh
-    group: TPGroup  # read once, when the style is applied (TPGroup's docstring says why)
-    records: ForwardRecords  # the parallelized root's; parallelize_module shares them
 
 
 @dataclass(eq=False)
@@ -140,83 +115,13 @@ class SequenceState(TPState):
     handed_spec: Optional[Tuple[Tuple[Any, ...], Any]] = field(init=False, default=None)
 
 
-def _module_state(module: nn.Module, device_mesh: DeviceMesh) -> TPState:
-    """``module``'s state, made (with no parameter style) when it has none yet; its records
-    are its own until parallelize_module gives it its root's."""
-    state = getattr(module, "_tp_state", None)
-    if state is None:
-        state = module._tp_state = TPState(None, device_mesh, tp_group(device_mesh), ForwardRecords())
-    return state
-
-
-def _refuse_second_style(module: nn.Module, style: "ParallelStyle") -> None:
-    """A module takes one parameter style (its state names it)."""
-    previous = getattr(module, "_tp_state", None)
-    if previous is not None and previous.style is not None:
-        where = f"'{module_path()}'" if module_path() else "the root module"
-        raise ValueError(
-            f"torch_tp.{type(style).__name__}: {where} ({type(module).__name__}) was already parallelized by "
-            f"{previous.style}; the plan applies {style!r} to it too. Give each module one of ColwiseParallel, "
-            "RowwiseParallel and SequenceParallel (PrepareModuleInput/Output may be added to any).")
-
-
 # ---------------------------------------------------------------- the classes a style swaps in
-# NOTE [torch_tp forwards without replacing module.forward]: a parallelized module's
-# class becomes ``type(f"{kind}{cls.__name__}", (mixin, cls), ...)``, where the
-# mixin below brings the forward; the mixin comes first, so its ``super()`` is the
-# module's own class.
-
-
-_PARALLEL_CLASSES: Dict[Tuple[type, type], type] = {}
-
-
-def _parallel_class(cls: type, mixin: type) -> type:
-    """``cls`` with ``mixin``'s forward, one class per (class, mixin)."""
-    made = _PARALLEL_CLASSES.get((cls, mixin))
-    if made is None:
-        made = type(f"{mixin._tp_kind}{cls.__name__}", (mixin, cls), {"_tp_base_class": cls})
-        _PARALLEL_CLASSES[(cls, mixin)] = made
-    return made
-
-
-def _new_parallel_module(cls: type, mixin: type) -> nn.Module:
-    """An empty instance of ``_parallel_class(cls, mixin)``, for unpickling."""
-    return object.__new__(_parallel_class(cls, mixin))
-
-
-class _ParallelModule:
-    """What every class a style swaps in shares: its state, its repr and its pickling."""
-
-    _tp_kind: str  # the style's name, for the class name and the repr
-    _tp_base_class: type  # the module's own class
-    _tp_state: TPState
-
-    def extra_repr(self) -> str:
-        """``..., tp=ColwiseParallel[weight (32, 16) of (64, 16) Shard(0), bias ...] over 2 ranks``."""
-        parts = []
-        for name, param in self.named_parameters(recurse=False):
-            if isinstance(param, DTensor):
-                parts.append(f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)} {param.placements[0]!r}")
-            else:
-                parts.append(f"{name} local")
-        ranks = self._tp_state.mesh.size()
-        described = f"tp={self._tp_kind}[{', '.join(parts) or 'no parameters'}] over {ranks} ranks"
-        base = super().extra_repr()
-        return f"{base}, {described}" if base else described
-
-    def __reduce_ex__(self, protocol):
-        # Pickle (torch.save(model)) names the class by import path, which a made
-        # class lacks: rebuild it from (class, mixin) instead; the state is nn.Module's.
-        _, _, *rest = object.__reduce_ex__(self, protocol)
-        return (_new_parallel_module, (self._tp_base_class, type(self).__bases__[0]), *rest)
-
-
 # Each forward reads its input (a plain tensor in the declared layout, or a
 # DTensor) and its parameters' local tensors, runs one torch_tp op, and hands
 # back the output in the requested layout.
 
 
-class _ShardedModule(_ParallelModule):
+class ShardedModule(ParallelModule):
     _tp_state: ShardedState
 
     def _tp_finish(self, local: torch.Tensor, placement: Placement, global_shape) -> Any:
@@ -227,7 +132,7 @@ class _ShardedModule(_ParallelModule):
         return hand_out(self, to_dtensor(local, state.mesh, placement, global_shape))
 
 
-class _ColwiseModule(_ShardedModule):
+class ColwiseModule(ShardedModule):
     _tp_kind = "ColwiseParallel"
 
     def _tp_replicated_input(self, x) -> Optional[torch.Tensor]:
@@ -312,7 +217,7 @@ def _weight_and_bias(module: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Te
         return module.weight, module.bias
 
 
-class _ColwiseLinear(_ColwiseModule):
+class ColwiseLinear(ColwiseModule):
     def forward(self, x):
         state = self._tp_state
         if state.replicated_in_local_out:
@@ -330,19 +235,21 @@ class _ColwiseLinear(_ColwiseModule):
                                               partial_grad_input=True)
                 state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
                 return out
-        group_name = state.group.name
-        local = self._tp_replicated_input(x)
-        if local is not None:
-            out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                             group_name, partial_grad_input=True)
-            return self._tp_output_sharded_on_last(out, self.out_features)
-        local, dim, full = self._tp_gathered_input(x, 0)
-        out = torch.ops.torch_tp.column_parallel_linear(local, local_tensor(self.weight), local_tensor(self.bias),
-                                                         group_name, dim, full)
+        out = self._tp_linear(x, local_tensor(self.weight), local_tensor(self.bias))
         return self._tp_output_sharded_on_last(out, self.out_features)
 
+    def _tp_linear(self, x, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x (replicated, or Shard(d) to gather) -> x @ weight.T + bias [.., weight rows], ``weight`` and
+        ``bias`` this rank's local rows."""
+        group_name = self._tp_state.group.name
+        local = self._tp_replicated_input(x)
+        if local is not None:
+            return torch.ops.torch_tp.column_parallel_linear(local, weight, bias, group_name, partial_grad_input=True)
+        local, dim, full = self._tp_gathered_input(x, 0)
+        return torch.ops.torch_tp.column_parallel_linear(local, weight, bias, group_name, dim, full)
 
-class _ColwiseEmbedding(_ColwiseModule):
+
+class _ColwiseEmbedding(ColwiseModule):
     def forward(self, ids):
         local, dim, full = self._tp_gathered_input(ids, 1)
         out = torch.ops.torch_tp.column_parallel_embedding(local, local_tensor(self.weight), self._tp_state.group.name,
@@ -350,7 +257,7 @@ class _ColwiseEmbedding(_ColwiseModule):
         return self._tp_output_sharded_on_last(out, self.embedding_dim)
 
 
-class _RowwiseModule(_ShardedModule):
+class RowwiseModule(ShardedModule):
     _tp_kind = "RowwiseParallel"
 
     def _tp_scatter_dim(self, ndim: int) -> Optional[int]:
@@ -364,7 +271,7 @@ class _RowwiseModule(_ShardedModule):
                                   "(use Replicate() or Shard(d) on a non-feature dim)")
 
 
-class _RowwiseLinear(_RowwiseModule):
+class RowwiseLinear(RowwiseModule):
     def forward(self, x):
         state = self._tp_state
         group = state.group
@@ -394,7 +301,7 @@ class _RowwiseLinear(_RowwiseModule):
         return self._tp_finish(out, Replicate() if dim is None else Shard(dim), global_shape)
 
 
-class _RowwiseEmbedding(_RowwiseModule):
+class _RowwiseEmbedding(RowwiseModule):
     def forward(self, ids):
         state = self._tp_state
         group = state.group
@@ -472,7 +379,7 @@ def restore_parameters(module: nn.Module, set_aside: Dict[str, DTensor]) -> None
 # one runs the op and hands its output. Anything else (a DTensor input, an
 # unrecorded or unequal length,
 # generation_layouts(), torch.compile) takes the general path.
-class _SequenceParallelModule(_ParallelModule):
+class _SequenceParallelModule(ParallelModule):
     _tp_kind = "SequenceParallel"
     _tp_state: SequenceState
 
@@ -565,23 +472,16 @@ class _SequenceParallelModule(_ParallelModule):
 # ---------------------------------------------------------------- the styles
 
 
-def replicate_with_partial_grads(module: nn.Module, style: "ParallelStyle", device_mesh: DeviceMesh) -> Tuple[str, ...]:
-    """Make ``module``'s parameters ``Replicate()`` DTensors whose ``Partial`` gradients are
-    completed at the end of each backward (NOTE [partial gradients of sequence-parallel
-    parameters]); returns their names. For a leaf module whose forward runs on a shard of
-    its input with the parameters' local tensors (SequenceParallel; HF's
-    replicated_with_grad_allreduce in hf_plan.py)."""
-    name = type(style).__name__
+def leaf_parameter_names(module: nn.Module, style: "ParallelStyle") -> Tuple[str, ...]:
+    """The names of ``module``'s parameters, for a style that makes them all ``Replicate()``
+    DTensors with partial gradients (NOTE [partial gradients of sequence-parallel parameters]):
+    a leaf module whose forward runs on a shard of its input with the parameters' local
+    tensors (SequenceParallel; HF's replicated_with_grad_allreduce in hf_plan.py)."""
     for child in module.children():
         if any(True for _ in child.parameters()):
-            raise NotImplementedError(f"torch_tp: {name} applies to leaf modules (norms, dropout); "
+            raise NotImplementedError(f"torch_tp: {type(style).__name__} applies to leaf modules (norms, dropout); "
                                       f"{type(module).__name__} has submodules with parameters")
-    _refuse_second_style(module, style)
-    names = [key for key, param in module._parameters.items() if param is not None]
-    params = distribute_parameters(module, dict.fromkeys(names, Replicate()), device_mesh, style.src_data_rank, name)
-    if device_mesh.size() > 1:
-        complete_partial_grads_after_backward([p for p in params if p.requires_grad])
-    return tuple(names)
+    return tuple(key for key, param in module._parameters.items() if param is not None)
 
 
 class ParallelStyle(_torch_style.ParallelStyle, ABC):
@@ -620,7 +520,7 @@ _SHARDED_STYLE_ARGS = """
 """
 
 
-class _ShardedModuleStyle(ParallelStyle):
+class ShardedModuleStyle(ParallelStyle):
     """What ColwiseParallel and RowwiseParallel share: shard the parameters of an
     ``nn.Linear``/``nn.Embedding`` and swap in the class with torch_tp's forward for it."""
 
@@ -645,24 +545,28 @@ class _ShardedModuleStyle(ParallelStyle):
         return style
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return self._install(module, device_mesh, ShardedState)
+
+    def _install(self, module: nn.Module, device_mesh: DeviceMesh, state_type: type, *more_state,
+                 mixin: Optional[type] = None) -> nn.Module:
+        """:meth:`_apply`, with the state ``state_type(..., *more_state)``, a :class:`ShardedState`
+        that may keep more (a packed style's layouts), and optionally another ``mixin`` than the
+        module type's in ``_layouts``."""
         name = type(self).__name__
         base = next((t for t in self._layouts if isinstance(module, t)), None)
         if base is None:
             raise NotImplementedError(
                 f"{name} currently only support nn.Linear and nn.Embedding! got {type(module).__name__}")
-        _refuse_second_style(module, self)
+        refuse_second_style(module, self)
         if type(module).forward is not base.forward:
             # Its own computation: torch's style runs it on DTensors (NOTE [torch_tp
             # forwards without replacing module.forward]).
             self._torch_equivalent()._apply(module, device_mesh)
-            _module_state(module, device_mesh).style = repr(self)
+            module_state(module, device_mesh).style = repr(self)
             return module
-        placements, mixin = self._layouts[base]
-        distribute_parameters(module, placements, device_mesh, self.src_data_rank, name)
-        records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
-        module._tp_state = ShardedState(repr(self), device_mesh, tp_group(device_mesh), records,
-                                        self.input_layouts[0], self.output_layouts[0], self.use_local_output)
-        module.__class__ = _parallel_class(type(module), mixin)
+        placements, default_mixin = self._layouts[base]
+        install(module, device_mesh, self, placements, mixin or default_mixin, state_type, self.input_layouts[0],
+                self.output_layouts[0], self.use_local_output, *more_state)
         return module
 
     def __repr__(self) -> str:
@@ -670,7 +574,7 @@ class _ShardedModuleStyle(ParallelStyle):
                 f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
 
 
-class ColwiseParallel(_ShardedModuleStyle):
+class ColwiseParallel(ShardedModuleStyle):
     __doc__ = r"""Partition an ``nn.Linear`` or ``nn.Embedding`` column-wise.
 
     ``nn.Linear``: weight and bias sharded on dim 0 (output features);
@@ -682,13 +586,13 @@ class ColwiseParallel(_ShardedModuleStyle):
         style="ColwiseParallel", key="w1")
 
     _layouts = {
-        nn.Linear: ({"weight": Shard(0), "bias": Shard(0)}, _ColwiseLinear),
+        nn.Linear: ({"weight": Shard(0), "bias": Shard(0)}, ColwiseLinear),
         nn.Embedding: ({"weight": Shard(1)}, _ColwiseEmbedding),
     }
     _default_input_layout = Replicate()
     _default_output_layout = Shard(-1)
     desired_input_layouts = (Replicate(),)  # as torch's: the layout the computation takes its input in
-class RowwiseParallel(_ShardedModuleStyle):
+class RowwiseParallel(ShardedModuleStyle):
     __doc__ = r"""Partition an ``nn.Linear`` or ``nn.Embedding`` row-wise.
 
     ``nn.Linear``: weight sharded on dim 1 (input features), bias replicated and
@@ -702,7 +606,7 @@ class RowwiseParallel(_ShardedModuleStyle):
         style="RowwiseParallel", key="w2")
 
     _layouts = {
-        nn.Linear: ({"weight": Shard(1), "bias": Replicate()}, _RowwiseLinear),
+        nn.Linear: ({"weight": Shard(1), "bias": Replicate()}, RowwiseLinear),
         nn.Embedding: ({"weight": Shard(0)}, _RowwiseEmbedding),
     }
     _default_input_layout = Shard(-1)
@@ -747,12 +651,10 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        names = replicate_with_partial_grads(module, self, device_mesh)
-        records = _module_state(module, device_mesh).records  # a PrepareModule* style's hooks read them too
-        module._tp_state = SequenceState(repr(self), device_mesh, tp_group(device_mesh), records, names,
-                                         device_mesh.size() > 1, self.sequence_sharding[0], self.use_local_output,
-                                         type(module) is nn.RMSNorm)
-        module.__class__ = _parallel_class(type(module), _SequenceParallelModule)
+        names = leaf_parameter_names(module, self)
+        install(module, device_mesh, self, dict.fromkeys(names, Replicate()), _SequenceParallelModule, SequenceState,
+                names, device_mesh.size() > 1, self.sequence_sharding[0], self.use_local_output,
+                type(module) is nn.RMSNorm, partial_grads=True)
         return module
 
     def __repr__(self) -> str:
@@ -866,7 +768,7 @@ class PrepareModuleInput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = tp_group(device_mesh)
-        _module_state(module, device_mesh)  # holds the records the hooks read (shared by parallelize_module)
+        module_state(module, device_mesh)  # holds the records the hooks read (shared by parallelize_module)
         if self.with_kwargs:
             def hook(module, inputs, kwargs):
                 records = module._tp_state.records
@@ -937,7 +839,7 @@ class PrepareModuleOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = tp_group(device_mesh)
-        _module_state(module, device_mesh)  # holds the records the hook reads (shared by parallelize_module)
+        module_state(module, device_mesh)  # holds the records the hook reads (shared by parallelize_module)
         module.register_forward_hook(
             lambda module, _inputs, outputs: hand_out(module, self._prepare_outputs(outputs, device_mesh, group,
                                                                                     module._tp_state.records)))
