@@ -7,7 +7,7 @@ Where a plan asks for DTensors between modules (SequenceParallel's output, Prepa
 default ``use_local_output=False``, as in torchtitan's plan), the producing module wraps its local result as a
 DTensor and the next module takes the local tensor back. No data moves; the cost is the wrapping:
 
-- **torch_tp**: what torch_tp's styles run, ``_layout.to_dtensor`` (a ``_HandedDTensor``, NOTE [DTensors handed
+- **torch_tp**: what torch_tp's styles run, ``_layout.to_dtensor`` (a ``HandedDTensor``, NOTE [DTensors handed
   between torch_tp modules]) and then ``_layout.from_dtensor``, which the next torch_tp module calls;
 - **dtensor**: what torch's styles run, ``DTensor.from_local(..., run_check=False, shape=, stride=)`` and then
   ``.to_local()`` (two autograd Functions when the tensor requires grad);

@@ -375,7 +375,7 @@ def _run_handed_logits_reshaped():
     (no DTensor dispatch) that loss_parallel's kernels take as they are (no twin), and the loss and
     every gradient match the unsharded model's. Reshapes that
     touch the class dim go through DTensor and still give its values."""
-    from torch_tp.parallel._layout import _HandedDTensor
+    from torch_tp.parallel._layout import HandedDTensor
 
     vocab = 10  # over 3 ranks: 4, 4, 2 classes
     tp, ref, x = _models(vocab, api=torch_tp)
@@ -398,7 +398,7 @@ def _run_handed_logits_reshaped():
         ref.zero_grad(set_to_none=True)
         with loss_parallel():
             logits = reshape(tp(x_tp))
-            assert type(logits) is _HandedDTensor, (name, type(logits))
+            assert type(logits) is HandedDTensor, (name, type(logits))
             assert logits.shape == (BATCH * SEQ, vocab) and logits.placements == (Shard(1),), (name, logits)
             loss = loss_fn(logits, labels)
             # The kernels took the handed DTensor itself: no differentiable twin was made for them.
@@ -418,7 +418,7 @@ def _run_handed_logits_reshaped():
     # The class dim merged: DTensor's own ops, values as torch computes them.
     for name, reshape in {"flatten()": lambda t: t.flatten(), "flatten(1, 2)": lambda t: t.flatten(1, 2)}.items():
         out = reshape(logits)
-        assert type(out) is not _HandedDTensor, name
+        assert type(out) is not HandedDTensor, name
         assert_close(out.full_tensor(), reshape(full), name, VS_UNSHARDED)
 
 

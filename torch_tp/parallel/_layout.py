@@ -124,7 +124,7 @@ class _CompleteGradAsPartial(torch.autograd.Function):
 # NOTE [DTensors handed between torch_tp modules]
 # Where torch returns a DTensor (SequenceParallel's output, PrepareModuleInput's
 # gathered input, a linear with use_local_output=False), torch_tp hands back a
-# _HandedDTensor: a DTensor of the same global shape, placements and values,
+# HandedDTensor: a DTensor of the same global shape, placements and values,
 # made without an autograd node. Made and read back by the next module, it
 # costs a fraction of DTensor.from_local and to_local, which also add two
 # backward nodes (benchmarks/bench_handoff.py times both).
@@ -168,7 +168,7 @@ _NO_TWIN_NEEDED = frozenset({
 })
 
 
-class _HandedDTensor(DTensor):
+class HandedDTensor(DTensor):
     """A DTensor torch_tp hands from one of its modules to the next (NOTE [DTensors handed
     between torch_tp modules]). ``_tp_local``: the local tensor, whose gradient is complete
     (a shard's piece, or the whole of a replicated tensor); None until :meth:`local` makes
@@ -187,7 +187,7 @@ class _HandedDTensor(DTensor):
                 reshaped = _reshape_leading_dims(func, args)
             if reshaped is not None:
                 return reshaped
-        args, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (args, kwargs))
+        args, kwargs = tree_map_only(HandedDTensor, HandedDTensor.twin, (args, kwargs))
         return func(*args, **kwargs)
 
     def local(self) -> torch.Tensor:
@@ -237,12 +237,12 @@ def _flatten_dims(_input, start_dim=0, end_dim=-1):
     return start_dim, end_dim
 
 
-def _reshape_leading_dims(func, args) -> Optional["_HandedDTensor"]:
+def _reshape_leading_dims(func, args) -> Optional["HandedDTensor"]:
     """``func(*args)`` on a handed DTensor sharded on its last dim only, when it keeps that dim: the
     same op on the local tensor, handed on (NOTE [reshaping the leading dims of a handed DTensor]);
     None for anything else."""
     x = args[0]
-    if type(x) is not _HandedDTensor or x._tp_local is None:
+    if type(x) is not HandedDTensor or x._tp_local is None:
         return None
     spec = dtensor_spec(x)
     shape = spec.shape
@@ -309,15 +309,15 @@ def _gradient_went_astray(_tensor: torch.Tensor) -> None:
 _ASTRAY_HOOKS = {0: _gradient_went_astray}
 
 
-def hand_local(local: torch.Tensor, spec: DTensorSpec) -> "_HandedDTensor":
+def hand_local(local: torch.Tensor, spec: DTensorSpec) -> "HandedDTensor":
     """``local``, a piece with a complete gradient, handed on as the DTensor ``spec`` describes."""
     return _hand(local, None, 0, spec, local.requires_grad)
 
 
 def _hand(local: Optional[torch.Tensor], partial: Optional[torch.Tensor], rank: int, spec: DTensorSpec,
-          requires_grad: bool) -> _HandedDTensor:
+          requires_grad: bool) -> HandedDTensor:
     source = local if local is not None else partial
-    handed = dtensor_from_spec(source.detach(), spec, requires_grad=requires_grad, subclass=_HandedDTensor)
+    handed = dtensor_from_spec(source.detach(), spec, requires_grad=requires_grad, subclass=HandedDTensor)
     handed._tp_local, handed._tp_partial, handed._tp_rank, handed._tp_twin = local, partial, rank, None
     if requires_grad:
         with disable_torch_function_subclass():
@@ -332,7 +332,7 @@ def hand_out(module: nn.Module, value):
     ``module`` has backward hooks of its own, which pass its inputs and outputs through an
     autograd.Function (NOTE [DTensors handed between torch_tp modules])."""
     if module._backward_hooks or module._backward_pre_hooks:
-        return tree_map_only(_HandedDTensor, _HandedDTensor.twin, value)
+        return tree_map_only(HandedDTensor, HandedDTensor.twin, value)
     return value
 
 
@@ -351,7 +351,7 @@ def gather_to_replicated_dtensor(local: torch.Tensor, dim: int, mesh: DeviceMesh
 
 def partial_grad_local(x: DTensor, records: "ForwardRecords") -> torch.Tensor:
     """A Replicate DTensor's local tensor, for a consumer whose input gradient is a partial sum."""
-    if type(x) is _HandedDTensor and x._tp_partial is not None:
+    if type(x) is HandedDTensor and x._tp_partial is not None:
         return x._tp_partial
     for made, full in records.gathered:
         if made is x:
@@ -497,7 +497,7 @@ def from_dtensor(x, declared: Placement, group: TPGroup) -> Tuple[torch.Tensor, 
     a caller that needs it asks ``global_shape_of`` (NOTE [global sizes of
     plain shards]), so that only the calls that use it may pay for it.
     """
-    if type(x) is _HandedDTensor:  # torch_tp's own, on a 1-D mesh: its spec says all, without torch functions
+    if type(x) is HandedDTensor:  # torch_tp's own, on a 1-D mesh: its spec says all, without torch functions
         spec = dtensor_spec(x)
         return x.local(), normalize(spec.placements[0], len(spec.shape)), spec.shape
     if isinstance(x, DTensor):
@@ -570,7 +570,7 @@ def _refuse_empty_pieces_under_compile(global_shape: torch.Size, dim: int, group
 
 class _WrapLocal(torch.autograd.Function):
     """``local`` -> a DTensor with ``spec``, sharing its memory: the twin of a
-    :class:`_HandedDTensor` (NOTE [DTensors handed between torch_tp modules]), which is
+    :class:`HandedDTensor` (NOTE [DTensors handed between torch_tp modules]), which is
     ``DTensor.from_local`` without its checks and with a spec built once per layout and
     shape. Backward, as from_local's: the gradient's local tensor, redistributed first if
     it arrives in other placements."""

@@ -52,7 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._torch_private import (assert_async, disable_torch_function_subclass, dtensor_from_spec, dtensor_local,
                               dtensor_spec, legacy_get_string, tree_map_only)
 from ..ops import chunk_range
-from ._layout import _HandedDTensor, contiguous_stride
+from ._layout import HandedDTensor, contiguous_stride
 
 __all__ = ["loss_parallel"]
 
@@ -407,7 +407,7 @@ def _local_shard(x: DTensor) -> torch.Tensor:
     """The local shard of the loss input, on the input's autograd path. A DTensor torch_tp handed on
     (the logits of its ColwiseParallel) carries its local tensor, whose gradient reaches the producer
     directly (NOTE [DTensors handed between torch_tp modules] in _layout.py)."""
-    if type(x) is _HandedDTensor:
+    if type(x) is HandedDTensor:
         return x.local()
     return _LocalShard.apply(x)
 
@@ -584,8 +584,8 @@ def _handled(func: Callable, args: tuple, kwargs: dict) -> Any:
     # only where there is one, or a container to look into: on the usual plain target and
     # options it is a pass over nothing, paid on every call.
     rest = args[1:]
-    if any(type(v) is _HandedDTensor or isinstance(v, (list, tuple, dict)) for v in (*rest, *kwargs.values())):
-        rest, kwargs = tree_map_only(_HandedDTensor, _HandedDTensor.twin, (rest, kwargs))
+    if any(type(v) is HandedDTensor or isinstance(v, (list, tuple, dict)) for v in (*rest, *kwargs.values())):
+        rest, kwargs = tree_map_only(HandedDTensor, HandedDTensor.twin, (rest, kwargs))
     return handler(args[:1] + rest, kwargs)
 
 
@@ -620,7 +620,7 @@ def _handed_loss_parallel_torch_function(cls, func, types, args=(), kwargs=None)
 
 
 _DTENSOR_TORCH_FUNCTION = DTensor.__dict__["__torch_function__"]
-_HANDED_TORCH_FUNCTION = _HandedDTensor.__dict__["__torch_function__"]
+_HANDED_TORCH_FUNCTION = HandedDTensor.__dict__["__torch_function__"]
 _loss_parallel_depth = 0
 
 
@@ -698,7 +698,7 @@ def loss_parallel() -> Iterator[None]:
     global _loss_parallel_depth
     if _loss_parallel_depth == 0:
         DTensor.__torch_function__ = _loss_parallel_torch_function
-        _HandedDTensor.__torch_function__ = _handed_loss_parallel_torch_function
+        HandedDTensor.__torch_function__ = _handed_loss_parallel_torch_function
     _loss_parallel_depth += 1
     try:
         yield
@@ -706,4 +706,4 @@ def loss_parallel() -> Iterator[None]:
         _loss_parallel_depth -= 1
         if _loss_parallel_depth == 0:
             DTensor.__torch_function__ = _DTENSOR_TORCH_FUNCTION
-            _HandedDTensor.__torch_function__ = _HANDED_TORCH_FUNCTION
+            HandedDTensor.__torch_function__ = _HANDED_TORCH_FUNCTION

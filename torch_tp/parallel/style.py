@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import style as _torch_style
 from .._C import _column_parallel_linear, _row_parallel_linear
 from ._layout import (
     ForwardRecords,
-    _HandedDTensor,
+    HandedDTensor,
     TPGroup,
     convert,
     from_dtensor,
@@ -227,7 +227,7 @@ class ColwiseLinear(ColwiseModule):
                 out = _column_parallel_linear(x, local_tensor(weight), local_tensor(bias), state.group.name)
                 state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
                 return out
-            if type(x) is _HandedDTensor and x._tp_partial is not None:
+            if type(x) is HandedDTensor and x._tp_partial is not None:
                 # The same for the Replicate DTensor a PrepareModuleInput gather handed on (torchtitan's
                 # plan): what _tp_replicated_input and _tp_output_sharded_on_last do, without the layout
                 # machinery.
@@ -675,7 +675,7 @@ class SequenceParallel(ParallelStyle):
 # in the example's training step. Inside
 # generation_layouts(), with use_local_output, and for any other input or
 # desired layout, _prepare takes the general path.
-def _gather_handed(value: _HandedDTensor, mesh: DeviceMesh, group: TPGroup,
+def _gather_handed(value: HandedDTensor, mesh: DeviceMesh, group: TPGroup,
                    records: ForwardRecords) -> Optional[DTensor]:
     """A handed ``Shard(d)`` DTensor gathered to a Replicate one (NOTE [gathering a handed shard]);
     None for any other placement."""
@@ -692,7 +692,7 @@ def _prepare(value, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords, l
     """One input or output: annotate it with ``layout``, move it to ``desired``."""
     if layout is None:
         return value
-    if (type(value) is _HandedDTensor and type(desired) is Replicate and not use_local_output
+    if (type(value) is HandedDTensor and type(desired) is Replicate and not use_local_output
             and not records.replicate_sequence):
         gathered = _gather_handed(value, mesh, group, records)
         if gathered is not None:
