@@ -330,7 +330,8 @@ def main(argv=None):
     if "RANK" not in os.environ:
         sys.exit("generate.py: launch it with torchrun, e.g. "
                  "`torchrun --nproc-per-node 2 examples/generate.py --out-dir llama_out`")
-    # Before any process group: a missing checkpoint is one message and every rank exits at once.
+    # Before any process group: a missing checkpoint is an error on every rank, each of which says it and
+    # exits at once (torchrun stops the other ranks when the first exits, so rank 0 alone might not get to).
     try:
         if args.hf is None:
             read_train_state(args.out_dir)
@@ -338,8 +339,7 @@ def main(argv=None):
             raise FileNotFoundError(f"--hf {args.hf}: no such directory")
         load_tp_api(args.impl)
     except (FileNotFoundError, ImportError) as e:
-        if os.environ["RANK"] == "0":
-            print(f"generate.py: {e}", file=sys.stderr)
+        print(f"generate.py: {e}", file=sys.stderr)
         sys.exit(2)
     device, backend = setup(args)
     world = dist.get_world_size()

@@ -501,11 +501,10 @@ def setup(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:  # before any process group: every rank exits at once, with one message
+    try:  # before any process group: every rank says why and exits at once (torchrun stops the others)
         tp = load_tp_api(args.impl)
     except ImportError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train_llama.py: {e}", file=sys.stderr)
+        print(f"train_llama.py: {e}", file=sys.stderr)
         sys.exit(2)
     device, backend = setup(args)
     rank, world = dist.get_rank(), dist.get_world_size()
