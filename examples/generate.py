@@ -234,12 +234,16 @@ def run_checkpoint(args, mesh, device) -> Dict:
 
 def run_hf(args, mesh, device) -> Dict:
     import torch_tp
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isfile(os.path.join(args.hf, "config.json")):
         raise FileNotFoundError(f"--hf {args.hf}: no config.json there (a directory written by save_pretrained)")
-    model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=DTYPES[args.dtype]).to(device).eval()
+    # Built without weights, parallelized, then each rank reads only its slices of the files.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.hf), dtype=DTYPES[args.dtype])
     torch_tp.parallelize_module(model, mesh, model.tp_plan)  # keeps a tied lm_head tied, as HF's own TP does
+    torch_tp.parallel.load_pretrained(model, args.hf, device=device)
+    model.eval()
     tokenizer = None
     if os.path.isfile(os.path.join(args.hf, "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(args.hf)

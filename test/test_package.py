@@ -33,9 +33,11 @@ PARALLEL = [
     "generation_layouts",
     "get_full_state_dict",
     "load_full_state_dict",
+    "load_pretrained",
     "loss_parallel",
     "packed_tp_plan",
     "parallelize_module",
+    "save_pretrained",
 ]
 TOP_LEVEL = sorted(PARALLEL + [
     "DistributedDataParallel",
