@@ -217,8 +217,8 @@ def _check_refused():
 
     assert_error_names(parallelize({"model.layers.*.mlp.up_proj": "colwsie"}),
                        ["'model.layers.0.mlp.up_proj'", "'colwsie'"], ValueError)
-    assert_error_names(parallelize({"model.layers.*.mlp": "moe_tp_experts"}),
-                       ["'model.layers.0.mlp'", "'moe_tp_experts'", "does not implement"], NotImplementedError)
+    assert_error_names(parallelize({"model.layers.*.mlp": "moe_identity_expert"}),
+                       ["'model.layers.0.mlp'", "'moe_identity_expert'", "does not implement"], NotImplementedError)
     assert_error_names(parallelize({"model.layers.*.self_attn": "mla_kv_a_proj"}),
                        ["'model.layers.0.self_attn'", "'mla_kv_a_proj'"], NotImplementedError)
     assert_error_names(parallelize({"model.embed_tokens": "packed_colwise"}),

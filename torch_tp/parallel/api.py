@@ -17,6 +17,7 @@ from ._params import naming_module
 from .hf_plan import (
     ReplicatedWithGradAllReduce,
     activations_on_local_columns,
+    check_expert_parameter_entries,
     check_hf_parameter_entry,
     hf_style,
     localize_attention,
@@ -144,6 +145,7 @@ def parallelize_module(
         # NOTE [an MLP activation's parameters] in hf_plan.py
         for path, act_fn in list(activations_on_local_columns(module)):
             _parallelize(act_fn, device_mesh, ReplicatedWithGradAllReduce(), src_data_rank, path)
+        check_expert_parameter_entries(module)
         _retie(tied)
     _share_records(module)
     localize_attention(module)
@@ -258,7 +260,7 @@ def _parallelize(module: nn.Module, device_mesh: DeviceMesh, plan, src_data_rank
             # An HF key may name a parameter, not a module (NOTE [Hugging Face plan strings]).
             params = [name for name, _ in module.named_parameters(recurse=False) if fnmatch(name, token)]
             for name in params:
-                check_hf_parameter_entry(style, f"{path}.{name}" if path else name)
+                check_hf_parameter_entry(style, f"{path}.{name}" if path else name, module)
             if params:
                 continue
         if not matched:

@@ -85,6 +85,7 @@ from ._install import ParallelModule, TPState, install
 from ._layout import tp_group
 from ._params import local_tensor
 from .kv_heads import KVHeadColwiseParallel, KVHeadState
+from .moe import ExpertsTensorParallel
 from .packed import PackedColwiseParallel, PackedRowwiseParallel, PackedState
 from .style import (
     ColwiseModule,
@@ -179,7 +180,14 @@ _STYLES: Dict[str, Tuple[type, Callable[[], ParallelStyle]]] = {
     # nn.Linear, they are model-specific and refused).
     "packed_colwise": (nn.Linear, lambda: PackedColwiseParallel(2)),
     "packed_rowwise": (nn.Linear, lambda: PackedRowwiseParallel(2)),
+    # A transformers experts module (NOTE [experts under tensor parallelism] in moe.py); the plan's
+    # entries for its gate_up_proj and down_proj name the layout this style gives them.
+    "moe_tp_experts": (nn.Module, ExpertsTensorParallel),
 }
+
+# The entries HF's MoE plans give an experts module's parameters, by the torch_tp style of the
+# module's own string: (parameter name, string) pairs that say what that style does to them.
+EXPERT_PARAMETER_ENTRIES = {"ExpertsTensorParallel": {("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise")}}
 
 # HF strings torch_tp knows and does not implement, and why.
 _NOT_IMPLEMENTED = {
@@ -394,10 +402,16 @@ def _localize_packed_attention(attention: nn.Module, qkv_proj: nn.Module) -> Non
         attention.num_key_value_groups = local_heads // local_kv_heads
 
 
-def check_hf_parameter_entry(string: str, path: str) -> None:
-    """A plan key that names the parameter ``path``, not a module: only ``replicate`` (nothing to
-    do) is accepted; HF shards a lone parameter only for model-specific styles."""
+def check_hf_parameter_entry(string: str, path: str, owner: nn.Module) -> None:
+    """A plan key that names the parameter ``path`` of ``owner``, not a module: ``replicate``
+    (nothing to do), or the entry an MoE plan gives an experts parameter, which the experts
+    module's own string applies (:func:`check_expert_parameter_entries` checks that it does);
+    HF shards other lone parameters only for model-specific styles."""
     if string == "replicate":
+        return
+    name = path.rpartition(".")[2]
+    if any((name, string) in entries for entries in EXPERT_PARAMETER_ENTRIES.values()):
+        owner._tp_planned_parameter_entries = {*getattr(owner, "_tp_planned_parameter_entries", ()), (name, string)}
         return
     where = f"the plan key for parameter '{path}'"
     if string in _STYLES:
@@ -405,3 +419,20 @@ def check_hf_parameter_entry(string: str, path: str) -> None:
                                   f"'{string}'; torch_tp applies plan strings to modules, not to single "
                                   "parameters.")
     _refuse(string, where)
+
+
+def check_expert_parameter_entries(root: nn.Module) -> None:
+    """After a plan: every parameter entry :func:`check_hf_parameter_entry` let through was applied
+    by its module's style (``moe_tp_experts`` for the experts' ``gate_up_proj``/``down_proj``); a plan
+    that names the parameters without the module would otherwise leave them whole."""
+    for path, module in root.named_modules():
+        entries = module.__dict__.pop("_tp_planned_parameter_entries", None)
+        if entries is None:
+            continue
+        style = getattr(getattr(module, "_tp_state", None), "style", None) or ""
+        missing = sorted(entries - EXPERT_PARAMETER_ENTRIES.get(style.partition("(")[0], set()))
+        if missing:
+            names = ", ".join(f"'{path}.{name}': '{string}'" for name, string in missing)
+            raise ValueError(f"torch_tp.parallelize_module: the plan gives {names}, but module '{path}' "
+                             f"({type(module).__name__}) does not get the style that applies them "
+                             f"('{path}': 'moe_tp_experts')")

@@ -270,6 +270,15 @@ def _hook_optimizers_once() -> None:
         _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_hook_optimizer)
 
 
+def keep_packed_order_in_state_dicts(module: nn.Module) -> None:
+    """Give ``module`` (whose ``_tp_state.layouts`` names its rank-major parameters) the state-dict
+    hooks of NOTE [packed parameters], for itself and for the optimizers that hold its parameters."""
+    module.register_state_dict_post_hook(_natural_state_dict)
+    module.register_load_state_dict_pre_hook(_rank_major_load)
+    _PACKED_MODULES.add(module)
+    _hook_optimizers_once()
+
+
 # ---------------------------------------------------------------- the classes the styles swap in
 
 
@@ -434,10 +443,7 @@ class _PackedStyle(ShardedModuleStyle):
         shared_kv = self._shared_kv(module, device_mesh, sizes)
         self._install(module, device_mesh, PackedState, layouts, shared_kv,
                       mixin=None if shared_kv is None else _PackedSharedKVLinear)
-        module.register_state_dict_post_hook(_natural_state_dict)
-        module.register_load_state_dict_pre_hook(_rank_major_load)
-        _PACKED_MODULES.add(module)
-        _hook_optimizers_once()
+        keep_packed_order_in_state_dicts(module)
         return module
 
     def __repr__(self) -> str:

@@ -1,0 +1,167 @@
+"""Mixture-of-experts layers: the experts of a layer split over the ranks of a tensor-parallel group.
+
+An experts module holds every expert's weights stacked on a leading expert
+dim, as transformers' MoE models do (``@use_experts_implementation``:
+Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 and the others that share the
+layout)::
+
+    gate_up_proj [E, 2I, H]   rows [gate | up] of each expert
+    down_proj    [E, H, I]
+
+and its forward ``(hidden_states [T, H], top_k_index [T, K], top_k_weights
+[T, K]) -> [T, H]`` sums, for each token, its K experts' outputs weighted by
+the router's scores. The router (the MoE block's ``gate``) is a separate
+module, left replicated.
+
+NOTE [experts under tensor parallelism]
+Expert e computes ``y_e(x) = down_e (act(gate_e x) * up_e x)``. With its
+intermediate dim I split over p ranks, rank r holding rows I_r of gate_e and
+of up_e and columns I_r of down_e,
+
+    y_e(x) = sum_r down_e[:, I_r] (act(gate_e[I_r] x) * up_e[I_r] x)
+
+since the activation is elementwise. gate_up_proj is split as
+PackedColwiseParallel splits ``[gate | up]`` (rank r: ``[gate chunk r | up
+chunk r]`` along dim 1, so ``chunk(2)`` of a local row is its own gate and
+up; NOTE [packed parameters] in ``packed.py``: a rank-major ``Shard(1)``
+DTensor whose state dicts are in the natural order) and down_proj is
+``Shard(2)``. Each rank runs the module's own forward on its local weights,
+whatever its experts implementation (eager, ``grouped_mm``,
+``batched_mm``). The weighting by the router's scores and the sum over a
+token's experts are linear, so the module's output is a partial sum over the
+ranks, completed by one all-reduce per layer, not one per expert
+(``reduce_from_tp_region``). Its inputs are replicated, and each rank's
+gradients of them (the hidden states, and the scores, which weight each
+rank's partial) are partial sums: both pass through ``copy_to_tp_region``
+(identity forward, all-reduce backward). The router then gets whole
+gradients on every rank, as any replicated module before a
+ColwiseParallel layer does.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._install import ParallelModule, TPState, install
+from ._params import module_path
+from .packed import PackedLayout, _PackedModule, keep_packed_order_in_state_dicts
+from .style import ParallelStyle, restore_parameters, swap_in_local_parameters
+
+__all__ = ["ExpertsTensorParallel"]
+
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def _where(module: nn.Module) -> str:
+    where = f"'{module_path()}'" if module_path() else "the root module"
+    return f"{where} ({type(module).__name__})"
+
+
+def experts_sizes(module: nn.Module, style: str) -> Tuple[int, int, int]:
+    """(E, I, H) of a transformers experts module, after checking it has the layout the MoE styles
+    split (NOTE [experts under tensor parallelism]); an error naming the module and what differs."""
+    where = f"torch_tp.{style}: {_where(module)}"
+    gate_up, down = (module._parameters.get(name) for name in _EXPERT_PARAMETERS)
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        raise NotImplementedError(f"{where} is not an experts module with 3-D gate_up_proj [E, 2I, H] and "
+                                  "down_proj [E, H, I] parameters")
+    for flag, wanted in (("is_transposed", False), ("is_concatenated", True), ("has_bias", False),
+                         ("has_gate", True)):
+        if getattr(module, flag, wanted) != wanted:
+            raise NotImplementedError(f"{where} has {flag}={not wanted}; the MoE styles split concatenated "
+                                      "[gate | up] experts without biases, stored [E, out, in]")
+    experts, rows, hidden = gate_up.shape
+    if rows % 2 or tuple(down.shape) != (experts, hidden, rows // 2):
+        raise ValueError(f"{where}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                         "[E, 2I, H] and [E, H, I]")
+    for name, param in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if isinstance(param, DTensor):
+            raise ValueError(f"{where}: parameter '{name}' is already a DTensor ({param.placements} on "
+                             f"{param.device_mesh}); {style} distributes the plain one")
+    return experts, rows // 2, hidden
+
+
+@dataclass(eq=False)
+class ExpertsTPState(TPState):
+    """An ExpertsTensorParallel experts module."""
+
+    parameter_names: Tuple[str, ...]  # the parameters its forward runs on local tensors
+    layouts: Dict[str, PackedLayout]  # gate_up_proj's [gate | up] blocks along dim 1 (NOTE [packed parameters])
+
+
+def _local_input(value, name: str):
+    """A replicated input as its local tensor (transformers hands plain tensors; a DTensor must be
+    ``Replicate()``: every rank's experts read every token)."""
+    if isinstance(value, DTensor):
+        if any(not isinstance(p, Replicate) for p in value.placements):
+            raise ValueError(f"torch_tp.ExpertsTensorParallel: {name} must be replicated, got {value.placements}")
+        return value.to_local()
+    return value
+
+
+class _ExpertsTPModule(_PackedModule, ParallelModule):
+    _tp_kind = "ExpertsTensorParallel"
+    _tp_state: ExpertsTPState
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        """The module's own forward on this rank's slice of every expert (NOTE [experts under tensor
+        parallelism]): replicated [T, H] and routing in, the whole [T, H] out."""
+        state = self._tp_state
+        group = state.group.name
+        hidden_states = torch.ops.torch_tp.copy_to_tp_region(_local_input(hidden_states, "hidden_states"), group)
+        top_k_weights = torch.ops.torch_tp.copy_to_tp_region(_local_input(top_k_weights, "top_k_weights"), group)
+        set_aside = swap_in_local_parameters(self, state.parameter_names, False)
+        try:
+            partial = super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        finally:
+            restore_parameters(self, set_aside)
+        return torch.ops.torch_tp.reduce_from_tp_region(partial, group)
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    r"""Split every expert of an experts module over the TP group: each rank holds ``1/p`` of each
+    expert's intermediate dim.
+
+    The module is a transformers experts module (``gate_up_proj [E, 2I, H]``,
+    rows ``[gate | up]``; ``down_proj [E, H, I]``): Mixtral's, Qwen3-MoE's
+    and the others that share their layout. ``gate_up_proj`` is split block by
+    block, as :class:`PackedColwiseParallel` splits ``[gate | up]``, and
+    ``down_proj`` on its columns (``Shard(2)``); each rank runs the module's
+    own forward on its slices, and its output is all-reduced once (NOTE
+    [experts under tensor parallelism] in ``torch_tp/parallel/moe.py``). The
+    inputs (hidden states ``[T, H]``, ``top_k_index``, ``top_k_weights``)
+    are replicated, as the replicated router hands them; their gradients are
+    all-reduced in the backward. State dicts show the full ``[E, ...]``
+    tensors in their natural order. HF's plan string ``moe_tp_experts`` is
+    this style.
+
+    Example::
+
+        >>> from torch_tp import parallelize_module, ExpertsTensorParallel
+        >>> parallelize_module(model, tp_mesh, {"model.layers.*.mlp.experts": ExpertsTensorParallel()})
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        _, intermediate, _ = experts_sizes(module, name)
+        ranks = device_mesh.size()
+        if intermediate % ranks:
+            raise ValueError(f"torch_tp.{name}: {_where(module)} has intermediate size {intermediate}, which does not "
+                             f"split over the {ranks} ranks of the TP group")
+        # gate_up_proj's dim 1 in the rank-major order, whose Shard(1) chunk r is [gate chunk r | up chunk r].
+        layout = PackedLayout((intermediate, intermediate), 1, ranks)
+        gate_up = module.gate_up_proj
+        with torch.no_grad():
+            rank_major = gate_up.index_select(1, layout.rank_major_index(gate_up.device))
+        module.gate_up_proj = nn.Parameter(rank_major, requires_grad=gate_up.requires_grad)
+        install(module, device_mesh, self, {"gate_up_proj": Shard(1), "down_proj": Shard(2)}, _ExpertsTPModule,
+                ExpertsTPState, _EXPERT_PARAMETERS, {"gate_up_proj": layout})
+        keep_packed_order_in_state_dicts(module)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
