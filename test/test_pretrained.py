@@ -8,7 +8,8 @@ reference is transformers' ``from_pretrained`` of that directory followed by
 then ``load_pretrained``. Their parameters (each rank's local tensors) and buffers must be equal
 bit for bit: loading only moves and casts data. The plans cover HF's strings (with tied
 embeddings), torchtitan's sequence-parallel styles, packed blocks with 4, 2 and 1 KV heads, and a
-Qwen3-MoE whose per-expert checkpoint tensors transformers merges at load time.
+Qwen3-MoE under its own plan (experts split by ExpertsTensorParallel) whose per-expert checkpoint
+tensors transformers merges at load time.
 
 Then torch_tp's copy trains one AdamW step and is written by ``torch_tp.parallel.save_pretrained``:
 transformers' ``from_pretrained`` must load that directory unsharded with exactly the gathered
@@ -71,10 +72,8 @@ def _plan(model, plan: str):
         return model.tp_plan
     if plan == "sp":  # the logits gathered: HF's own loss takes them
         return dict(sp_plan(), lm_head=ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
-    if plan == "packed":
-        return torch_tp.parallel.packed_tp_plan(model)
-    assert plan == "attention", plan  # the experts stay whole: torch_tp does not shard MoE experts yet
-    return {key: style for key, style in model.tp_plan.items() if ".mlp." not in key}
+    assert plan == "packed", plan
+    return torch_tp.parallel.packed_tp_plan(model)
 
 
 def _parallel(model, plan: str):
@@ -156,12 +155,12 @@ def _check_reload(kind: str, plan: str, out: str) -> None:
 
 # Where a directory torch_tp wrote is loaded again at another degree.
 RELOAD_AT = {("llama", "hf", 2): 4, ("qwen3_tied", "hf", 2): 1, ("phi3_kv4", "packed", 2): 4,
-             ("phi3_kv1", "packed", 2): 4}
+             ("phi3_kv1", "packed", 2): 4, ("qwen3_moe", "hf", 2): 4}
 
 
 @pytest.mark.parametrize("kind, plan, world_size", [
     ("llama", "hf", 1), ("llama", "hf", 2), ("llama", "hf", 4), ("qwen3_tied", "hf", 2), ("llama", "sp", 2),
-    ("phi3_kv4", "packed", 2), ("phi3_kv1", "packed", 2), ("phi3_kv2", "packed", 4), ("qwen3_moe", "attention", 2),
+    ("phi3_kv4", "packed", 2), ("phi3_kv1", "packed", 2), ("phi3_kv2", "packed", 4), ("qwen3_moe", "hf", 2),
 ])
 def test_load_and_save(ranks, tmp_path, kind, plan, world_size):
     path, out = str(tmp_path / "hf"), str(tmp_path / "torch_tp")
