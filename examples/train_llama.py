@@ -10,6 +10,7 @@ Launch (2 ranks on CPU, about a minute):
     torchrun --nproc-per-node 2 examples/train_llama.py --check         # TP vs unsharded losses, then exit
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2          # 2 pipeline stages x TP over 2
     torchrun --nproc-per-node 4 examples/train_llama.py --kv-heads 1    # MQA: one KV head over 4 TP ranks
+    torchrun --nproc-per-node 2 examples/train_llama.py --save-hf hf    # ... and a Hugging Face directory
 
 The model and torchtitan's TP plan (sequence parallel, loss_parallel) are in
 llama_model.py; --impl picks whose parallelize_module and styles apply it:
@@ -41,6 +42,17 @@ state, and train_state.json (step, losses). --resume restores them at any
 --pp, --dp and TP degree, and with either --impl (the parameters are DTensors, which
 DCP reshards), and the resumed run sees the batches the uninterrupted one
 would have.
+
+--save-hf DIR writes the trained model, at the end, as a Hugging Face
+LlamaForCausalLM directory (config.json, safetensors files, their index when
+there are several: --save-hf-shard-size) that transformers' from_pretrained and
+``examples/generate.py --hf DIR`` load. The model is copied one tensor at a time
+into a LlamaForCausalLM built on the meta device and parallelized with its own
+tp_plan on the same TP mesh (wq and wk rows reordered per head: this model
+rotates interleaved pairs, HF rotate_half's halves), then written by
+torch_tp.parallel.save_pretrained, which gathers one tensor at a time. It works
+at any TP degree, --dp, --kv-heads, --tokenizer and either --impl; not under --pp
+(each pipeline rank holds only its stages), refused before training starts.
 """
 
 from __future__ import annotations
@@ -114,6 +126,12 @@ def parse_args(argv=None):
                    help="characters to generate at the end (0: none; skipped under --pp > 1, which would have to "
                         "run generation through the pipeline)")
     g.add_argument("--amp", action="store_true", help="bf16 autocast (cuda)")
+    g.add_argument("--save-hf", metavar="DIR", default=None,
+                   help="at the end, write the model as a Hugging Face LlamaForCausalLM directory (config.json, "
+                        "safetensors files, an index when --save-hf-shard-size splits them) for from_pretrained "
+                        "and generate.py --hf; any TP degree, --dp, --kv-heads and --impl, not --pp")
+    g.add_argument("--save-hf-shard-size", default="50GB", metavar="SIZE",
+                   help="--save-hf's largest safetensors file, as save_pretrained's max_shard_size (default 50GB)")
     g = p.add_argument_group("data")
     g.add_argument("--corpus", default=DEFAULT_CORPUS)
     g.add_argument("--tokenizer", choices=["byte", "char"], default="byte",
@@ -133,7 +151,14 @@ def parse_args(argv=None):
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=int, default=10)
     g.add_argument("--weight-decay", type=float, default=0.1)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save_hf is not None and args.pp > 1:
+        p.error(f"--save-hf with --pp {args.pp}: each pipeline rank holds only its stages, and a Hugging Face "
+                "directory is written from the whole model; train without --pp (or --resume its checkpoint "
+                "without --pp) to export")
+    if args.save_hf is not None and args.check:
+        p.error("--save-hf with --check: --check trains no model to write")
+    return args
 
 
 # ----------------------------------------------------------------------------- data
@@ -266,6 +291,89 @@ def load_checkpoint(out_dir: str, parts, expect: Dict[str, Any]) -> Dict[str, An
         set_state_dict(model, optimizer, model_state_dict={k: model_state[k] for k in part_model},
                        optim_state_dict={k: optim_state[k] for k in part_optim}, options=_state_dict_options())
     return state
+
+
+# ----------------------------------------------------------------------------- Hugging Face export
+
+
+def hf_config(config: LlamaConfig):
+    """transformers' LlamaConfig of the example's model: the same sizes, norm epsilon, rotary base and
+    untied output; no bos/eos/pad ids (the byte and char tokenizers have none, and an eos id would
+    stop HF's generate() at that byte)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    return HFLlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.ffn_hidden_dim,
+        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_act="silu",
+        max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+# The example's (torchtitan's) names -> HF Llama's, per layer and at the top.
+HF_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+HF_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(name: str, config: LlamaConfig):
+    """(HF Llama's name of the example's parameter ``name``, the heads whose rows to reorder or None)."""
+    module, leaf = name.rsplit(".", 1)
+    if module in HF_TOP_NAMES:
+        return f"{HF_TOP_NAMES[module]}.{leaf}", None
+    _, index, rest = module.split(".", 2)  # layers.<N>.<rest>
+    heads = {"attention.wq": config.n_heads, "attention.wk": config.n_kv_heads}.get(rest)
+    return f"model.layers.{index}.{HF_LAYER_NAMES[rest]}.{leaf}", heads
+
+
+def to_rotate_half(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """wq/wk ``[heads * head_dim, dim]`` with each head's output features reordered from this
+    model's interleaved rotary pairs (2i, 2i + 1) to HF rotate_half's (i, head_dim / 2 + i).
+
+    Both rotate pair i by position * freq_i (the same frequencies): here features 2i and 2i + 1
+    of a head, in HF's rotate_half features i and i + head_dim / 2. So HF's feature
+    (half, i) is this model's feature 2i + half: rows viewed [heads, head_dim / 2, 2], the last
+    two dims swapped. q and k get the same reordering, so every head's q . k, and so the
+    attention, is unchanged; v and wo are not touched."""
+    rows, dim = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
+
+
+@torch.no_grad()
+def save_hf(model: Llama, config: LlamaConfig, mesh, path: str, device, max_shard_size: str) -> None:
+    """Write ``model`` (parallelized, possibly under FSDP2) as a Hugging Face LlamaForCausalLM directory.
+
+    A LlamaForCausalLM of :func:`hf_config` is built on the meta device, parallelized by torch_tp
+    with its own ``tp_plan`` on the TP ``mesh`` and given storage; then, one parameter at a time,
+    every rank gathers the example's full tensor (reordered for HF's rotary layout), keeps its own
+    piece of the HF parameter (``load_full_state_dict`` cuts it from the placements, no
+    communication) and drops the full tensor. ``torch_tp.parallel.save_pretrained`` then writes the
+    directory, gathering one tensor at a time. A collective: every rank calls it."""
+    import torch_tp
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config(config), dtype=torch.float32)
+    torch_tp.parallelize_module(hf, mesh, hf.tp_plan)
+    hf.to_empty(device=device)  # every parameter is filled below; the rotary buffer is not saved
+    wanted = {name for name, _ in hf.named_parameters()}
+    for name, param in model.named_parameters():
+        key, heads = hf_name(name, config)
+        wanted.remove(key)  # a KeyError here: a name HF's Llama does not have
+        full = to_full(param.detach())
+        if heads is not None:
+            full = to_rotate_half(full, heads)
+        module, leaf = key.rsplit(".", 1)
+        torch_tp.load_full_state_dict(hf.get_submodule(module), {leaf: full.to(device)}, strict=False)
+        del full
+    if wanted:
+        raise RuntimeError(f"--save-hf: the example's model has nothing for HF's {sorted(wanted)}")
+    torch_tp.parallel.save_pretrained(hf, path, max_shard_size=max_shard_size)
 
 
 # ----------------------------------------------------------------------------- progress and plot
@@ -503,6 +611,12 @@ def main(argv=None):
     args = parse_args(argv)
     try:  # before any process group: every rank says why and exits at once (torchrun stops the others)
         tp = load_tp_api(args.impl)
+        if args.save_hf is not None:
+            import torch_tp  # noqa: F401  (parallelizes and writes the Hugging Face model, whichever --impl)
+            try:
+                import transformers  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"--save-hf needs transformers (pip install transformers): {e}") from e
     except ImportError as e:
         print(f"train_llama.py: {e}", file=sys.stderr)
         sys.exit(2)
@@ -640,6 +754,8 @@ def main(argv=None):
 
     ckpt_dir = save_checkpoint(args.out_dir, parts, end,
                                {**meta, "impl": args.impl, "losses": losses, "tok_rates": tok_rates})
+    if args.save_hf is not None:  # before any forward: FSDP2 keeps the root's parameters unsharded after one
+        save_hf(model, config, mesh, args.save_hf, device, args.save_hf_shard_size)
     # torch 2.14's ZBV schedule runs its backward actions in eval() too (and fails): no validation loss there.
     zbv = args.pp > 1 and args.pp_schedule == "ZBVZeroBubble"
     val = None if zbv else evaluate(model, corpus, args, device, tp, schedule, pipe, pp_mesh)
@@ -668,6 +784,8 @@ def main(argv=None):
             print("sample: skipped (the model's logits are not gatherable to the full vocabulary)")
         written = ([f"{args.out_dir}/loss_curve.png"] if plotted else []) + [f"{args.out_dir}/metrics.json",
                                                                           f"{ckpt_dir}/ (DCP)"]
+        if args.save_hf is not None:
+            written.append(f"{args.save_hf}/ (Hugging Face LlamaForCausalLM)")
         print("wrote " + ", ".join(written))
         if zbv:
             print("validation loss: skipped under --pp-schedule ZBVZeroBubble (torch's schedule cannot run "
