@@ -1,10 +1,6 @@
 #!/usr/bin/env python3
-"""The torch_tp process-group backend against gloo on one machine: latency and bus bandwidth.
-
-    torchrun --nproc-per-node 2 benchmarks/bench_backend.py [--quick]   (or --nproc-per-node 4)
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
-"""
+"""The torch_tp process-group backend against gloo on one machine: latency and bus bandwidth (a section for each
+world size: run it with --nproc-per-node 2 and 4)."""
 
 import os
 import sys
@@ -14,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 import harness
-import torch_tp  # noqa: F401  (registers the torch_tp backend)
 from harness import KiB, MiB
 
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -68,7 +63,7 @@ def measure(args):
                 # batches long enough for the clock at small S; a barrier on the group being timed
                 samples = harness.time_interleaved(
                     calls, 3 if args.quick else 30 if size <= MiB else 15 if size <= 16 * MiB else 7,
-                    dist.group.WORLD, calls=20 if size <= 64 * KiB else 5 if size <= MiB else 1, warmup=1,
+                    calls=20 if size <= 64 * KiB else 5 if size <= MiB else 1, warmup=1,
                     barrier=lambda name: dist.barrier(group=groups[name]))
                 bw = {name: harness.busbw_GBps(op, size, samples.median(name, "s"), p) for name in BACKENDS}
                 table.add({"op": op, "dtype": dtype_name, "size": harness.fmt_size(size)}, samples,
@@ -91,11 +86,5 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: four sizes, three repeats")
-    args = p.parse_args(argv)
-    return harness.run("bench_backend", args, lambda: measure(args))
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(harness.parser(__doc__, quick="smoke run: four sizes, three repeats").parse_args(), measure))

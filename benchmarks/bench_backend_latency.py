@@ -1,11 +1,8 @@
 #!/usr/bin/env python3
 """The torch_tp backend at the latency limit: against DeepSpeed's CPU shared-memory all-reduce and gloo.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_backend_latency.py [--quick] [--no-breakdown]
-
 DeepSpeed is a peer, never a dependency: without it (or where its op does not build, or the CPU lacks the
-ISA its kernels need) its columns are left empty and the section says why. Method and outputs:
-benchmarks/harness.py, benchmarks/report.py.
+ISA its kernels need) its columns are left empty and the section says why.
 """
 
 import os
@@ -19,16 +16,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import harness  # noqa: E402
-import torch_tp  # noqa: E402,F401  (registers the torch_tp backend and ops)
-from harness import KiB, MiB  # noqa: E402
+from harness import ALL_GATHER, KiB, MiB, REDUCE_SCATTER  # noqa: E402
 
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IMPLS = ["tp dist", "tp op", "tp op_", "ds", "ds raw", "gloo", "all_gather tp dist", "all_gather tp op",
          "reduce_scatter tp dist", "reduce_scatter tp op"]
-# torch 2.13 deprecated the old names, which warn on every call (a cost that shows at small sizes).
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def calls_per_sample(size: int) -> int:
@@ -89,7 +82,7 @@ def breakdown(tp, rounds: int, ds_raw) -> harness.Table:
     Work alone (no-op group), one transport step without data (barrier), the call handed to the worker
     thread (async + wait), the inline call, the ops (direct calls into the backend), and what any
     functional op called through torch.ops pays before it communicates (aten.clone)."""
-    fake = harness.noop_group(dist.group.WORLD)
+    fake = harness.noop_group()
     t = {k: torch.zeros(1024) for k in ("fake", "sync", "async", "ds raw", "clone")}
     parts = {
         "torch_tp barrier": lambda: dist.barrier(group=tp),
@@ -102,7 +95,7 @@ def breakdown(tp, rounds: int, ds_raw) -> harness.Table:
     }
     if ds_raw is not None:
         parts["ds raw"] = lambda: ds_raw(t["ds raw"])
-    samples = harness.time_interleaved(parts, rounds, dist.group.WORLD, calls=calls_per_sample(4 * KiB), warmup=1,
+    samples = harness.time_interleaved(parts, rounds, calls=calls_per_sample(4 * KiB), warmup=1,
                                        barrier=lambda key: dist.barrier(group=tp))
     table = harness.Table("us", list(parts), title="4 KiB float32 all-reduce by layer (same rounds)")
     table.add({"what": "4 KiB float32"}, samples)
@@ -121,7 +114,7 @@ def measure(args):
     for size in args.sizes:
         for dtype_name in args.dtypes:
             samples = harness.time_interleaved(steps(DTYPES[dtype_name], size, tp, ds_call, ds_raw), rounds(size),
-                                               dist.group.WORLD, calls=calls_per_sample(size), warmup=1,
+                                               calls=calls_per_sample(size), warmup=1,
                                                barrier=lambda key: dist.barrier(group=tp))
             table.add({"dtype": dtype_name, "size": harness.fmt_size(size)}, samples, x=size, panel=dtype_name)
             if dist.get_rank() == 0:
@@ -142,18 +135,12 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
+if __name__ == "__main__":
     p = harness.parser(__doc__, quick="smoke run: five rounds per row")
     p.add_argument("--no-breakdown", action="store_true",
                    help="skip the 4 KiB by-layer table (it needs torch's fake backend for its no-op group row)")
-    p.add_argument("--sizes", help="comma-separated sizes, e.g. 4K,64K (default: 4 KiB, 64 KiB, 1 MiB, 16 MiB)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)} "
-                   "(default: %(default)s)")
-    args = p.parse_args(argv)
-    args.sizes = [harness.parse_size(s) for s in args.sizes.split(",")] if args.sizes else SIZES
-    args.dtypes = harness.subset(p, "--dtypes", args.dtypes, DTYPES)
-    return harness.run("bench_backend_latency", args, lambda: measure(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    p.add_argument("--sizes", type=harness.sizes, default=SIZES,
+                   help="comma-separated sizes, e.g. 4K,64K (default: 4 KiB, 64 KiB, 1 MiB, 16 MiB)")
+    p.add_argument("--dtypes", type=harness.names(DTYPES), default="float32,bfloat16",
+                   help=f"comma-separated, of {', '.join(DTYPES)} (default: %(default)s)")
+    sys.exit(harness.run(p.parse_args(), measure))

@@ -1,13 +1,8 @@
 #!/usr/bin/env python3
 """torch_tp's collective ops against torch's functional collectives and raw c10d, on a gloo group (CPU, float32).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_collectives.py [--quick] [--noop-group] [--backend torch_tp]
-        [--dim 1]
-
 With ``--dim 1`` the all-gather and reduce-scatter run along dim 1 of a [4, n] input, as a sequence-parallel
 gather of [b, s, h] runs along s; raw c10d, which has no dim, moves the same bytes along dim 0 (the floor).
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
 
 import sys
@@ -17,8 +12,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import harness
-import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
-from harness import KiB, MiB
+from harness import ALL_GATHER, KiB, MiB, REDUCE_SCATTER
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter"]
 IMPLS = ["torch_tp", "functional", "raw"]
@@ -28,11 +22,7 @@ NOOP_SIZES = [64, 4 * KiB, 64 * KiB]
 # about 4 minutes on 2 cores); --quick takes about a tenth.
 REPEATS = {4 * KiB: 400, 16 * KiB: 400, 64 * KiB: 300, 256 * KiB: 200, MiB: 120, 4 * MiB: 60, 16 * MiB: 30,
            64 * MiB: 15}
-
-# torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor for the *_single names; the old ones
-# warn on every call, which would inflate the floor. Take the new names where they exist.
-RAW_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-RAW_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The functional collectives' new names where they exist, as harness.ALL_GATHER takes c10d's.
 FC_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 FC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
@@ -60,17 +50,16 @@ def steps(op: str, nbytes: int, group: dist.ProcessGroup, dim: int):
         out = torch.empty(x.numel() * world)
         return {"torch_tp": lambda: torch.ops.torch_tp.all_gather(shaped, dim, name),
                 "functional": lambda: wait(FC_ALL_GATHER(shaped, dim, group)),
-                "raw": lambda: RAW_ALL_GATHER(out, x, group=group)}, None, nbytes * world
+                "raw": lambda: ALL_GATHER(out, x, group=group)}, None, nbytes * world
     out = torch.empty(x.numel() // world)
     return {"torch_tp": lambda: torch.ops.torch_tp.reduce_scatter(shaped, dim, "sum", name),
             "functional": lambda: wait(FC_REDUCE_SCATTER(shaped, "sum", dim, group)),
-            "raw": lambda: RAW_REDUCE_SCATTER(out, x, group=group)}, None, nbytes
+            "raw": lambda: REDUCE_SCATTER(out, x, group=group)}, None, nbytes
 
 
 def measure(args):
-    world = dist.group.WORLD
-    group = harness.noop_group(world) if args.noop_group else world
-    p = world.size()
+    group = harness.noop_group() if args.noop_group else dist.group.WORLD
+    p = dist.get_world_size()
     table = harness.Table("us", IMPLS, ratios=[("torch_tp", "raw"), ("torch_tp", "functional")],
                           paired=[("torch_tp", "raw"), ("torch_tp", "functional")])
     for nbytes in args.sizes:
@@ -87,10 +76,10 @@ def measure(args):
         rotate = harness.rotations(IMPLS)
         order = lambda r: [f"{op} {impl}" for op in args.ops for impl in rotate(r)]  # noqa: E731
         if args.noop_group:  # batches of calls, one world barrier per round (the fake one does not wait)
-            samples = harness.time_interleaved(all_steps, max(3, args.calls // args.batch), world, order=order,
+            samples = harness.time_interleaved(all_steps, max(3, args.calls // args.batch), order=order,
                                                calls=args.batch, warmup=2, barrier="round")
         else:  # GC stays on, as when the figures in RESULTS.md were taken
-            samples = harness.time_interleaved(all_steps, repeats(nbytes, args), world, order=order, reset=resets,
+            samples = harness.time_interleaved(all_steps, repeats(nbytes, args), order=order, reset=resets,
                                                warmup=2 if args.quick else 5, gc_off=False)
         for op in args.ops:
             keys = {impl: f"{op} {impl}" for impl in IMPLS}
@@ -108,7 +97,7 @@ def measure(args):
         "about": "CPU float32; size: the per-rank input (all_gather: the input shard). **torch_tp**: "
         "`torch.ops.torch_tp.{all_reduce, all_gather, reduce_scatter}` by group name; **functional**: "
         f"`funcol.all_reduce`, `{FC_ALL_GATHER.__name__}`, `{FC_REDUCE_SCATTER.__name__}` and the wait; "
-        f"**raw**: `dist.all_reduce` in place, `{RAW_ALL_GATHER.__name__}`, `{RAW_REDUCE_SCATTER.__name__}` into "
+        f"**raw**: `dist.all_reduce` in place, `{ALL_GATHER.__name__}`, `{REDUCE_SCATTER.__name__}` into "
         "preallocated buffers. The three of every op interleaved in each repeat, rotating; busbw as nccl-tests."
         + (" all_gather and reduce_scatter along dim 1 of a [4, n] input for torch_tp and functional; raw along "
            "dim 0 of the same bytes." if args.dim else ""),
@@ -116,23 +105,17 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
+if __name__ == "__main__":
     p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats (with --noop-group: see --calls)",
-                       noop_batch=100)
-    p.add_argument("--sizes", help="comma-separated per-rank sizes, e.g. 4K,1M (default: 4 KiB .. 64 MiB, x4 "
-                   "steps; with --noop-group: 64,4K,64K)")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of %(default)s")
-    p.add_argument("--backend", default="gloo", choices=["gloo", "torch_tp"], help="the world group's backend")
+                       noop_batch=100, backend="gloo")
+    p.add_argument("--sizes", type=harness.sizes, help="comma-separated per-rank sizes, e.g. 4K,1M (default: "
+                   "4 KiB .. 64 MiB, x4 steps; with --noop-group: 64,4K,64K)")
+    p.add_argument("--ops", type=harness.names(OPS), default=",".join(OPS),
+                   help="comma-separated subset of %(default)s")
     p.add_argument("--dim", type=int, default=0, choices=[0, 1],
                    help="1: all_gather and reduce_scatter along dim 1 of a [4, n] input (raw c10d: dim 0)")
     p.add_argument("--calls", type=int, default=5000,
                    help="with --noop-group: timed calls per size, op and implementation (default: %(default)s)")
-    args = p.parse_args(argv)
-    args.sizes = ([harness.parse_size(s) for s in args.sizes.split(",")] if args.sizes
-                  else NOOP_SIZES if args.noop_group else SIZES)
-    args.ops = harness.subset(p, "--ops", args.ops, OPS)
-    return harness.run("bench_collectives", args, lambda: measure(args), backend=args.backend)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    args = p.parse_args()
+    args.sizes = args.sizes or (NOOP_SIZES if args.noop_group else SIZES)
+    sys.exit(harness.run(args, measure))

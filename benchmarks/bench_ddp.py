@@ -1,11 +1,6 @@
 #!/usr/bin/env python3
 """Data-parallel training steps: torch_tp.DistributedDataParallel against torch's DDP, same backend, over a
-sweep of bucket caps (CPU, float32, one thread per rank).
-
-    torchrun --nproc-per-node 2 benchmarks/bench_ddp.py [--backend gloo|torch_tp] [--quick]
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
-"""
+sweep of bucket caps (CPU, float32, one thread per rank)."""
 
 import copy
 import sys
@@ -56,7 +51,7 @@ def measure(args):
             steps[impl] = lambda ddp=ddp: step(ddp)
             steps[f"{impl} compute"] = lambda ddp=ddp: step(ddp, sync=False)
         rotate = harness.rotations(IMPLS)
-        samples = harness.time_interleaved(steps, args.repeats, dist.group.WORLD, order=lambda r: rotate(r) + [
+        samples = harness.time_interleaved(steps, args.repeats, order=lambda r: rotate(r) + [
             f"{i} compute" for i in rotate(r)] + ["comm"])
         med = {k: samples.median(k, "ms") for k in steps}
         # the share of the all-reduce time the step hides behind backward (1: all; negative: the step costs
@@ -78,21 +73,15 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: 4 x 512 layers, 3 repeats")
-    p.add_argument("--backend", default="gloo", choices=["gloo", "torch_tp"],
-                   help="process-group backend of both wrappers (default: %(default)s)")
-    p.add_argument("--bucket-mb", default="1,5,25,100", help="comma-separated bucket caps, MiB (default: %(default)s)")
+if __name__ == "__main__":
+    p = harness.parser(__doc__, quick="smoke run: 4 x 512 layers, 3 repeats", backend="gloo")
+    p.add_argument("--bucket-mb", type=lambda text: [float(v) for v in text.split(",")], default="1,5,25,100",
+                   help="comma-separated bucket caps, MiB (default: %(default)s)")
     p.add_argument("--layers", type=int, default=8, help="Linear layers (default: %(default)s)")
     p.add_argument("--dim", type=int, default=1536, help="layer width (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="rows per rank (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=9, help="timed repeats per bucket cap (default: %(default)s)")
-    args = p.parse_args(argv)
-    args.bucket_mb = [float(v) for v in args.bucket_mb.split(",")]
+    args = p.parse_args()
     if args.quick:
         args.layers, args.dim, args.repeats = 4, 512, 3
-    return harness.run("bench_ddp", args, lambda: measure(args), backend=args.backend)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(args, measure))

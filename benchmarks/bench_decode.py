@@ -3,19 +3,14 @@
 plan without sequence parallelism, applied by torch_tp and by torch's DTensor TP, beside the unsharded model
 on one rank and beside the memory-bandwidth limit (CPU, eager, one intra-op thread per rank).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_decode.py [--quick] [--configs dim1024x4,dim512x8]
-        [--dtypes float32,bfloat16 | --dtypes float16] [--backend torch_tp] [--prefill] [--cold]
-
 A decode step is bandwidth bound: it streams every weight once per token. The limit is measured the way the
 step is, in the same run: ``gemv`` runs only the step's weight GEMVs (each linear's local weight times one
 token; the unsharded model's on rank 0 alone, the TP shards on every rank at once), with F.linear (what the
 unsharded model runs) and with torch_tp's column-parallel op (what the TP model's linears run; for float32,
 bfloat16 and float16 it has its own kernel, faster than ATen's). So ``unsharded gemv / tp gemv`` is the best
 TP speedup F.linear allows on this machine, ``unsharded gemv / unsharded gemv torch_tp op`` what the kernel
-alone gains, and ``torch_tp - tp gemv torch_tp op`` what torch_tp spends around its GEMVs. The breakdown of
-that rest comes from torch.profiler on rank 0 (a few untimed steps, per token): the GEMVs (aten::mm/addmm and
-torch_tp's kernel), the collectives (torch_tp_backend::* and c10d::* events: their time includes waiting for
-the peer), and everything else (dispatch, Python, attention, norms).
+alone gains, and ``torch_tp - tp gemv torch_tp op`` what torch_tp spends around its GEMVs; rank 0's
+torch.profiler view of a few untimed steps splits that rest (GEMVs, collectives, everything else).
 
 A sample is a decode loop's steady state: each implementation decodes WARM_TOKENS untimed tokens, then
 STEADY_TOKENS timed ones back to back (the sample: their mean), as generate() runs tokens, so the caches hold
@@ -32,12 +27,9 @@ panels] in csrc/ops/gemm_cpu.cpp); the float32 rows show the same step where bot
 float16 (which issue 26's goals leave out: they name float32 and bfloat16) runs alone, into a section and files
 of its own (decode_float16.*, decode_prefill_float16.*), so that the recorded float32/bfloat16 sections stay;
 --cold too (decode_cold.*).
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
 
 import copy
-import os
 import sys
 from typing import Callable, Dict, List
 
@@ -48,9 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import harness
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import llama_model as lm  # noqa: E402
+import llama_model as lm  # examples/llama_model.py, on sys.path through harness
 
 # name: LlamaConfig overrides. Heads of 128 dims, as Llama's; vocab 8192.
 CONFIGS = {
@@ -151,31 +141,14 @@ class Case:
                    for impl in ("torch_tp", "dtensor"))
 
 
-def breakdown(step: Callable[[], None], tokens: int = 10) -> Dict[str, float]:
-    """Rank 0's torch.profiler view of ``tokens`` decode steps, per token, in ms."""
-    prof = harness.profile(step, tokens)
-    mm = collectives = 0.0
-    for e in prof.key_averages():
-        if e.key in GEMV_EVENTS:
-            mm += e.self_cpu_time_total
-        elif e.key.startswith(("torch_tp_backend::", "c10d::")) and "barrier" not in e.key:
-            collectives += e.self_cpu_time_total
-    return {"mm": mm / tokens / 1e3, "collectives": collectives / tokens / 1e3}
-
-
 def measure(args):
-    group = dist.group.WORLD
-    mesh = init_device_mesh("cpu", (group.size(),), mesh_dim_names=("tp",))
-    ratios = [("unsharded", "torch_tp"), ("dtensor", "torch_tp")]
-    if args.prefill:
-        impls = PREFILL_IMPLS
-        table = harness.Table("ms", impls, ratios=ratios)
-    else:
-        impls = IMPLS
-        table = harness.Table("ms", impls, ratios=ratios + [("unsharded gemv", "tp gemv"),
-                                                            ("unsharded gemv", "unsharded gemv torch_tp op"),
-                                                            ("unsharded gemv torch_tp op", "tp gemv torch_tp op")],
-                              paired=[("torch_tp", "tp gemv torch_tp op")])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    impls = PREFILL_IMPLS if args.prefill else IMPLS
+    gemv_ratios = [("unsharded gemv", "tp gemv"), ("unsharded gemv", "unsharded gemv torch_tp op"),
+                   ("unsharded gemv torch_tp op", "tp gemv torch_tp op")]
+    table = harness.Table("ms", impls, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp")]
+                          + ([] if args.prefill else gemv_ratios),
+                          paired=[] if args.prefill else [("torch_tp", "tp gemv torch_tp op")])
     repeats = (15 if args.quick else 100) if args.cold else (10 if args.quick else 30)
     steady = not (args.prefill or args.cold)
     mm = "gemm" if args.prefill else "gemv"
@@ -186,14 +159,9 @@ def measure(args):
             if error > (1e-4 if dtype_name == "float32" else 5e-2):
                 raise AssertionError(f"{name} {dtype_name}: TP logits differ from the unsharded model's by {error:.2e}")
             warm = {k: (lambda step=step: [step() for _ in range(WARM_TOKENS)]) for k, step in case.steps.items()}
-            samples = harness.time_interleaved(case.steps, repeats, group, order=harness.permutations(impls),
-                                               warmup=3, reset=warm if steady else None,
-                                               calls=STEADY_TOKENS if steady else 1)
-            parts = [breakdown(case.steps["torch_tp"]) if dist.get_rank() == 0 else None]
-            if dist.get_rank() != 0:
-                breakdown(case.steps["torch_tp"])  # the peer's half of the profiled steps
-            dist.broadcast_object_list(parts, src=0)
-            parts = parts[0]
+            samples = harness.time_interleaved(case.steps, repeats, order=harness.permutations(impls), warmup=3,
+                                               reset=warm if steady else None, calls=STEADY_TOKENS if steady else 1)
+            parts = harness.profile_split(case.steps["torch_tp"], 10, GEMV_EVENTS)
             tp = samples.median("torch_tp", "ms")
             extra = {"weights MiB": case.weight_mib,
                      "torch_tp tokens/s": (PROMPT if args.prefill else 1) * 1e3 / tp,
@@ -207,68 +175,53 @@ def measure(args):
              "sequence_parallel=False, loss_parallel=False)` applied to copies of one model by **torch_tp** and "
              f"**dtensor** (torch.distributed.tensor.parallel) over the {dist.get_world_size()} ranks; "
              f"**unsharded**: the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). ")
-    checked = ("Before timing, the TP logits are checked against the unsharded model's (1e-4 fp32, 5e-2 bf16 "
-               "and fp16 of the largest logit).")
-    suffix = (" float16" if args.dtypes == ["float16"] else "") + (" cold" if args.cold and not args.prefill else "")
-    title_suffix = f" ({', '.join(suffix.split())})" if suffix else ""
     if args.prefill:
-        return {
-            "tag": "bench_decode prefill" + suffix,
-            "stem": "decode_prefill" + suffix.replace(" ", "_"),
-            "title": f"Prefill of a {PROMPT}-token prompt: torch_tp vs DTensor TP vs unsharded" + title_suffix,
-            "about": about + f"A step runs the {PROMPT}-token prompt into an empty `KVCache` (rewound before each "
-            f"sample), logits gathered: every linear a GEMM of {PROMPT} rows. `torch_tp tokens/s`: prompt tokens. "
-            "`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self times per step over 10 untimed steps "
-            "(gemm: aten::mm/addmm; in bfloat16 and float16 on a CPU without native GEMMs for them, the float32 "
-            "GEMMs of NOTE [half-precision GEMMs through float32 panels]; collectives include waiting for the "
-            "peer; rest = the step's median minus both). " + checked,
-            "tables": [table],
-            "notes": [],
-        }
+        about += (f"A step runs the {PROMPT}-token prompt into an empty `KVCache` (rewound before each sample), "
+                  f"logits gathered: every linear a GEMM of {PROMPT} rows. `torch_tp tokens/s`: prompt tokens. "
+                  "`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self times per step over 10 untimed "
+                  "steps (gemm: aten::mm/addmm; in bfloat16 and float16 on a CPU without native GEMMs for them, "
+                  "the float32 GEMMs of NOTE [half-precision GEMMs through float32 panels]; collectives include "
+                  "waiting for the peer; rest = the step's median minus both). ")
+    else:
+        about += (f"A step decodes one token with `KVCache` holding {PROMPT} (cache rewound before each token), "
+                  "logits gathered. " + (
+                      "A sample: one token right after another implementation's (--cold). " if args.cold else
+                      f"A sample: the mean of {STEADY_TOKENS} tokens decoded back to back after {WARM_TOKENS} "
+                      "untimed ones of the same implementation, a decode loop's steady state. ") +
+                  "**unsharded gemv** / **tp gemv**: the step's weight GEMVs alone (`F.linear` of one token with "
+                  "each linear's weight: whole on rank 0 alone / each rank's shard at once), the bandwidth limit "
+                  "measured like the step; **... torch_tp op**: the same GEMVs through torch_tp's column-parallel "
+                  "op, which runs its own kernel for a few rows of float32, bfloat16 or float16 on the CPU (NOTE "
+                  "[few-row GEMV on the CPU] in csrc/ops/gemv_cpu.cpp) and ATen's GEMM otherwise: the limit of the "
+                  "TP step, whose linears run that op, while the unsharded model runs F.linear. `torch_tp: "
+                  "gemv/collectives/rest`: rank 0's torch.profiler self times per token over 10 untimed steps "
+                  "(gemv: aten::mm/addmm and the torch_tp kernel; collectives include waiting for the peer; rest = "
+                  "the step's median minus both: dispatch, Python, attention, norms). ")
+    suffix = (" float16" if args.dtypes == ["float16"] else "") + (" cold" if args.cold else "")
+    mode = (" prefill" if args.prefill else "") + suffix
     return {
-        "tag": "bench_decode" + suffix,
-        "stem": "decode" + suffix.replace(" ", "_"),
-        "title": "Decode with a KV cache: torch_tp vs DTensor TP vs unsharded" + title_suffix,
-        "about": about + f"A step decodes one token with `KVCache` holding {PROMPT} (cache rewound "
-        "before each token), logits gathered. " + (
-            "A sample: one token right after another implementation's (--cold). " if args.cold else
-            f"A sample: the mean of {STEADY_TOKENS} tokens decoded back to back after {WARM_TOKENS} untimed "
-            "ones of the same implementation, a decode loop's steady state. ") +
-        "**unsharded gemv** / **tp gemv**: the step's weight GEMVs alone (`F.linear` of one token with each "
-        "linear's weight: whole on rank 0 alone / each rank's shard at once), the bandwidth limit measured like "
-        "the step; **... torch_tp op**: the same GEMVs through torch_tp's column-parallel op, which runs its own "
-        "kernel for a few rows of float32, bfloat16 or float16 on the CPU (NOTE [few-row GEMV on the CPU] in "
-        "csrc/ops/gemv_cpu.cpp) and ATen's GEMM otherwise: the limit of the TP step, whose linears run that op, "
-        "while the unsharded model runs F.linear. `torch_tp: gemv/collectives/rest`: rank 0's torch.profiler "
-        "self times per token over 10 untimed steps (gemv: aten::mm/addmm and the torch_tp kernel; collectives "
-        "include waiting for the peer; rest = the step's median minus both: dispatch, Python, attention, "
-        "norms). " + checked,
+        "tag": "bench_decode" + mode, "stem": "decode" + mode.replace(" ", "_"),
+        "title": (f"Prefill of a {PROMPT}-token prompt" if args.prefill else "Decode with a KV cache")
+        + ": torch_tp vs DTensor TP vs unsharded" + (f" ({', '.join(suffix.split())})" if suffix else ""),
+        "about": about + "Before timing, the TP logits are checked against the unsharded model's (1e-4 fp32, 5e-2 "
+        "bf16 and fp16 of the largest logit).",
         "tables": [table],
-        "notes": [],
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: 10 repeats per configuration (15 with --cold)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
-    p.add_argument("--dtypes", default="float32,bfloat16",
+if __name__ == "__main__":
+    p = harness.parser(__doc__, quick="smoke run: 10 repeats per configuration (15 with --cold)", backend="torch_tp",
+                       configs=CONFIGS)
+    p.add_argument("--dtypes", type=harness.names(["float32", "bfloat16", "float16"]), default="float32,bfloat16",
                    help="comma-separated subset of %(default)s, or float16 alone (its own section)")
-    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
-                   help="process-group backend of both TP implementations (default: %(default)s)")
     p.add_argument("--cold", action="store_true",
                    help="time single tokens right after another implementation's, not a decode loop's steady "
                    "state (see above)")
     p.add_argument("--prefill", action="store_true",
                    help=f"time the {PROMPT}-token prompt's forward instead of one token; writes decode_prefill.*")
-    args = p.parse_args(argv)
-    args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
-    args.dtypes = harness.subset(p, "--dtypes", args.dtypes, ["float32", "bfloat16", "float16"])
+    args = p.parse_args()
     if args.cold and args.prefill:
         p.error("--cold times decode tokens; a prompt's forward (--prefill) is timed once per sample already")
     if "float16" in args.dtypes and len(args.dtypes) > 1:
         p.error(f"--dtypes {','.join(args.dtypes)}: float16 runs alone (its own section and files)")
-    return harness.run("bench_decode", args, lambda: measure(args), backend=args.backend)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(args, measure))

@@ -1,23 +1,12 @@
 #!/usr/bin/env python3
 """What handing a DTensor from one tensor-parallel module to the next costs, per call (CPU, eager).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_handoff.py [--quick]
-
 Where a plan asks for DTensors between modules (SequenceParallel's output, PrepareModuleInput's with torch's
 default ``use_local_output=False``, as in torchtitan's plan), the producing module wraps its local result as a
-DTensor and the next module takes the local tensor back. No data moves; the cost is the wrapping:
-
-- **torch_tp**: what torch_tp's styles run, ``_layout.to_dtensor`` (a ``HandedDTensor``, NOTE [DTensors handed
-  between torch_tp modules]) and then ``_layout.from_dtensor``, which the next torch_tp module calls;
-- **dtensor**: what torch's styles run, ``DTensor.from_local(..., run_check=False, shape=, stride=)`` and then
-  ``.to_local()`` (two autograd Functions when the tensor requires grad);
-- **floor**: the local tensor handed on as it is (a Python call returning it).
-
-Each is timed with the local tensor ``[4, 32, 256]`` (the example's sequence shard) requiring grad and not, in
-batches of back-to-back calls; the handoff's backward is not included (torch's adds two autograd nodes per
-handoff to the backward, torch_tp's none).
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+DTensor and the next module takes the local tensor back. No data moves; the cost is the wrapping: torch_tp's
+(a ``HandedDTensor``, NOTE [DTensors handed between torch_tp modules]) against torch's (``DTensor.from_local``
+and ``.to_local()``, two autograd Functions when the tensor requires grad) and the local tensor handed on as it
+is. The forward only: torch's handoff adds two autograd nodes per handoff to the backward, torch_tp's none.
 """
 
 import sys
@@ -34,8 +23,7 @@ IMPLS = ["torch_tp", "dtensor", "floor"]
 
 
 def measure(args):
-    group = dist.group.WORLD
-    p = group.size()
+    p = dist.get_world_size()
     mesh = init_device_mesh("cpu", (p,))
     tp = tp_group(mesh)
     placement = Shard(1)
@@ -56,19 +44,15 @@ def measure(args):
             dt = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
             return dt.to_local()
 
-        def floor():
-            return local
-
         for check in (torch_tp_handoff, dtensor_handoff):
             out = check()
             assert out.shape == local.shape and out.data_ptr() == local.data_ptr()
         samples = harness.time_interleaved({"torch_tp": torch_tp_handoff, "dtensor": dtensor_handoff,
-                                            "floor": floor}, repeats, group, calls=batch, warmup=2,
-                                           barrier="round", order=harness.permutations(IMPLS))
+                                            "floor": lambda: local}, repeats, calls=batch, warmup=2, barrier="round",
+                                           order=harness.permutations(IMPLS))
         table.add({"requires_grad": requires_grad}, samples)
     return {
-        "tag": "bench_handoff",
-        "stem": "handoff",
+        "tag": "bench_handoff", "stem": "handoff",
         "title": "Handing a DTensor between modules: torch_tp vs DTensor",
         "about": f"CPU, eager, {p} ranks, one intra-op thread. Per call: wrap a local sequence shard [4, 32, 256] as "
         "a Shard(1) DTensor and take the local tensor back, as the module after a SequenceParallel or "
@@ -76,15 +60,8 @@ def measure(args):
         "**dtensor**: `DTensor.from_local(run_check=False, shape=, stride=)` then `to_local()`, as torch's styles; "
         f"**floor**: the tensor handed on as it is. Samples of {batch} back-to-back calls (the forward only).",
         "tables": [table],
-        "notes": [],
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: few repeats, short batches")
-    args = p.parse_args(argv)
-    return harness.run("bench_handoff", args, lambda: measure(args))
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(harness.parser(__doc__, quick="smoke run: few repeats, short batches").parse_args(), measure))

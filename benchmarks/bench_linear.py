@@ -1,11 +1,6 @@
 #!/usr/bin/env python3
 """A column -> GELU -> row tensor-parallel MLP block, forward + backward: torch_tp's linear ops vs DTensor TP vs
-the bare GEMMs and all-reduces, on a gloo group (CPU, float32, one thread per rank).
-
-    torchrun --nproc-per-node 2 benchmarks/bench_linear.py [--quick] [--noop-group]
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
-"""
+the bare GEMMs and all-reduces, on a gloo group (CPU, float32, one thread per rank)."""
 
 import sys
 
@@ -95,8 +90,7 @@ def mlp_steps(batch: int, hidden: int, group: dist.ProcessGroup, mesh: DeviceMes
 
 
 def measure(args):
-    world = dist.group.WORLD
-    group = harness.noop_group(world) if args.noop_group else world
+    group = harness.noop_group() if args.noop_group else dist.group.WORLD
     mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",))
     table = harness.Table("ms", IMPLS, ratios=[("dtensor", "torch_tp"), ("torch_tp", "floor"),
                                                ("torch_tp_fused", "floor")],
@@ -106,11 +100,11 @@ def measure(args):
         repeats, warmup = REPEATS.get((batch, hidden), (30, 2))
         if args.noop_group:  # batches of steps, the reset inside (a few attribute stores for every impl)
             batched = {k: (lambda s=s, r=resets.get(k, lambda: None): (r(), s())) for k, s in steps.items()}
-            samples = harness.time_interleaved(batched, max(3, args.steps // args.batch), world,
+            samples = harness.time_interleaved(batched, max(3, args.steps // args.batch),
                                                order=harness.permutations(IMPLS), calls=args.batch, warmup=2,
                                                barrier="round")
         else:
-            samples = harness.time_interleaved(steps, max(3, repeats // 10 if args.quick else repeats), world,
+            samples = harness.time_interleaved(steps, max(3, repeats // 10 if args.quick else repeats),
                                                order=harness.permutations(IMPLS), reset=resets,
                                                warmup=1 + (warmup // 3 if args.quick else warmup))
         row = table.add({"batch x hidden": f"{batch}x{hidden}"}, samples)
@@ -132,20 +126,14 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
+if __name__ == "__main__":
     p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats, without the largest size (with "
                        "--noop-group: see --steps)", noop_batch=50)
-    p.add_argument("--sizes", help="comma-separated batch x hidden, e.g. 8x256,512x1024 (default: "
+    p.add_argument("--sizes", type=lambda text: [tuple(int(v) for v in s.split("x")) for s in text.split(",")],
+                   help="comma-separated batch x hidden, e.g. 8x256,512x1024 (default: "
                    + ",".join(f"{b}x{h}" for b, h in SIZES) + "; with --noop-group: 8x256)")
     p.add_argument("--steps", type=int, default=2000,
                    help="with --noop-group: timed steps per implementation (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.sizes:
-        args.sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
-    else:
-        args.sizes = SIZES[:1] if args.noop_group else SIZES[:-1] if args.quick else SIZES
-    return harness.run("bench_linear", args, lambda: measure(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    args = p.parse_args()
+    args.sizes = args.sizes or (SIZES[:1] if args.noop_group else SIZES[:-1] if args.quick else SIZES)
+    sys.exit(harness.run(args, measure))

@@ -1,12 +1,9 @@
 #!/usr/bin/env python3
 """The linear ops on one device against nn.Linear, and the fused bias+GELU epilogue against the unfused ops.
 
-    python benchmarks/bench_linear_gpu.py [--device cuda] [--size 4096] [--tokens 8192] [--dtype bfloat16]
-
 One process, a process group of world size 1, so the ops do no communication: what is measured is their own
 GEMM path against torch's. On a GPU the device's two ceilings are measured the same way first (a large square
 matmul in the dtype, a large device-to-device copy), and each row gives the FLOP rate both sides reached.
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
 
 import sys
@@ -16,7 +13,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import harness
-import torch_tp  # noqa: F401  (registers torch.ops.torch_tp.*)
 
 
 def limits(device, dtype, gen, repeats=20):
@@ -65,7 +61,7 @@ def measure(args):
 
     def side_by_side(steps):
         return harness.time_interleaved(
-            steps, args.repeats, dist.group.WORLD, warmup=args.warmup, barrier=lambda name: None,
+            steps, args.repeats, warmup=args.warmup, barrier=lambda name: None,
             timer=harness.cuda_time if device.type == "cuda" else harness.wall_time)
 
     variants = {
@@ -129,17 +125,12 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__)
+if __name__ == "__main__":
+    p = harness.parser(__doc__, launch="python")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run)")
     p.add_argument("--size", type=int, default=4096, help="in and out features of the layer (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=8192, help="rows of x (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--repeats", type=int, default=50, help="timed repeats (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=10, help="untimed rounds first (default: %(default)s)")
-    args = p.parse_args(argv)
-    return harness.run("bench_linear_gpu", args, lambda: measure(args), torchrun=False, threads=None)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(p.parse_args(), measure, torchrun=False, threads=None))

@@ -1,26 +1,14 @@
 #!/usr/bin/env python3
 """Vocab-parallel cross entropy: torch_tp's loss_parallel vs torch's vs the unsharded loss.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_loss.py [--quick] [--vocabs 256,32000,128256] [--dtypes float32]
-
 Logits ``[tokens, vocab]`` as ``ColwiseParallel(use_local_output=False)`` hands them to the loss: a leaf DTensor
-sharded on the class dim (``Shard(1)``), each rank holding its ``torch.chunk`` piece of the vocabulary. A step is
-``F.cross_entropy(logits, target)`` (mean over the tokens) and its backward to the logits:
-
-- **torch_tp**: inside ``torch_tp.loss_parallel()`` (NOTE [vocab-parallel cross entropy] in
-  torch_tp/parallel/loss.py: one all-gather forward, none backward);
-- **dtensor**: inside ``torch.distributed.tensor.parallel.loss_parallel()`` (DTensor's ``_log_softmax`` and
-  ``nll_loss`` handlers);
-- **unsharded**: ``F.cross_entropy`` on the whole ``[tokens, vocab]`` on rank 0 alone, the others idle.
-
-Before timing, both parallel losses' gradients are checked against the loss in float64 on the whole logits
-(1e-5 of the largest magnitude for float32 logits, 2e-2 for bfloat16; the unsharded float32 loss itself is off
-by ~3e-5 at vocabulary 128256, its sum of exp running over all classes in one float32 reduction). At the LLM
-vocabularies the loss is bound by passes over the logits, so ``unsharded / torch_tp`` would ideally be the rank count;
-torch_tp reads its shard a chunk of rows at a time, so the float32 copies stay in cache (NOTE [fused cross entropy
-on the CPU] in csrc/ops/cross_entropy.cpp).
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+sharded on the class dim, each rank holding its ``torch.chunk`` piece of the vocabulary. torch_tp's loss (NOTE
+[vocab-parallel cross entropy] in torch_tp/parallel/loss.py) does one all-gather forward and none backward;
+torch's runs DTensor's ``_log_softmax`` and ``nll_loss`` handlers. The check before timing leaves room for the
+unsharded float32 loss itself, off by ~3e-5 at vocabulary 128256 (its sum of exp runs over all classes in one
+float32 reduction). At the LLM vocabularies the loss is bound by passes over the logits, so ``unsharded /
+torch_tp`` would ideally be the rank count; torch_tp reads its shard a chunk of rows at a time, so the float32
+copies stay in cache (NOTE [fused cross entropy on the CPU] in csrc/ops/cross_entropy.cpp).
 """
 
 import sys
@@ -56,8 +44,7 @@ def _check(name, got, want, tol):
 
 
 def measure(args):
-    group = dist.group.WORLD
-    p, rank = group.size(), dist.get_rank()
+    p, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (p,))
     table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp")])
     repeats = 3 if args.quick else 12
@@ -81,13 +68,12 @@ def measure(args):
                 if rank == 0:
                     _check(f"{impl} gradient ({vocab}, {dtype_name})", grad, reference, tol)
             del exact, reference
-            samples = harness.time_interleaved(steps, repeats, group, order=harness.permutations(IMPLS), warmup=1)
+            samples = harness.time_interleaved(steps, repeats, order=harness.permutations(IMPLS), warmup=1)
             logits_mib = TOKENS * vocab * full.element_size() / 2**20
             table.add({"vocab": vocab, "dtype": dtype_name}, samples, extra={"logits MiB": logits_mib})
             del full, sharded, whole, steps
     return {
-        "tag": "bench_loss",
-        "stem": "loss",
+        "tag": "bench_loss", "stem": "loss",
         "title": "Vocab-parallel cross entropy: torch_tp vs torch's loss_parallel vs unsharded",
         "about": f"CPU, eager, {args.backend} backend, {p} ranks, one intra-op thread. Logits [{TOKENS}, vocab] as "
         "a leaf DTensor sharded on the class dim; a step is `F.cross_entropy` (mean) forward and backward. "
@@ -96,21 +82,13 @@ def measure(args):
         "float64 loss's on the whole logits before timing (1e-5 float32, 2e-2 bfloat16, of the largest "
         "magnitude).",
         "tables": [table],
-        "notes": [],
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: 3 repeats per case")
-    p.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="comma-separated vocabulary sizes")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated subset of %(default)s")
-    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
-                   help="process-group backend of both implementations (default: %(default)s)")
-    args = p.parse_args(argv)
-    args.vocabs = [int(v) for v in args.vocabs.split(",")]
-    args.dtypes = harness.subset(p, "--dtypes", args.dtypes, ["float32", "bfloat16"])
-    return harness.run("bench_loss", args, lambda: measure(args), backend=args.backend)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    p = harness.parser(__doc__, quick="smoke run: 3 repeats per case", backend="torch_tp")
+    p.add_argument("--vocabs", type=lambda text: [int(v) for v in text.split(",")],
+                   default=",".join(map(str, VOCABS)), help="comma-separated vocabulary sizes")
+    p.add_argument("--dtypes", type=harness.names(["float32", "bfloat16"]), default="float32,bfloat16",
+                   help="comma-separated subset of %(default)s")
+    sys.exit(harness.run(p.parse_args(), measure))

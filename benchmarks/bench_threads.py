@@ -1,20 +1,12 @@
 #!/usr/bin/env python3
 """torch_tp's own CPU kernels against torch's ops at one intra-op thread and at several, in one process.
 
-    python benchmarks/bench_threads.py [--quick] [--threads 2]
-
 A process group of world size 1, so the ops do no communication: what is measured is each kernel against the
 op it stands in for, at ``torch.set_num_threads(1)`` and at ``--threads`` (default: the CPUs this process may
 use). The kernels split their rows over the intra-op threads with at::parallel_for, which does so only in code
 built with OpenMP (docs/architecture.md, "Build"); ``torch_tp 1 thread / torch_tp`` is what the threads gain.
-
-- **gemv**: one row of x by a [4096, 4096] weight (a decode step's linear), torch_tp's column_parallel_linear
-  (its few-row GEMV) against F.linear, bfloat16 and float32, no grad.
-- **rms_norm**: [1024, 4096] float32 with a weight, forward and backward, torch_tp.rms_norm against F.rms_norm.
-- **cross_entropy**: [512, 32000] float32 logits, forward and backward, vocab_parallel_cross_entropy over the
-  one rank against F.cross_entropy.
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
+The cases, a decode step's GEMV (torch_tp's few-row kernel), RMSNorm and cross entropy, are described with their
+shapes in measure()'s ``about``.
 """
 
 import os
@@ -70,18 +62,17 @@ def case_steps(name: str, group: str, gen: torch.Generator):
 
 
 def measure(args):
-    group = dist.group.WORLD
     gen = torch.Generator().manual_seed(0)
     repeats = 5 if args.quick else 30
     table = harness.Table("ms", ["torch_tp", "torch"], ratios=[("torch", "torch_tp")])
     notes = []
     for name in CASES:
-        steps = case_steps(name, group.group_name, gen)
+        steps = case_steps(name, dist.group.WORLD.group_name, gen)
         one_thread = None
         for threads in (1, args.threads):
             torch.set_num_threads(threads)
             try:
-                samples = harness.time_interleaved(steps, repeats, group, warmup=2, calls=3)
+                samples = harness.time_interleaved(steps, repeats, warmup=2, calls=3)
             finally:
                 torch.set_num_threads(1)
             tp = samples.median("torch_tp", "ms")
@@ -90,8 +81,7 @@ def measure(args):
                       extra={"torch_tp 1 thread / torch_tp": one_thread / tp})
         notes.append(f"- {name}: torch_tp {one_thread / tp:.2f}x faster at {args.threads} threads than at 1.")
     return {
-        "tag": "bench_threads",
-        "stem": "threads",
+        "tag": "bench_threads", "stem": "threads",
         "title": "torch_tp's CPU kernels at 1 and several intra-op threads, against torch's ops",
         "about": f"CPU, one process (world size 1, no communication), torch.set_num_threads(1) and "
         f"({args.threads}). Each sample: 3 calls back to back, the two sides interleaved. gemv: one row by a "
@@ -103,16 +93,12 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: 5 repeats per case")
+if __name__ == "__main__":
+    p = harness.parser(__doc__, launch="python", quick="smoke run: 5 repeats per case")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="the intra-op threads of the second run (default: the CPUs this process may use, "
                    "%(default)s)")
-    args = p.parse_args(argv)
+    args = p.parse_args()
     if args.threads < 2:
         p.error(f"--threads={args.threads}: needs at least 2 to compare with 1")
-    return harness.run("bench_threads", args, lambda: measure(args), torchrun=False)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(args, measure, torchrun=False))

@@ -1,14 +1,8 @@
 #!/usr/bin/env python3
 """Training steps of the example Llama (examples/llama_model.py) under its sequence-parallel TP plan, applied
-by torch_tp and by torch's DTensor TP, side by side (CPU, float32, one thread per rank).
-
-    torchrun --nproc-per-node 2 benchmarks/bench_tp_block.py [--quick] [--backend torch_tp] [--compile]
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
-"""
+by torch_tp and by torch's DTensor TP, side by side (CPU, float32, one thread per rank)."""
 
 import copy
-import os
 import sys
 import time
 from typing import Dict
@@ -18,9 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import harness
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import llama_model as lm  # noqa: E402
+import llama_model as lm  # examples/llama_model.py, on sys.path through harness
 
 COMPILED = "torch_tp_compiled"
 # name: (kind, LlamaConfig overrides, batch, seq, repeats, warmup). The example's defaults (LlamaConfig(),
@@ -133,8 +125,8 @@ def count_collectives(case: Case, impl: str) -> str:
     prof = harness.profile(case.grads[impl], 1)
     counts: Dict[str, int] = {}
     for e in prof.events():
-        op = e.name.split("::", 1)[1].replace("_", "") if e.name.startswith(("c10d::", "torch_tp_backend::")) else ""
-        if op and "barrier" not in op:
+        op = harness.collective_op(e.name).replace("_", "")
+        if op:
             # _reduce_scatter_base_, reduce_scatter_tensor_coalesced_ ... -> reduce-scatter
             kind = next((k for k in ("reducescatter", "allgather", "allreduce", "alltoall") if k in op), op)
             counts[kind] = counts.get(kind, 0) + 1
@@ -142,8 +134,7 @@ def count_collectives(case: Case, impl: str) -> str:
 
 
 def measure(args):
-    group = dist.group.WORLD
-    mesh = init_device_mesh("cpu", (group.size(),), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     impls = ["torch_tp", "dtensor"] + ([COMPILED] if args.compile else [])
     ratios = [("dtensor", "torch_tp")] + ([("torch_tp", COMPILED), ("dtensor", COMPILED)] if args.compile else [])
     table = harness.Table("ms", impls, ratios=ratios, paired=[("dtensor", "torch_tp")])
@@ -152,7 +143,7 @@ def measure(args):
     for name in args.configs:
         kind, _, batch, seq, repeats, warmup = CONFIGS[name]
         case = Case(name, mesh, impls, args.optimizer)
-        samples = harness.time_interleaved(case.steps, max(3, repeats // 10 if args.quick else repeats), group,
+        samples = harness.time_interleaved(case.steps, max(3, repeats // 10 if args.quick else repeats),
                                            reset=case.resets, warmup=1 + (warmup // 3 if args.quick else warmup))
         # after the timed steps: a first step may issue one-time collectives (set-up, shard sizes)
         collectives = {impl: count_collectives(case, impl) for impl in impls}
@@ -190,21 +181,13 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: every configuration, a tenth of the repeats")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
+if __name__ == "__main__":
+    p = harness.parser(__doc__, quick="smoke run: every configuration, a tenth of the repeats", backend="gloo",
+                       configs=CONFIGS)
     p.add_argument("--optimizer", choices=["fused", "for-loop"], default="fused",
                    help="the AdamW stepped after each step: the example's fused one (default) or torch's "
                    "for-loop one (foreach=False)")
-    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="gloo",
-                   help="process-group backend of both (default: %(default)s); torch_tp writes tp_block_torch_tp.*")
     p.add_argument("--compile", action="store_true",
                    help="also time torch_tp with every block compiled (block.compile(fullgraph=True)); writes "
                    "tp_block[_torch_tp]_compile.*")
-    args = p.parse_args(argv)
-    args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
-    return harness.run("bench_tp_block", args, lambda: measure(args), backend=args.backend)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(p.parse_args(), measure))

@@ -3,16 +3,10 @@
 perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded model on rank 0 alone, with one
 intra-op thread and with one per core (what a CPU user tries first), side by side (CPU, eager).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_train.py [--quick] [--configs example,dim1024] [--compile] [--amp]
-        [--cold] [--keep-freed-memory]
-
-A step is forward, loss (inside loss_parallel() for the TP models), backward, a fused AdamW step and
-zero_grad(set_to_none=True), as a training loop runs them. Scaling
-efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its time.
-Each step also takes the time at two points, when the loss is computed and when the gradients are complete,
-which splits it into forward + loss, backward and optimizer without a profiler (the notes' per-phase medians).
-Rank 0's torch.profiler view of a few untimed torch_tp steps splits a step into the GEMMs (aten::mm, addmm,
-bmm), the collectives (torch_tp_backend::* and c10d::* events, waiting for the peer included) and the rest.
+Scaling efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its
+time. Two laps in each step, when the loss is computed and when the gradients are complete, split it into
+forward + loss, backward and optimizer without a profiler; rank 0's torch.profiler view of a few untimed torch_tp
+steps splits it into the GEMMs, the collectives (waiting for the peer included) and the rest.
 
 A sample is a training loop's steady state: each implementation runs WARM_STEPS untimed steps, then
 STEADY_STEPS timed ones back to back (the sample: their mean; the laps: the last one's), implementations
@@ -35,27 +29,22 @@ step can fault every step where a TP rank's step does not), and a fault's cost d
 --keep-freed-memory turns glibc's trimming off and its mmap threshold
 up to 32 MiB (mallopt, every rank, before the models are built), so freed memory stays in the process for the
 next step, as a caching allocator (jemalloc, tcmalloc) keeps it: every side without that cost.
-
-Method and outputs: benchmarks/harness.py, benchmarks/report.py.
 """
 
 import contextlib
 import copy
 import ctypes
-import os
 import resource
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import harness
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import llama_model as lm  # noqa: E402
+import llama_model as lm  # examples/llama_model.py, on sys.path through harness
 
 # name: (LlamaConfig overrides, batch, seq, samples); --cold takes COLD_REPEATS x samples single steps.
 CONFIGS = {
@@ -161,25 +150,8 @@ def keep_freed_memory() -> None:
         raise RuntimeError("bench_train: --keep-freed-memory: glibc's mallopt refused the thresholds")
 
 
-def breakdown(step: Callable[[], Any], steps: int = 3) -> Dict[str, float]:
-    """Rank 0's torch.profiler view of ``steps`` steps, per step, in ms."""
-    prof = harness.profile(step, steps)
-    gemm = collectives = 0.0
-    waits: Dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
-            gemm += e.self_cpu_time_total
-        elif e.key.startswith(("torch_tp_backend::", "c10d::")) and "barrier" not in e.key:
-            collectives += e.self_cpu_time_total
-            waits[e.key.split("::", 1)[1]] = e.self_cpu_time_total / e.count / 1e3
-    out = {"gemm": gemm / steps / 1e3, "collectives": collectives / steps / 1e3}
-    out.update({f"per {k}": v for k, v in waits.items()})
-    return out
-
-
 def measure(args):
-    group = dist.group.WORLD
-    p = group.size()
+    p = dist.get_world_size()
     mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
     if args.keep_freed_memory:
         keep_freed_memory()
@@ -205,24 +177,20 @@ def measure(args):
         # it (GOMP's spin-wait), which would slow whichever TP step ran next; so it is timed on its own, beside
         # the 1-thread unsharded step again (the phase's own ratio is in the notes).
         tp_keys = [k for k in impls if k != "unsharded 2 threads"]
-        samples = harness.time_interleaved({k: case.steps[k] for k in tp_keys}, repeats, group, reset=warm,
-                                           warmup=1, order=harness.permutations(tp_keys), calls=calls)
+        samples = harness.time_interleaved({k: case.steps[k] for k in tp_keys}, repeats, reset=warm, warmup=1,
+                                           order=harness.permutations(tp_keys), calls=calls)
         threads = harness.time_interleaved({k: case.steps[k] for k in ("unsharded", "unsharded 2 threads")},
-                                           repeats, group, reset=warm, warmup=1, calls=calls)
+                                           repeats, reset=warm, warmup=1, calls=calls)
         samples.per_rank["unsharded 2 threads"] = threads.per_rank["unsharded 2 threads"]
-        parts = [breakdown(case.steps["torch_tp"]) if dist.get_rank() == 0 else None]
-        if dist.get_rank() != 0:
-            breakdown(case.steps["torch_tp"])  # the peer's half of the profiled steps
-        dist.broadcast_object_list(parts, src=0)
-        parts = parts[0]
+        parts = harness.profile_split(case.steps["torch_tp"], 3, ("aten::mm", "aten::addmm", "aten::bmm"))
         tp, unsharded = samples.median("torch_tp", "ms"), samples.median("unsharded", "ms")
         extra = {"torch_tp scaling": unsharded / (p * tp)}
         if "dtensor" in impls:
             extra["dtensor scaling"] = unsharded / (p * samples.median("dtensor", "ms"))
         if args.amp:
             extra["torch_tp scaling against float32"] = samples.median("unsharded float32", "ms") / (p * tp)
-        extra |= {"torch_tp: gemm ms": parts["gemm"], "torch_tp: collectives ms": parts["collectives"],
-                 "torch_tp: rest ms": tp - parts["gemm"] - parts["collectives"]}
+        extra |= {"torch_tp: gemm ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
+                  "torch_tp: rest ms": tp - parts["mm"] - parts["collectives"]}
         table.add({"config": name}, samples, extra=extra)
         c = case.config
         two = threads.median("unsharded", "ms") / threads.median("unsharded 2 threads", "ms")
@@ -275,11 +243,8 @@ def measure(args):
     }
 
 
-def main(argv) -> int:
-    p = harness.parser(__doc__, quick="smoke run: a fifth of the repeats")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
-    p.add_argument("--backend", choices=["gloo", "torch_tp"], default="torch_tp",
-                   help="process-group backend of both TP implementations (default: %(default)s)")
+if __name__ == "__main__":
+    p = harness.parser(__doc__, quick="smoke run: a fifth of the repeats", backend="torch_tp", configs=CONFIGS)
     p.add_argument("--compile", action="store_true",
                    help="compile every model's blocks (torch_tp and the unsharded model; not DTensor TP); writes "
                    "train_compile.*")
@@ -291,12 +256,7 @@ def main(argv) -> int:
     p.add_argument("--cold", action="store_true",
                    help="time single steps right after another implementation's, not a training loop's steady "
                    "state; writes train[_compile|_amp]_cold.*")
-    args = p.parse_args(argv)
+    args = p.parse_args()
     if args.amp and args.compile:
         p.error("--amp and --compile are separate runs")
-    args.configs = harness.subset(p, "--configs", args.configs, CONFIGS)
-    return harness.run("bench_train", args, lambda: measure(args), backend=args.backend)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(harness.run(args, measure))

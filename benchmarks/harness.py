@@ -14,7 +14,8 @@ With ``--noop-group`` a benchmark binds its steps to a group on torch's "fake" b
 collectives complete at once without communicating: what is left is each layer's own cost (dispatch, checks,
 allocation, autograd). There samples are batches, with one world-group barrier per round.
 
-The scripts run as ``torchrun ... benchmarks/<script>.py``, so this directory is ``sys.path[0]``.
+The scripts run as ``torchrun ... benchmarks/<script>.py``, so this directory is ``sys.path[0]``; the example
+model's directory, examples/, is put on ``sys.path`` here for the scripts that run examples/llama_model.py.
 """
 
 import argparse
@@ -37,11 +38,17 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import report
-import torch_tp  # noqa: F401  (registers the "torch_tp" backend that --backend torch_tp asks for)
+import torch_tp  # registers the "torch_tp" backend and torch.ops.torch_tp.* for every script
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 KiB = 1024
 MiB = 1024 * KiB
 UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6}
+# torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor for the *_single names; the old ones
+# warn on every call, which would inflate what a small call costs. The new names where they exist.
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def parse_size(text: str) -> int:
@@ -154,22 +161,15 @@ class Samples:
         return stats([x - y for x, y in zip(self.max(a), self.max(b))], unit)
 
 
-def time_interleaved(
-    steps: Dict[str, Callable[[], Any]],
-    repeats: int,
-    group: dist.ProcessGroup,
-    *,
-    order: Optional[Callable[[int], Sequence[str]]] = None,
-    reset: Optional[Dict[str, Callable[[], None]]] = None,
-    calls: int = 1,
-    warmup: int = 0,
-    barrier: Union[str, Callable[[str], None]] = "step",
-    timer: Callable[[Callable[[], Any], int], Tuple[float, Dict[str, float]]] = wall_time,
-    gc_off: bool = True,
-) -> Samples:
+def time_interleaved(steps: Dict[str, Callable[[], Any]], repeats: int, *,
+                     order: Optional[Callable[[int], Sequence[str]]] = None,
+                     reset: Optional[Dict[str, Callable[[], None]]] = None, calls: int = 1, warmup: int = 0,
+                     barrier: Union[str, Callable[[str], None]] = "step",
+                     timer: Callable[[Callable[[], Any], int], Tuple[float, Dict[str, float]]] = wall_time,
+                     gc_off: bool = True) -> Samples:
     """Time ``steps`` side by side: ``warmup`` untimed rounds, then ``repeats`` rounds of ``order(r)``
-    (default: :func:`rotations`). ``group``: the ranks whose times are gathered, and of the barriers;
-    ``barrier``: ``"step"`` before every sample, ``"round"`` before each round, or ``barrier(key)``.
+    (default: :func:`rotations`), every rank of the world group; ``barrier``: a world barrier ``"step"``
+    before every sample or ``"round"`` before each round, or ``barrier(key)`` before every sample.
     A step returning laps adds the samples ``"<key>/<lap>"``."""
     order = order or rotations(list(steps))
     reset = reset or {}
@@ -181,12 +181,12 @@ def time_interleaved(
     try:
         for r in range(-warmup, repeats):
             if barrier == "round":
-                dist.barrier(group=group)
+                dist.barrier()
             for key in order(r):
                 if key in reset:
                     reset[key]()
                 if barrier == "step":
-                    dist.barrier(group=group)
+                    dist.barrier()
                 elif callable(barrier):
                     barrier(key)
                 seconds, laps = timer(steps[key], calls)
@@ -199,8 +199,8 @@ def time_interleaved(
             gc.enable()
     keys = list(local)
     mine = torch.tensor([local[k] for k in keys], dtype=torch.float64).reshape(len(keys), repeats)
-    gathered = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
     per_rank = torch.stack(gathered)  # [rank, key, repeat]
     return Samples({k: per_rank[:, i] for i, k in enumerate(keys)}, calls)
 
@@ -237,6 +237,31 @@ def profile(fn: Callable[[], Any], calls: int):
     return prof
 
 
+def collective_op(event: str) -> str:
+    """The op of a collective's profiler event: ``c10d::*``, or ``torch_tp_backend::*`` where torch_tp's ops
+    call its backend directly; "" for any other event and for barriers (no step's own collectives)."""
+    kind, _, op = event.partition("::")
+    return op if kind in ("c10d", "torch_tp_backend") and "barrier" not in op else ""
+
+
+def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str]) -> Dict[str, float]:
+    """Rank 0's torch.profiler view of ``calls`` untimed calls of ``step``, which every rank runs (the step's
+    collectives need its peers), broadcast to every rank; per call in ms: ``mm``, the self time of
+    ``mm_events``; ``collectives``, that of :func:`collective_op`'s events (waiting for the peer included);
+    ``per <op>``, each collective op's time per call of it."""
+    mm = collectives = 0.0
+    per: Dict[str, float] = {}
+    for e in profile(step, calls).key_averages():
+        if e.key in mm_events:
+            mm += e.self_cpu_time_total
+        elif collective_op(e.key):
+            collectives += e.self_cpu_time_total
+            per[f"per {collective_op(e.key)}"] = e.self_cpu_time_total / e.count / 1e3
+    out = [{"mm": mm / calls / 1e3, "collectives": collectives / calls / 1e3, **per}]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 # ---------------------------------------------------------------------------
 # results
 
@@ -268,7 +293,7 @@ class Table:
         return row
 
 
-def noop_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
+def noop_group() -> dist.ProcessGroup:
     """A group on torch's "fake" backend beside the world group; every rank must call this."""
     why = ""
     try:
@@ -279,16 +304,21 @@ def noop_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
     except Exception as e:  # a torch without it: every rank says why below
         why = f"{type(e).__name__}: {e}"
     ok = torch.tensor([0 if why else 1], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=world)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok.item():
         raise RuntimeError(f"--noop-group: torch cannot make a 'fake' group here ({why or 'on another rank'})")
     return group
 
 
-def parser(doc: str, *, quick: str = "", noop_batch: int = 0) -> argparse.ArgumentParser:
-    """The options every script shares, under the script's docstring; ``quick``: the help of a smoke-run
-    flag; ``noop_batch``: the default batch of ``--noop-group`` (0: the script has no such mode)."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str, *, launch: str = "torchrun --nproc-per-node 2", quick: str = "", noop_batch: int = 0,
+           backend: str = "", configs: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The options every script shares, under the script's docstring, with ``launch`` in the usage line;
+    ``quick``: the help of a smoke-run flag; ``noop_batch``: the default batch of ``--noop-group``;
+    ``backend``: the default of ``--backend``, the process group's (:func:`run`); ``configs``: what
+    ``--configs`` chooses from. Each option is left out where its argument is empty."""
+    p = argparse.ArgumentParser(prog=f"{launch} {os.path.relpath(sys.argv[0])}", description=doc,
+                                epilog="Method and outputs: benchmarks/harness.py, benchmarks/report.py.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)),
                    help="where the json, the png and RESULTS.md go (default: benchmarks/)")
     p.add_argument("--no-results-md", action="store_true", help="write the json and png, not RESULTS.md")
@@ -300,15 +330,28 @@ def parser(doc: str, *, quick: str = "", noop_batch: int = 0) -> argparse.Argume
                        "communicate), which leaves each layer's own per-call cost; its own section")
         p.add_argument("--batch", type=int, default=noop_batch,
                        help="with --noop-group: calls per timed sample (default: %(default)s)")
+    if backend:
+        p.add_argument("--backend", choices=["gloo", "torch_tp"], default=backend,
+                       help="the process group's backend, of every implementation (default: %(default)s)")
+    if configs:
+        p.add_argument("--configs", type=names(configs), default=",".join(configs),
+                       help="comma-separated subset of %(default)s")
     return p
 
 
-def subset(p: argparse.ArgumentParser, option: str, text: str, allowed: Sequence[str]) -> List[str]:
-    """The values of a comma-separated ``option``, each one of ``allowed``."""
-    values = text.split(",")
-    if set(values) - set(allowed):
-        p.error(f"{option}: choose from {','.join(allowed)}")
-    return values
+def names(allowed: Sequence[str]) -> Callable[[str], List[str]]:
+    """An argparse type: a comma-separated list, each one of ``allowed`` (argparse converts a default too)."""
+    def parse(text: str) -> List[str]:
+        values = text.split(",")
+        if set(values) - set(allowed):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}")
+        return values
+    return parse
+
+
+def sizes(text: str) -> List[int]:
+    """An argparse type: comma-separated sizes (:func:`parse_size`)."""
+    return [parse_size(s) for s in text.split(",")]
 
 
 def command_line(torchrun: bool) -> str:
@@ -326,19 +369,22 @@ def machine() -> Dict[str, Any]:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {
         "cpu_model": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "torch_version": torch.__version__,
-        "python_version": platform.python_version(), "backend": dist.get_backend(),
-        "world_size": dist.get_world_size(), "threads_per_rank": torch.get_num_threads(),
+        "torch_tp_version": torch_tp.__version__, "python_version": platform.python_version(),
+        "backend": dist.get_backend(), "world_size": dist.get_world_size(), "threads_per_rank": torch.get_num_threads(),
         # glibc malloc tunables change what fresh output allocations cost (large blocks are mmap'd per call).
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
     }
 
 
-def run(name: str, args: argparse.Namespace, measure: Callable[[], Dict[str, Any]], *, backend: str = "gloo",
+def run(args: argparse.Namespace, measure: Callable[[argparse.Namespace], Dict[str, Any]], *,
         threads: Optional[int] = 1, torchrun: bool = True) -> int:
-    """Set up the process group, ``measure()``, and on rank 0 write ``<stem>.json`` and :mod:`report`'s
-    outputs. ``measure`` returns ``tag`` (the RESULTS.md markers), ``stem``, ``title``, ``about`` (what the
-    implementations are), ``tables`` (:class:`Table`) and ``notes`` (lines). ``threads``: intra-op threads per
-    rank (one: 2 ranks on 2 cores, no oversubscription). ``torchrun=False``: one process, world size 1."""
+    """Set up the process group (``args.backend``, else gloo), ``measure(args)``, and on rank 0 write
+    ``<stem>.json`` and :mod:`report`'s outputs. ``measure`` returns ``tag`` (the RESULTS.md markers), ``stem``,
+    ``title``, ``about`` (what the implementations are), ``tables`` (:class:`Table`) and optionally ``notes``
+    (lines). ``threads``: intra-op threads per rank (one: 2 ranks on 2 cores, no oversubscription).
+    ``torchrun=False``: one process, world size 1."""
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    backend = getattr(args, "backend", "gloo")
     if torchrun and "RANK" not in os.environ:
         print(f"{name}: launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/{name}.py",
               file=sys.stderr)
@@ -352,7 +398,7 @@ def run(name: str, args: argparse.Namespace, measure: Callable[[], Dict[str, Any
         dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1)
     start = time.perf_counter()
     try:
-        out = measure()
+        out = measure(args)
         if getattr(args, "noop_group", False):  # a section and files of their own
             out.update(tag=out["tag"] + " noop", stem=out["stem"] + "_noop", title=out["title"] + ", no-op group",
                        about=out["about"] + f" No-op group (torch's fake backend): samples of {args.batch} "
