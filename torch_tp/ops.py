@@ -21,11 +21,16 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_",
+    "all_to_all_single",
     "chunk_range",
     "column_parallel_embedding",
     "column_parallel_linear",
     "copy_to_tp_region",
     "group_name",
+    "moe_combine",
+    "moe_dispatch",
+    "moe_token_combine",
+    "moe_token_dispatch",
     "reduce_from_tp_region",
     "reduce_scatter",
     "rms_norm",
@@ -52,6 +57,7 @@ _COMMUNICATING_OPS = (
     "column_parallel_linear", "row_parallel_linear", "vocab_parallel_embedding", "column_parallel_embedding",
     "_column_parallel_linear_forward", "_column_parallel_linear_backward", "_row_parallel_linear_backward",
     "vocab_parallel_cross_entropy", "_vocab_parallel_cross_entropy_forward",
+    "all_to_all_single", "moe_dispatch", "_moe_dispatch_rows", "moe_combine",
 )
 for _name in _COMMUNICATING_OPS:
     torch.fx.node.has_side_effect(getattr(torch.ops.torch_tp, _name).default)
@@ -421,6 +427,118 @@ def rms_norm(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optio
         Tensor: the shape of ``input``.
     """
     return torch.ops.torch_tp.rms_norm(input, list(normalized_shape), weight, eps)
+
+
+
+# The expert-parallel movements (csrc/ops/moe.cpp, NOTE [expert-parallel
+# layout]) return as many rows as the exchanged counts say: a size no input
+# shape gives. Such a fake kernel needs an unbacked size, which only
+# torch.library.get_ctx().new_dynamic_size() makes (C++ Meta kernels have no
+# way to), so these three fake kernels live here; the checks on values stay
+# in the device kernels.
+def _moe_group_size(op: str, group: str, num_experts: int) -> int:
+    size = resolve_process_group(group).size()
+    if num_experts <= 0 or num_experts % size != 0:
+        raise RuntimeError(f"torch_tp::{op}: the number of experts E={num_experts} must be a positive multiple "
+                           f"of the group size {size}")
+    return size
+
+
+@torch.library.register_fake("torch_tp::moe_dispatch")
+def _moe_dispatch_fake(tokens, tokens_per_expert, group):
+    size = _moe_group_size("moe_dispatch", group, tokens_per_expert.size(0))
+    rows = torch.library.get_ctx().new_dynamic_size()
+    local = tokens_per_expert.size(0) // size
+    return (tokens.new_empty((rows, *tokens.shape[1:])), tokens_per_expert.new_empty((local,)),
+            tokens_per_expert.new_empty((size, local)))
+
+
+@torch.library.register_fake("torch_tp::_moe_dispatch_rows")
+def _moe_dispatch_rows_fake(tokens, tokens_per_expert, recv_counts, group):
+    _moe_group_size("_moe_dispatch_rows", group, tokens_per_expert.size(0))
+    return tokens.new_empty((torch.library.get_ctx().new_dynamic_size(), *tokens.shape[1:]))
+
+
+@torch.library.register_fake("torch_tp::moe_combine")
+def _moe_combine_fake(local_out, recv_counts, tokens_per_expert, group):
+    _moe_group_size("moe_combine", group, tokens_per_expert.size(0))
+    return local_out.new_empty((torch.library.get_ctx().new_dynamic_size(), *local_out.shape[1:]))
+
+
+def all_to_all_single(x: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                      group: GroupLike = None) -> torch.Tensor:
+    r"""Exchange rows of dim 0 unevenly, as ``torch.distributed.all_to_all_single`` with split sizes.
+
+    Args:
+        x (Tensor): ``[sum(input_split_sizes), ...]``; rows ``input_split_sizes[r]`` go to rank ``r``.
+        output_split_sizes, input_split_sizes: one entry per rank (zeros allowed).
+        group: the process group (see :func:`group_name`).
+
+    Returns:
+        Tensor: ``[sum(output_split_sizes), ...]``, rank ``s``'s rows in block ``s``.
+        Its gradient is the reverse exchange (splits swapped).
+    """
+    _check_tensor("all_to_all_single", "x", x)
+    return torch.ops.torch_tp.all_to_all_single(x, list(output_split_sizes), list(input_split_sizes),
+                                                group_name(group))
+
+
+def moe_dispatch(tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
+                 group: GroupLike = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Send expert-sorted tokens to the ranks owning their experts (torchtitan's ExpertParallel input step).
+
+    Rank ``r`` of ``p`` owns experts ``[r*E/p, (r+1)*E/p)``. Counts are exchanged
+    first (one all-to-all), then the rows; received rows are grouped by local
+    expert, then source rank. Reads the counts on the host (a sync on CUDA).
+
+    Args:
+        tokens (Tensor): ``[N, H]`` this rank's rows sorted by global expert id.
+        tokens_per_expert (Tensor): ``[E]`` int64, summing to ``N``; ``E % p == 0``.
+
+    Returns:
+        tuple: ``local_tokens [R, H]`` (expert-major), ``local_tokens_per_expert [E/p]``
+        and ``recv_counts [p, E/p]`` (rows from each source for each local expert).
+        Differentiable in ``tokens`` (the backward is :func:`moe_combine`'s movement).
+    """
+    _check_tensor("moe_dispatch", "tokens", tokens)
+    return torch.ops.torch_tp.moe_dispatch(tokens, tokens_per_expert, group_name(group))
+
+
+def moe_combine(local_out: torch.Tensor, recv_counts: torch.Tensor, tokens_per_expert: torch.Tensor,
+                group: GroupLike = None) -> torch.Tensor:
+    r"""The inverse of :func:`moe_dispatch`: ``local_out [R, H']`` in its output order back to
+    the senders, ``[N, H']`` in each sender's sorted order (``tokens_per_expert``: the sender's
+    ``[E]`` counts, ``recv_counts``: dispatch's). Differentiable in ``local_out``."""
+    _check_tensor("moe_combine", "local_out", local_out)
+    return torch.ops.torch_tp.moe_combine(local_out, recv_counts, tokens_per_expert, group_name(group))
+
+
+def moe_token_dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int,
+                       group: GroupLike = None) -> Tuple[torch.Tensor, ...]:
+    r"""HF's AllToAllEP dispatch: sort the ``T*K`` (token, slot) pairs by expert, then :func:`moe_dispatch`.
+
+    Args:
+        hidden (Tensor): ``[T, H]``.
+        top_k_index (Tensor): ``[T, K]`` global expert ids in ``[0, num_experts)``, any integer dtype.
+
+    Returns:
+        tuple: ``local_tokens [R, H]``, ``local_tokens_per_expert [E/p]``, ``order [T*K]``
+        (int64: the flat ``t*K+k`` of each sorted row), ``tokens_per_expert [E]`` and
+        ``recv_counts [p, E/p]``: the last three are what :func:`moe_token_combine` takes.
+        Differentiable in ``hidden`` (a token's gradient sums over its slots).
+    """
+    _check_tensor("moe_token_dispatch", "hidden", hidden)
+    return torch.ops.torch_tp.moe_token_dispatch(hidden, top_k_index, num_experts, group_name(group))
+
+
+def moe_token_combine(local_out: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor,
+                      tokens_per_expert: torch.Tensor, recv_counts: torch.Tensor,
+                      group: GroupLike = None) -> torch.Tensor:
+    r"""HF's AllToAllEP combine: :func:`moe_combine`, then each token's ``K`` rows summed weighted by
+    ``top_k_weights [T, K]`` -> ``[T, H']``. Differentiable in ``local_out`` and ``top_k_weights``."""
+    _check_tensor("moe_token_combine", "local_out", local_out)
+    return torch.ops.torch_tp.moe_token_combine(local_out, top_k_weights, order, tokens_per_expert, recv_counts,
+                                                group_name(group))
 
 
 def chunk_range(n: int, world_size: int, rank: int) -> Tuple[int, int]:

@@ -53,15 +53,21 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_into(c10d::ProcessGroup& group, co
 }
 
 c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, const at::Tensor& out, const at::Tensor& in,
+                                               std::vector<int64_t>& output_splits, std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions& opts) {
   at::Tensor engine_out = backend::alias_for_backend(out);
   at::Tensor engine_in = backend::alias_for_backend(in);
-  std::vector<int64_t> equal_splits;
 #if TORCH_TP_SINGLE_TENSOR_NAMES
-  return group.all_to_all_single(engine_out, engine_in, equal_splits, equal_splits, opts);
+  return group.all_to_all_single(engine_out, engine_in, output_splits, input_splits, opts);
 #else
-  return group.alltoall_base(engine_out, engine_in, equal_splits, equal_splits, opts);
+  return group.alltoall_base(engine_out, engine_in, output_splits, input_splits, opts);
 #endif
+}
+
+c10::intrusive_ptr<c10d::Work> all_to_all_into(c10d::ProcessGroup& group, const at::Tensor& out, const at::Tensor& in,
+                                               const c10d::AllToAllOptions& opts) {
+  std::vector<int64_t> equal_splits;
+  return all_to_all_into(group, out, in, equal_splits, equal_splits, opts);
 }
 
 // NOTE [rank blocks without moving the dim to the front]
@@ -480,6 +486,25 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
   auto work = launch(op, *group, x, [&] { return reduce_scatter_into(*group, piece, front, opts); }, dim_arg, dim);
   auto finish = [piece, front, finish_piece] { return finish_piece(piece); };
   return PendingCollective(std::move(work), std::move(finish), op, group, x);
+}
+
+PendingCollective start_all_to_all(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   bool async_op, const at::Tensor& x, std::vector<int64_t> output_splits,
+                                   std::vector<int64_t> input_splits) {
+  const int64_t world_size = group->getSize();
+  auto sizes = x.sizes().vec();
+  sizes[0] = c10::sum_integers(output_splits);
+  if (world_size == 1) {
+    return PendingCollective({}, [out = x.clone(at::MemoryFormat::Contiguous)] { return out; }, op, group, x);
+  }
+  c10::OptionalDeviceGuard device_guard(x.device());
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty(sizes, in.options());
+  c10d::AllToAllOptions opts;
+  opts.asyncOp = async_op;
+  auto work = launch(op, *group, x, [&] { return all_to_all_into(*group, out, in, output_splits, input_splits, opts); });
+  // `in` is captured to outlive the collective.
+  return PendingCollective(std::move(work), [out, in] { return out; }, op, group, x);
 }
 
 } // namespace torch_tp

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <functional>
 #include <optional>
+#include <vector>
 
 namespace torch_tp {
 
@@ -112,6 +113,14 @@ PendingCollective start_all_gather(const char* op, const c10::intrusive_ptr<c10d
 PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                        bool async_op, const at::Tensor& x, int64_t dim, Reduction reduction,
                                        const char* dim_arg = "dim");
+
+// Rows of dim 0 exchanged unevenly (c10d's all_to_all_single with split
+// sizes): x [sum(input_splits), rest..] -> [sum(output_splits), rest..]; rank r
+// receives input_splits[r] rows from each rank and output_splits[s] from rank
+// s. Both split vectors have world_size entries; empty splits are fine.
+PendingCollective start_all_to_all(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   bool async_op, const at::Tensor& x, std::vector<int64_t> output_splits,
+                                   std::vector<int64_t> input_splits);
 
 // NOTE [cross-rank argument check]
 // A collective only sees bytes: all_gather(x, dim=rank), or an all-reduce of

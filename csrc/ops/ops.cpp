@@ -110,4 +110,59 @@ at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, c
   return op.call(input, normalized_shape, weight, eps);
 }
 
+at::Tensor all_to_all_single(const at::Tensor& x, c10::SymIntArrayRef output_split_sizes,
+                             c10::SymIntArrayRef input_split_sizes, c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::string_view)>(
+          "torch_tp::all_to_all_single");
+  check_defined("torch_tp::all_to_all_single", "x", x);
+  return op.call(x, output_split_sizes, input_split_sizes, group_name);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& tokens,
+                                                            const at::Tensor& tokens_per_expert,
+                                                            c10::string_view group_name) {
+  static const auto op =
+      find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::string_view)>(
+          "torch_tp::moe_dispatch");
+  check_defined("torch_tp::moe_dispatch", "tokens", tokens);
+  return op.call(tokens, tokens_per_expert, group_name);
+}
+
+at::Tensor moe_dispatch_rows(const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
+                             const at::Tensor& recv_counts, c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view)>(
+          "torch_tp::_moe_dispatch_rows");
+  check_defined("torch_tp::_moe_dispatch_rows", "tokens", tokens);
+  return op.call(tokens, tokens_per_expert, recv_counts, group_name);
+}
+
+at::Tensor moe_combine(const at::Tensor& local_out, const at::Tensor& recv_counts,
+                       const at::Tensor& tokens_per_expert, c10::string_view group_name) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view)>(
+          "torch_tp::moe_combine");
+  check_defined("torch_tp::moe_combine", "local_out", local_out);
+  return op.call(local_out, recv_counts, tokens_per_expert, group_name);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token_dispatch(
+    const at::Tensor& hidden, const at::Tensor& top_k_index, int64_t num_experts, c10::string_view group_name) {
+  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, int64_t, c10::string_view)>("torch_tp::moe_token_dispatch");
+  check_defined("torch_tp::moe_token_dispatch", "hidden", hidden);
+  return op.call(hidden, top_k_index, num_experts, group_name);
+}
+
+at::Tensor moe_token_combine(const at::Tensor& local_out, const at::Tensor& top_k_weights, const at::Tensor& order,
+                             const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts,
+                             c10::string_view group_name) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&, c10::string_view)>(
+      "torch_tp::moe_token_combine");
+  check_defined("torch_tp::moe_token_combine", "local_out", local_out);
+  return op.call(local_out, top_k_weights, order, tokens_per_expert, recv_counts, group_name);
+}
+
 } // namespace torch_tp

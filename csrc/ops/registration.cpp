@@ -4,7 +4,8 @@
 // autocast.cpp (AutocastCPU, AutocastCUDA: the linear ops),
 // embedding.cpp (CompositeImplicitAutograd), norm.cpp (CompositeImplicitAutograd;
 // CPU pieces), cross_entropy.cpp (CompositeImplicitAutograd; the pieces for
-// every device), meta.cpp (Meta).
+// every device), moe.cpp (all kernels of the expert-parallel ops), meta.cpp
+// (Meta).
 //
 // `group_name` is what ProcessGroup.group_name returns, the same string torch's
 // _c10d_functional ops take; it is resolved through c10d's group registry, so
@@ -94,4 +95,29 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def(
       "_rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor rstd, int[] normalized_shape, "
       "bool[2] output_mask) -> (Tensor, Tensor)");
+
+  // Expert parallelism (moe.cpp, NOTE [expert-parallel layout]). all_to_all_single
+  // has _c10d_functional.all_to_all_single's arguments: rows of dim 0, uneven
+  // and empty splits; backward swaps the splits. moe_dispatch sends expert-sorted
+  // tokens [N, H] (tokens_per_expert [E] int64) to the ranks owning their experts
+  // (rank r: experts [r*E/p, (r+1)*E/p)) -> local_tokens [R, H] expert-major,
+  // local_tokens_per_expert [E/p], recv_counts [p, E/p]; moe_combine is its exact
+  // inverse; each is the other's backward. _moe_dispatch_rows is dispatch's
+  // movement with the counts known (combine's backward). moe_token_dispatch /
+  // moe_token_combine are HF's AllToAllEP: top-k routing [T, K] sorted by expert
+  // (order [T*K]: the flat t*K+k of each sorted row), dispatched, combined, and
+  // summed per token weighted by top_k_weights; _moe_expert_ids checks the ids.
+  m.def("all_to_all_single(Tensor x, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> Tensor");
+  m.def(
+      "moe_dispatch(Tensor tokens, Tensor tokens_per_expert, str group_name) -> (Tensor local_tokens, "
+      "Tensor local_tokens_per_expert, Tensor recv_counts)");
+  m.def("_moe_dispatch_rows(Tensor tokens, Tensor tokens_per_expert, Tensor recv_counts, str group_name) -> Tensor");
+  m.def("moe_combine(Tensor local_out, Tensor recv_counts, Tensor tokens_per_expert, str group_name) -> Tensor");
+  m.def("_moe_expert_ids(Tensor top_k_index, int num_experts) -> Tensor");
+  m.def(
+      "moe_token_dispatch(Tensor hidden, Tensor top_k_index, int num_experts, str group_name) -> (Tensor local_tokens, "
+      "Tensor local_tokens_per_expert, Tensor order, Tensor tokens_per_expert, Tensor recv_counts)");
+  m.def(
+      "moe_token_combine(Tensor local_out, Tensor top_k_weights, Tensor order, Tensor tokens_per_expert, "
+      "Tensor recv_counts, str group_name) -> Tensor");
 }

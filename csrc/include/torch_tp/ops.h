@@ -5,9 +5,11 @@
 // c10d's group registry (ProcessGroup::getGroupName()).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymIntArrayRef.h>
 #include <c10/util/string_view.h>
 
 #include <optional>
+#include <tuple>
 
 namespace torch_tp {
 
@@ -90,5 +92,40 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
 // anything else is at::rms_norm itself.
 at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                     const std::optional<at::Tensor>& weight = std::nullopt, std::optional<double> eps = std::nullopt);
+
+// Expert parallelism (NOTE [expert-parallel layout] in csrc/ops/moe.cpp).
+// Rows of dim 0 exchanged unevenly, as torch's _c10d_functional.all_to_all_single:
+// x [sum(input_split_sizes), ..] -> [sum(output_split_sizes), ..]; backward
+// is the reverse exchange.
+at::Tensor all_to_all_single(const at::Tensor& x, c10::SymIntArrayRef output_split_sizes,
+                             c10::SymIntArrayRef input_split_sizes, c10::string_view group_name);
+
+// tokens [N, ..] sorted by global expert, tokens_per_expert [E] int64 (sum N),
+// rank r owning experts [r*E/p, (r+1)*E/p) -> (local_tokens [R, ..] grouped by
+// local expert, then source rank; local_tokens_per_expert [E/p];
+// recv_counts [p, E/p]: rows from each source for each local expert).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& tokens,
+                                                            const at::Tensor& tokens_per_expert,
+                                                            c10::string_view group_name);
+
+// moe_dispatch's movement with recv_counts already known (no count exchange).
+at::Tensor moe_dispatch_rows(const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
+                             const at::Tensor& recv_counts, c10::string_view group_name);
+
+// The inverse of moe_dispatch: local_out [R, ..] in its output order -> the
+// sender's [N, ..] in its sorted order.
+at::Tensor moe_combine(const at::Tensor& local_out, const at::Tensor& recv_counts,
+                       const at::Tensor& tokens_per_expert, c10::string_view group_name);
+
+// HF's AllToAllEP: hidden [T, H], top_k_index [T, K] -> the T*K (token, slot)
+// rows sorted by expert and dispatched -> (local_tokens, local_tokens_per_expert,
+// order [T*K]: the flat t*K+k of each sorted row, tokens_per_expert [E], recv_counts).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token_dispatch(
+    const at::Tensor& hidden, const at::Tensor& top_k_index, int64_t num_experts, c10::string_view group_name);
+
+// moe_combine, then each token's K rows summed weighted by top_k_weights [T, K] -> [T, H'].
+at::Tensor moe_token_combine(const at::Tensor& local_out, const at::Tensor& top_k_weights, const at::Tensor& order,
+                             const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts,
+                             c10::string_view group_name);
 
 } // namespace torch_tp
