@@ -1,5 +1,7 @@
-"""Mixture-of-experts models under their own Hugging Face plans: the experts split by
-``ExpertsTensorParallel`` (HF's ``moe_tp_experts``), against the unsharded model.
+"""Mixture-of-experts models under their own Hugging Face plans, against the unsharded model: the
+experts split by ``ExpertsTensorParallel`` (the ``tp_plan``'s ``moe_tp_experts``), and whole experts
+per rank by ``ExpertParallel`` (the ``ep_plan``'s ``ep_dispatch_experts``, each rank its own batch of
+its own size, tokens exchanged by torch_tp's dispatch and combine ops).
 
 Mixtral and Qwen3-MoE are built from config (4 experts, top-2, no downloads) in float64 with the
 eager experts kernel (HF's default ``grouped_mm`` has no float64 CPU kernel); the same model then
@@ -158,6 +160,41 @@ def _check_dcp_and_generate(path: str):
 
 def test_dcp_to_unsharded_and_generate(ranks, tmp_path):
     ranks(2).run(_check_dcp_and_generate, str(tmp_path / "ckpt"), timeout=300)
+
+
+def _check_expert_parallel(kind: str):
+    """HF's ep_plan on its own: every rank its own batch (data parallel), its own experts. Each rank's
+    logits must be the unsharded model's on that batch; an expert's gradient sums over every rank's
+    tokens (the all-reduce of the unsharded gradients), every other gradient is this rank's batch's."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world_size,))
+    tol = TOL[kind]
+    unsharded = _model(kind, world_size)
+    ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, unsharded.ep_plan)
+    experts = ours.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.placements == (Shard(0),) and experts.gate_up_proj.to_local().shape[0] == 4 // world_size
+
+    ids = torch.randint(0, 64, (1 + rank, 7), generator=torch.Generator().manual_seed(rank))  # ranks differ in size
+    expected, got = unsharded(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    what = f"{kind} expert parallel at {world_size} ranks, rank {rank}"
+    assert_close(got.logits, expected.logits, f"{what}: logits", tol)
+    assert_close(got.aux_loss, expected.aux_loss, f"{what}: aux_loss", tol)
+    expected.loss.backward()
+    got.loss.backward()
+    for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
+        if isinstance(param, DTensor):  # this rank's experts, their gradients summed over every rank's tokens
+            summed = reference.grad.clone()
+            dist.all_reduce(summed)
+            local = param.to_local().shape[0]
+            assert_close(param.grad.to_local(), summed[rank * local:(rank + 1) * local], f"{what}: {name}.grad", tol,
+                         floor=GRAD_FLOOR)
+        else:
+            assert_close(param.grad, reference.grad, f"{what}: {name}.grad", tol, floor=GRAD_FLOOR)
+
+
+@pytest.mark.parametrize("kind, world_size", [("mixtral", 2), ("qwen3_moe", 4)])
+def test_hf_ep_plan(ranks, kind, world_size):
+    ranks(world_size).run(_check_expert_parallel, kind, timeout=300)
 
 
 def _check_bad_input():

@@ -20,6 +20,7 @@ import torch_tp.parallel
 
 PARALLEL = [
     "ColwiseParallel",
+    "ExpertParallel",
     "ExpertsTensorParallel",
     "KVHeadColwiseParallel",
     "PackedColwiseParallel",

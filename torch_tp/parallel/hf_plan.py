@@ -85,7 +85,7 @@ from ._install import ParallelModule, TPState, install
 from ._layout import tp_group
 from ._params import local_tensor
 from .kv_heads import KVHeadColwiseParallel, KVHeadState
-from .moe import ExpertsTensorParallel
+from .moe import ExpertParallel, ExpertsTensorParallel
 from .packed import PackedColwiseParallel, PackedRowwiseParallel, PackedState
 from .style import (
     ColwiseModule,
@@ -183,11 +183,15 @@ _STYLES: Dict[str, Tuple[type, Callable[[], ParallelStyle]]] = {
     # A transformers experts module (NOTE [experts under tensor parallelism] in moe.py); the plan's
     # entries for its gate_up_proj and down_proj name the layout this style gives them.
     "moe_tp_experts": (nn.Module, ExpertsTensorParallel),
+    # HF's ep_plan (NOTE [experts under expert parallelism] in moe.py).
+    "ep_dispatch_experts": (nn.Module, ExpertParallel),
 }
 
 # The entries HF's MoE plans give an experts module's parameters, by the torch_tp style of the
 # module's own string: (parameter name, string) pairs that say what that style does to them.
-EXPERT_PARAMETER_ENTRIES = {"ExpertsTensorParallel": {("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise")}}
+EXPERT_PARAMETER_ENTRIES = {"ExpertsTensorParallel": {("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise")},
+                            "ExpertParallel": {("gate_up_proj", "grouped_gemm"), ("down_proj", "grouped_gemm")}}
+_EXPERTS_STRINGS = {"moe_tp_experts": "ExpertsTensorParallel", "ep_dispatch_experts": "ExpertParallel"}
 
 # HF strings torch_tp knows and does not implement, and why.
 _NOT_IMPLEMENTED = {
@@ -433,6 +437,8 @@ def check_expert_parameter_entries(root: nn.Module) -> None:
         missing = sorted(entries - EXPERT_PARAMETER_ENTRIES.get(style.partition("(")[0], set()))
         if missing:
             names = ", ".join(f"'{path}.{name}': '{string}'" for name, string in missing)
+            wanted = " or ".join(f"'{string}'" for string, style in _EXPERTS_STRINGS.items()
+                                 if set(missing) <= EXPERT_PARAMETER_ENTRIES[style])
             raise ValueError(f"torch_tp.parallelize_module: the plan gives {names}, but module '{path}' "
                              f"({type(module).__name__}) does not get the style that applies them "
-                             f"('{path}': 'moe_tp_experts')")
+                             f"('{path}': {wanted})")

@@ -36,6 +36,22 @@ rank's partial) are partial sums: both pass through ``copy_to_tp_region``
 (identity forward, all-reduce backward). The router then gets whole
 gradients on every rank, as any replicated module before a
 ColwiseParallel layer does.
+
+NOTE [experts under expert parallelism]
+With the E experts split whole over p ranks (rank r holds experts
+[r E/p, (r+1) E/p): both parameters ``Shard(0)``), each rank's tokens must
+reach the ranks of their experts. ``torch_tp::moe_token_dispatch`` sorts the
+T K (token, slot) pairs of this rank by expert, exchanges the counts, sends
+each rank its rows (one all-to-all) and hands back the rows this rank's
+experts run on, grouped by local expert, with their counts; the module's own
+forward runs on them as top-1 routing with unit weights (local expert ids
+``repeat_interleave(arange(E/p), counts)``). ``moe_token_combine`` sends the
+results back (the reverse all-to-all), puts each row at its (token, slot)
+and sums a token's K rows weighted by the router's scores, so the scores'
+gradient (the router's) is computed where the scores are. The ranks hold
+different tokens (data parallel over the EP ranks); a rank whose experts get
+no rows runs them on one zero row, whose output it drops, so its parameters
+still get (zero) gradients.
 """
 
 from dataclasses import dataclass
@@ -51,7 +67,7 @@ from ._params import module_path
 from .packed import PackedLayout, _PackedModule, keep_packed_order_in_state_dicts
 from .style import ParallelStyle, restore_parameters, swap_in_local_parameters
 
-__all__ = ["ExpertsTensorParallel"]
+__all__ = ["ExpertParallel", "ExpertsTensorParallel"]
 
 _EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -161,6 +177,87 @@ class ExpertsTensorParallel(ParallelStyle):
         install(module, device_mesh, self, {"gate_up_proj": Shard(1), "down_proj": Shard(2)}, _ExpertsTPModule,
                 ExpertsTPState, _EXPERT_PARAMETERS, {"gate_up_proj": layout})
         keep_packed_order_in_state_dicts(module)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+@dataclass(eq=False)
+class ExpertParallelState(TPState):
+    """An ExpertParallel experts module."""
+
+    parameter_names: Tuple[str, ...]
+    num_experts: int  # E, over the whole group; the module's forward sees its E / p
+
+
+class _ExpertParallelModule(ParallelModule):
+    _tp_kind = "ExpertParallel"
+    _tp_state: ExpertParallelState
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        """This rank's tokens [T, H] with their global expert ids -> their weighted expert outputs [T, H]
+        (NOTE [experts under expert parallelism])."""
+        state = self._tp_state
+        group = state.group.name
+        hidden_states = _local_input(hidden_states, "hidden_states")
+        top_k_weights = _local_input(top_k_weights, "top_k_weights")
+        rows, rows_per_expert, order, tokens_per_expert, recv_counts = torch.ops.torch_tp.moe_token_dispatch(
+            hidden_states, top_k_index, state.num_experts, group)
+        local_experts = rows_per_expert.numel()
+        received = rows.size(0)
+        if received == 0:  # NOTE [experts under expert parallelism]: one zero row keeps the parameters in backward
+            rows = rows.new_zeros(1, rows.size(1)) + rows.sum(0, keepdim=True)
+            expert_ids = torch.zeros(1, 1, dtype=torch.long, device=rows.device)
+        else:
+            expert_ids = torch.repeat_interleave(torch.arange(local_experts, device=rows.device), rows_per_expert,
+                                                 output_size=received).unsqueeze(-1)
+        unit_weights = torch.ones(expert_ids.shape, dtype=rows.dtype, device=rows.device)
+        set_aside = swap_in_local_parameters(self, state.parameter_names, False)
+        self.num_experts = local_experts
+        try:
+            out = super().forward(rows, expert_ids, unit_weights, *args, **kwargs)[:received]
+        finally:
+            self.num_experts = state.num_experts
+            restore_parameters(self, set_aside)
+        return torch.ops.torch_tp.moe_token_combine(out, top_k_weights, order, tokens_per_expert, recv_counts, group)
+
+
+class ExpertParallel(ParallelStyle):
+    r"""Split the experts of an experts module whole over the mesh (torchtitan's ``ExpertParallel``):
+    rank ``r`` holds experts ``[r E/p, (r+1) E/p)``, and each rank's tokens are sent to the ranks
+    of their experts and back.
+
+    The module is a transformers experts module (``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``, forward ``(hidden_states [T, H], top_k_index [T,
+    K], top_k_weights [T, K])``); HF's ``ep_plan`` string
+    ``ep_dispatch_experts`` is this style, and its ``grouped_gemm`` entries for
+    the two parameters the layout it gives them. Both parameters become
+    ``Shard(0)`` DTensors of the full ``[E, ...]`` shape. The tokens move
+    through ``torch_tp::moe_token_dispatch`` and ``moe_token_combine`` (NOTE
+    [experts under expert parallelism] in ``torch_tp/parallel/moe.py``), on
+    any c10d group and on the torch_tp backend's shared memory. Each rank
+    holds its own tokens: the ranks of the mesh are data parallel for
+    everything but the experts.
+
+    Example::
+
+        >>> from torch_tp import parallelize_module, ExpertParallel
+        >>> parallelize_module(model, ep_mesh, model.ep_plan)   # or {"model.layers.*.mlp.experts": ExpertParallel()}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        experts, _, _ = experts_sizes(module, name)
+        ranks = device_mesh.size()
+        if experts % ranks:
+            raise ValueError(f"torch_tp.{name}: {_where(module)} has {experts} experts, which do not split over the "
+                             f"{ranks} ranks of the expert-parallel group")
+        if getattr(module, "num_experts", experts) != experts:
+            raise ValueError(f"torch_tp.{name}: {_where(module)} has num_experts={module.num_experts}, but its "
+                             f"parameters hold {experts} experts")
+        install(module, device_mesh, self, {"gate_up_proj": Shard(0), "down_proj": Shard(0)}, _ExpertParallelModule,
+                ExpertParallelState, _EXPERT_PARAMETERS, experts)
         return module
 
     def __repr__(self) -> str:
