@@ -70,7 +70,7 @@ phase "pytest, ranks on the torch_tp backend"
 TORCH_TP_TEST_BACKEND=torch_tp "$VENV_PYTHON" -m pytest -q -rs -p no:cacheprovider . || status=1
 phase "pytest, the ops on gloo"
 TORCH_TP_TEST_BACKEND=gloo "$VENV_PYTHON" -m pytest -q -rs -p no:cacheprovider \
-  test_collectives.py test_linear.py test_fuzz.py || status=1
+  test_collectives.py test_moe_ops.py test_linear.py test_fuzz.py || status=1
 
 phase "examples/cpp built against the installed package"
 PREFIX=$("$VENV_PYTHON" -c "import torch_tp; print(torch_tp.cmake_prefix_path)")
