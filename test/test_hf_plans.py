@@ -215,12 +215,18 @@ def _check_refused():
     def parallelize(plan):
         return lambda: torch_tp.parallelize_module(_model("llama", dist.get_world_size(), layers=1), mesh, plan)
 
+    # Unknown and unimplemented strings are refused with their plan key before anything is parallelized.
     assert_error_names(parallelize({"model.layers.*.mlp.up_proj": "colwsie"}),
-                       ["'model.layers.0.mlp.up_proj'", "'colwsie'"], ValueError)
+                       ["'model.layers.*.mlp.up_proj'", "'colwsie'"], ValueError)
     assert_error_names(parallelize({"model.layers.*.mlp": "moe_identity_expert"}),
-                       ["'model.layers.0.mlp'", "'moe_identity_expert'", "does not implement"], NotImplementedError)
+                       ["'model.layers.*.mlp'", "'moe_identity_expert'", "does not implement"], NotImplementedError)
     assert_error_names(parallelize({"model.layers.*.self_attn": "mla_kv_a_proj"}),
-                       ["'model.layers.0.self_attn'", "'mla_kv_a_proj'"], NotImplementedError)
+                       ["'model.layers.*.self_attn'", "'mla_kv_a_proj'"], NotImplementedError)
+    model = _model("llama", dist.get_world_size(), layers=1)
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers": {"*.mlp": "ep_router_dispatch"}}
+    assert_error_names(lambda: torch_tp.parallelize_module(model, mesh, plan),
+                       ["'model.layers.*.mlp'", "'ep_router_dispatch'"], ValueError)
+    assert not any(isinstance(p, DTensor) for p in model.parameters()), "a refused plan changed the model"
     assert_error_names(parallelize({"model.embed_tokens": "packed_colwise"}),
                        ["'model.embed_tokens'", "'packed_colwise'", "Linear"], ValueError)
     # A linear style on an embedding; a key naming a parameter, not a module.

@@ -1,7 +1,9 @@
 """Mixture-of-experts models under their own Hugging Face plans, against the unsharded model: the
-experts split by ``ExpertsTensorParallel`` (the ``tp_plan``'s ``moe_tp_experts``), and whole experts
+experts split by ``ExpertsTensorParallel`` (the ``tp_plan``'s ``moe_tp_experts``), whole experts
 per rank by ``ExpertParallel`` (the ``ep_plan``'s ``ep_dispatch_experts``, each rank its own batch of
-its own size, tokens exchanged by torch_tp's dispatch and combine ops).
+its own size, tokens exchanged by torch_tp's dispatch and combine ops), both ways at once by
+``ExpertTensorParallel`` on an (ep, tp) mesh, and FSDP2 over a dp dim beside them. DCP checkpoints
+(model and optimizer) saved at EP 2 x TP 2 load at EP 4, TP 2 and into the unsharded model.
 
 Mixtral and Qwen3-MoE are built from config (4 experts, top-2, no downloads) in float64 with the
 eager experts kernel (HF's default ``grouped_mm`` has no float64 CPU kernel); the same model then
@@ -25,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -61,13 +64,30 @@ def _full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _natural_grad(model, name: str, grad):
-    """A packed parameter's gradient in the natural order (its rows are rank-major; NOTE [packed parameters])."""
+def _full_natural(model, name: str, value):
+    """A (possibly FSDP2-sharded) parameter or gradient as the full tensor in its natural order."""
+    full = _full(value)
     module_name, _, param_name = name.rpartition(".")
     layouts = getattr(getattr(model.get_submodule(module_name), "_tp_state", None), "layouts", {})
     if param_name in layouts:
-        return layouts[param_name].to_natural(grad)
-    return grad
+        layout = layouts[param_name]
+        full = full.index_select(layout.dim, layout.rank_major_index(full.device).argsort())
+    return full
+
+
+def _assert_grads_then_adamw(ours, unsharded, what: str, tol: float):
+    """Every gradient of ``ours`` (full, natural order) is the unsharded model's, and so is the state
+    dict after an AdamW step of both, with the full ``[E, ...]`` expert tensors."""
+    for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
+        assert_close(_full_natural(ours, name, param.grad), reference.grad, f"{what}: {name}.grad", tol,
+                     floor=GRAD_FLOOR)
+    for model in (unsharded, ours):
+        torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4).step()
+    state = ours.state_dict()
+    for name, reference in unsharded.state_dict().items():
+        assert_close(_full(state[name]), reference, f"{what}: state_dict['{name}'] after AdamW", 10 * tol,
+                     floor=PARAM_FLOOR)
+    assert tuple(state["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 64, 32)
 
 
 def _check_plan(kind: str):
@@ -91,17 +111,7 @@ def _check_plan(kind: str):
     assert_close(got.aux_loss, expected.aux_loss, f"{what}: aux_loss", tol)
     expected.loss.backward()
     got.loss.backward()
-    for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
-        grad = _natural_grad(ours, name, param.grad) if isinstance(param.grad, DTensor) else param.grad
-        assert_close(_full(grad), reference.grad, f"{what}: {name}.grad", tol, floor=GRAD_FLOOR)
-
-    for model in (unsharded, ours):
-        torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4).step()
-    state = ours.state_dict()
-    for name, reference in unsharded.state_dict().items():
-        assert_close(_full(state[name]), reference, f"{what}: state_dict['{name}'] after AdamW", 10 * tol,
-                     floor=PARAM_FLOOR)
-    assert tuple(state["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 64, 32)
+    _assert_grads_then_adamw(ours, unsharded, what, tol)
 
 
 @pytest.mark.parametrize("kind, world_size", [("mixtral", 2), ("qwen3_moe", 2), ("mixtral", 4), ("qwen3_moe", 4)])
@@ -162,39 +172,170 @@ def test_dcp_to_unsharded_and_generate(ranks, tmp_path):
     ranks(2).run(_check_dcp_and_generate, str(tmp_path / "ckpt"), timeout=300)
 
 
-def _check_expert_parallel(kind: str):
-    """HF's ep_plan on its own: every rank its own batch (data parallel), its own experts. Each rank's
-    logits must be the unsharded model's on that batch; an expert's gradient sums over every rank's
-    tokens (the all-reduce of the unsharded gradients), every other gradient is this rank's batch's."""
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world_size,))
+def _parallelize(model, ep: int, tp: int):
+    """``model`` on an (ep, tp) mesh of the world: HF's ep_plan alone (tp 1), its tp_plan alone (ep 1),
+    or ExpertTensorParallel on the experts and the tp_plan on mesh["tp"] for the rest."""
+    mesh = init_device_mesh("cpu", (ep, tp), mesh_dim_names=("ep", "tp"))
+    if tp == 1:
+        return torch_tp.parallelize_module(model, mesh["ep"], model.ep_plan), mesh
+    if ep > 1:
+        torch_tp.parallelize_module(model, mesh, {"model.layers.*.mlp.experts": torch_tp.ExpertTensorParallel()})
+    return torch_tp.parallelize_module(model, mesh["tp"], model.tp_plan), mesh
+
+
+def _batch(group: int, length: int = 7):
+    """EP group ``group``'s own batch, of its own size: the ep ranks differ in token counts."""
+    return torch.randint(0, 64, (1 + group, length), generator=torch.Generator().manual_seed(group))
+
+
+def _sum_over_ep(model, mesh):
+    """The gradients of every parameter but the experts' summed over the ep groups, as data parallelism
+    over them does (without its mean); the experts' are such sums already, their tokens' from every rank."""
+    for name, param in model.named_parameters():
+        if ".experts." not in name:
+            dist.all_reduce(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad,
+                            group=mesh.get_group("ep"))
+
+
+def _check_expert_layout(kind: str, ep: int, tp: int):
+    """The experts over ep (each ep group its own batch, of its own size) and tp. Each rank's logits,
+    loss and aux loss must be the unsharded model's on its group's batch. After summing the non-expert
+    gradients over the ep groups, every gradient (natural order, full tensor) must be the unsharded
+    model's of the summed losses of all groups' batches, and so must the parameters after AdamW;
+    greedy generate from each group's own prompt must give the unsharded model's tokens."""
     tol = TOL[kind]
-    unsharded = _model(kind, world_size)
-    ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, unsharded.ep_plan)
+    unsharded = _model(kind, tp)
+    ours, mesh = _parallelize(copy.deepcopy(unsharded), ep, tp)
+    group = mesh.get_local_rank("ep")
     experts = ours.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.placements == (Shard(0),) and experts.gate_up_proj.to_local().shape[0] == 4 // world_size
+    wanted = (Shard(0),) if tp == 1 else (Shard(0), Shard(1))
+    assert experts.gate_up_proj.placements == wanted, experts.gate_up_proj.placements
+    assert experts.gate_up_proj.to_local().shape == (4 // ep, 64 // tp, 32)
+    assert not isinstance(ours.model.layers[0].mlp.gate.weight, DTensor), "the router must stay replicated"
 
-    ids = torch.randint(0, 64, (1 + rank, 7), generator=torch.Generator().manual_seed(rank))  # ranks differ in size
+    ids = _batch(group)
     expected, got = unsharded(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
-    what = f"{kind} expert parallel at {world_size} ranks, rank {rank}"
+    what = f"{kind} at ep {ep} x tp {tp}, rank {dist.get_rank()}"
     assert_close(got.logits, expected.logits, f"{what}: logits", tol)
+    assert_close(got.loss, expected.loss, f"{what}: loss", tol)
     assert_close(got.aux_loss, expected.aux_loss, f"{what}: aux_loss", tol)
-    expected.loss.backward()
     got.loss.backward()
+    _sum_over_ep(ours, mesh)
+    expected.loss.backward()
+    for other in range(ep):  # the reference's gradients: of the sum of every group's loss
+        if other != group:
+            ids = _batch(other)
+            unsharded(input_ids=ids, labels=ids).loss.backward()
+    _assert_grads_then_adamw(ours, unsharded, what, tol)
+
+    prompt = _batch(group, length=5)[:1]  # no eos: every rank runs the same number of steps (collectives)
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(prompt, **settings), unsharded.generate(prompt, **settings)), what
+
+
+@pytest.mark.parametrize("kind, ep, tp", [("mixtral", 2, 1), ("qwen3_moe", 4, 1), ("qwen3_moe", 2, 2),
+                                          ("mixtral", 2, 2)])
+def test_expert_parallel_layouts(ranks, kind, ep, tp):
+    ranks(ep * tp).run(_check_expert_layout, kind, ep, tp, timeout=300)
+
+
+def _check_fsdp_beside(split: str):
+    """FSDP2 over a dp dim of 2 beside the experts' split over 2 ranks (``split``: "ep" by HF's
+    ep_plan, or "tp" by its tp_plan), torchtitan's recipe: the experts fully_shard over dp alone, the
+    rest over every rank that holds other tokens, all gradients divided by the number of batches (4
+    under ep, 2 under tp). Each rank's loss must be the unsharded model's on its batch, every gradient
+    the unsharded one of the mean of the batches' losses, and the parameters after AdamW the unsharded
+    model's."""
+    from torch.distributed.fsdp import fully_shard
+
+    kind, rank, tol = "qwen3_moe", dist.get_rank(), TOL["qwen3_moe"]
+    unsharded = _model(kind, 2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", split))
+    ours = copy.deepcopy(unsharded)
+    torch_tp.parallelize_module(ours, mesh[split], ours.ep_plan if split == "ep" else ours.tp_plan)
+    for layer in ours.model.layers:
+        experts = fully_shard(layer.mlp.experts, mesh=mesh["dp"])
+        if split == "ep":  # its gradients sum the tokens of both ep ranks: divide by all 4 batches, not dp's 2
+            experts.set_gradient_divide_factor(4.0)
+    # The ranks with other tokens: every rank under ep (the ep ranks hold their own batches), dp under tp.
+    fully_shard(ours, mesh=mesh._flatten("dp_ep") if split == "ep" else mesh["dp"])
+
+    batch = rank if split == "ep" else mesh.get_local_rank("dp")
+    ids = _batch(batch)
+    got = ours(input_ids=ids, labels=ids)
+    assert_close(got.loss, unsharded(input_ids=ids, labels=ids).loss, f"fsdp2 beside {split}: loss", tol)
+    got.loss.backward()
+    if split == "tp":  # every batch once: the 4 ranks hold 2 batches, twice each
+        for group in range(2):
+            ids = _batch(group)
+            (unsharded(input_ids=ids, labels=ids).loss / 2).backward()
+    else:
+        for group in range(4):
+            ids = _batch(group)
+            (unsharded(input_ids=ids, labels=ids).loss / 4).backward()
     for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
-        if isinstance(param, DTensor):  # this rank's experts, their gradients summed over every rank's tokens
-            summed = reference.grad.clone()
-            dist.all_reduce(summed)
-            local = param.to_local().shape[0]
-            assert_close(param.grad.to_local(), summed[rank * local:(rank + 1) * local], f"{what}: {name}.grad", tol,
-                         floor=GRAD_FLOOR)
-        else:
-            assert_close(param.grad, reference.grad, f"{what}: {name}.grad", tol, floor=GRAD_FLOOR)
+        assert_close(_full_natural(ours, name, param.grad), reference.grad, f"fsdp2 beside {split}: {name}.grad",
+                     tol, floor=GRAD_FLOOR)
+    for model in (unsharded, ours):
+        torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4).step()
+    for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
+        assert_close(_full_natural(ours, name, param.detach()), reference, f"fsdp2 beside {split}: {name} after AdamW",
+                     10 * tol, floor=PARAM_FLOOR)
 
 
-@pytest.mark.parametrize("kind, world_size", [("mixtral", 2), ("qwen3_moe", 4)])
-def test_hf_ep_plan(ranks, kind, world_size):
-    ranks(world_size).run(_check_expert_parallel, kind, timeout=300)
+@pytest.mark.parametrize("split", ["ep", "tp"])
+def test_fsdp2_beside_experts(ranks, split):
+    ranks(4).run(_check_fsdp_beside, split, timeout=300)
+
+
+def _dcp_step_and_save(path: str, ep: int, tp: int):
+    """Qwen3-MoE at (ep, tp): one AdamW step on each group's batch, then model and optimizer saved
+    with DCP (FQN-keyed, torch's get_state_dict); their full state dicts go to ``path``.expected.pt."""
+    model, mesh = _parallelize(_model("qwen3_moe", 4), ep, tp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    ids = _batch(mesh.get_local_rank("ep"))
+    model(input_ids=ids, labels=ids).loss.backward()
+    _sum_over_ep(model, mesh)
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    full_model, full_optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    assert tuple(full_model["model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 64, 32)
+    if dist.get_rank() == 0:
+        torch.save({"model": full_model, "optim": full_optim}, path + ".expected.pt")
+
+
+def _dcp_load(path: str, ep: int, tp: int):
+    """A model of other weights at (ep, tp), or unsharded (1, 1), loads the checkpoint: its full model
+    and optimizer states are bitwise the saved ones."""
+    model = _model("qwen3_moe", 4)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(0.5)  # not the saved values
+    if ep * tp > 1:
+        model, _ = _parallelize(model, ep, tp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    expected = torch.load(path + ".expected.pt", weights_only=False)
+    full_model, full_optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    what = f"loaded at ep {ep} x tp {tp}"
+    assert list(full_model) == list(expected["model"]), what
+    for key, value in expected["model"].items():
+        assert torch.equal(full_model[key], value), f"{what}: {key}"
+    for fqn, states in expected["optim"]["state"].items():
+        for key, value in states.items():
+            assert torch.equal(full_optim["state"][fqn][key], value), f"{what}: optimizer state {fqn}.{key}"
+
+
+def test_dcp_across_expert_layouts(ranks, tmp_path):
+    """Saved at EP 2 x TP 2, loaded at EP 4, at TP 2 and into the unsharded model."""
+    path = str(tmp_path / "ckpt")
+    ranks(4).run(_dcp_step_and_save, path, 2, 2, timeout=300)
+    for ep, tp in ((4, 1), (1, 2), (1, 1)):
+        ranks(ep * tp).run(_dcp_load, path, ep, tp, timeout=300)
 
 
 def _check_bad_input():

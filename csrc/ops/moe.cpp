@@ -426,6 +426,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token
               ": top_k_index must have an integer dtype, got ", top_k_index.scalar_type());
   TORCH_SYM_CHECK(hidden.sym_size(0).sym_eq(top_k_index.sym_size(0)), op, ": hidden has T=", hidden.sym_size(0),
                   " rows but top_k_index has ", top_k_index.sym_size(0));
+  // top-k picks K distinct experts per token: K > E is a router bug, not a routing.
+  TORCH_SYM_CHECK(top_k_index.sym_size(1).sym_le(num_experts), op, ": top_k_index has K=",
+                  top_k_index.sym_size(1), " experts per token, more than the num_experts=", num_experts);
   local_experts(op, num_experts, resolve_group(op, group_name)->getSize());
   static const auto ids_op = find_op<at::Tensor(const at::Tensor&, int64_t)>("torch_tp::_moe_expert_ids");
   const at::Tensor flat = ids_op.call(top_k_index, num_experts);

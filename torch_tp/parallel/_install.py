@@ -5,8 +5,8 @@ A style says three things about a module, as torch's
 ``distribute_module(module, mesh, partition_fn, input_fn, output_fn)`` does, and
 :func:`install` does the rest:
 
-- the partition: ``{parameter name: placement}``, the DTensors its parameters
-  become (``distribute_parameters``), and whether each rank's gradient of
+- the partition: ``{parameter name: placement}`` (a tuple of them, one per
+  dim, on an N-D mesh), the DTensors its parameters become (``distribute_parameters``), and whether each rank's gradient of
   them is a partial sum, completed at the end of each backward (NOTE [partial
   gradients of sequence-parallel parameters] in ``_replicated_grad.py``);
 - the forward: a mixin class whose ``forward`` takes the input in its declared
@@ -39,11 +39,11 @@ the recompile limit.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from ._layout import ForwardRecords, TPGroup, tp_group
 from ._params import distribute_parameters, module_path
@@ -111,7 +111,8 @@ class ParallelModule:
         parts = []
         for name, param in self.named_parameters(recurse=False):
             if isinstance(param, DTensor):
-                parts.append(f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)} {param.placements[0]!r}")
+                placements = param.placements[0] if len(param.placements) == 1 else param.placements
+                parts.append(f"{name} {tuple(param.to_local().shape)} of {tuple(param.shape)} {placements!r}")
             else:
                 parts.append(f"{name} local")
         ranks = self._tp_state.mesh.size()
@@ -126,12 +127,12 @@ class ParallelModule:
         return (_new_parallel_module, (self._tp_base_class, type(self).__bases__[0]), *rest)
 
 
-def install(module: nn.Module, device_mesh: DeviceMesh, style, placements: Dict[str, Placement], mixin: type,
+def install(module: nn.Module, device_mesh: DeviceMesh, style, placements: Dict[str, Any], mixin: type,
             state_type: type, *state_args, partial_grads: bool = False) -> List[nn.Parameter]:
     """Parallelize ``module`` in place with ``style`` (NOTE [installing a style]): its parameters named in
     ``placements`` become DTensors (those it has; with ``partial_grads`` their gradients are completed
     after each backward), its state becomes ``state_type(repr(style), mesh, group, records,
-    *state_args)`` and its class ``parallel_class(type(module), mixin)``. Returns the distributed
+    *state_args)`` (``group``: the mesh's last dim's) and its class ``parallel_class(type(module), mixin)``. Returns the distributed
     parameters. Refuses a module that another parameter style parallelized, before changing anything."""
     refuse_second_style(module, style)
     params = distribute_parameters(module, placements, device_mesh, style.src_data_rank, type(style).__name__)

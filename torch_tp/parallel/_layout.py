@@ -27,7 +27,7 @@ from ..ops import chunk_range
 
 
 class TPGroup(NamedTuple):
-    """A 1-D mesh's process group as the layouts use it: its registered name (what the
+    """A mesh dim's process group as the layouts use it: its registered name (what the
     ops take), this rank's position in it and its size (which ``torch.chunk`` piece is
     ours). Read once, when a style is applied: resolving a group by name while the
     model runs is a C++ call that torch.compile cannot trace, and a per-call cost."""
@@ -37,8 +37,11 @@ class TPGroup(NamedTuple):
     size: int
 
 
-def tp_group(mesh: DeviceMesh) -> TPGroup:
-    return TPGroup(mesh.get_group().group_name, mesh.get_local_rank(), mesh.size())
+def tp_group(mesh: DeviceMesh, dim: int = -1) -> TPGroup:
+    """The group of ``mesh``'s dim ``dim``; by default its last, the TP dim of an (ep, tp) mesh
+    (a 1-D mesh's only one)."""
+    dim %= mesh.ndim
+    return TPGroup(mesh.get_group(dim).group_name, mesh.get_local_rank(dim), mesh.size(dim))
 
 
 def normalize(placement: Placement, ndim: int) -> Placement:

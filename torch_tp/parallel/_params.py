@@ -25,7 +25,7 @@ parameters before every forward; both are read the same way.
 import contextlib
 import contextvars
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -59,11 +59,18 @@ def _qualified(name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def check_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement, style: str) -> bool:
+def _placements(placement: Union[Placement, Tuple[Placement, ...]]) -> Tuple[Placement, ...]:
+    """A style's placement for a parameter: one (a 1-D mesh) or one per mesh dim."""
+    return placement if isinstance(placement, tuple) else (placement,)
+
+
+def check_parameter(module: nn.Module, name: str, mesh: DeviceMesh,
+                    placement: Union[Placement, Tuple[Placement, ...]], style: str) -> bool:
     """Whether ``module``'s parameter ``name`` still has to be distributed: False when it
     already is exactly the DTensor the style would make (torch's ``distribute_tensor``
     contract); a DTensor on another mesh, or in another placement (a plan that shards it
     twice), is an error naming the parameter, both layouts and both meshes."""
+    placement = _placements(placement)
     param = module._parameters[name]
     if not isinstance(param, DTensor):
         return True
@@ -73,31 +80,31 @@ def check_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: P
             f"with placements {param.placements}, not on the mesh this style shards over, {mesh}. Parallelize "
             "a module on one mesh (for 2-D parallelism: tensor parallelism on mesh['tp'] first, then "
             "fully_shard or DistributedDataParallel over mesh['dp']).")
-    if param.placements != (placement,):
+    if param.placements != placement:
         raise ValueError(
             f"torch_tp.{style}: parameter '{_qualified(name)}' of global shape {tuple(param.shape)} is already "
-            f"{param.placements[0]!r} on {mesh}; the plan shards it a second time, as {placement!r}. "
+            f"{param.placements} on {mesh}; the plan shards it a second time, as {placement}. "
             "Give each parameter one style.")
     return False
 
 
-def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
-                         src_data_rank: Optional[int]) -> nn.Parameter:
+def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh,
+                         placement: Union[Placement, Tuple[Placement, ...]], src_data_rank: Optional[int]) -> nn.Parameter:
     """Replace ``module``'s (plain) parameter ``name`` by ``nn.Parameter(distribute_tensor(...))``
     with ``placement`` on ``mesh``, as torch's styles do, keeping its ``requires_grad``."""
     param = module._parameters[name]
     if param.is_meta:
         src_data_rank = None  # no values to send: shapes only (meta-device initialization)
     with torch.no_grad():
-        value = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=src_data_rank)
+        value = distribute_tensor(param.detach(), mesh, _placements(placement), src_data_rank=src_data_rank)
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     module._parameters[name] = new
     register_parameter(new)
     return new
 
 
-def distribute_parameters(module: nn.Module, placements: Dict[str, Placement], mesh: DeviceMesh,
-                          src_data_rank: Optional[int], style: str) -> List[nn.Parameter]:
+def distribute_parameters(module: nn.Module, placements: Dict[str, Union[Placement, Tuple[Placement, ...]]],
+                          mesh: DeviceMesh, src_data_rank: Optional[int], style: str) -> List[nn.Parameter]:
     """:func:`distribute_parameter` for each of ``module``'s parameters named in ``placements``
     (those it has), after :func:`check_parameter` passed for all of them: nothing is changed
     when one is refused. Returns the module's parameters, in ``placements``' order."""

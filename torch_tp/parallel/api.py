@@ -19,6 +19,7 @@ from .hf_plan import (
     activations_on_local_columns,
     check_expert_parameter_entries,
     check_hf_parameter_entry,
+    check_plan_strings,
     hf_style,
     localize_attention,
     reading_config,
@@ -106,7 +107,9 @@ def parallelize_module(
     Args:
         module (nn.Module): the module to parallelize, in place.
         device_mesh (DeviceMesh, optional): a 1-D mesh (slice an N-D one, e.g.
-            ``mesh["tp"]``); by default the mesh of an enclosing ``with mesh:``.
+            ``mesh["tp"]``), or the 2-D ``mesh["ep", "tp"]`` for a plan of
+            :class:`ExpertTensorParallel` styles; by default the mesh of an
+            enclosing ``with mesh:``.
         parallelize_plan (ParallelStyle, str, or a dict of them, optional):
             the plan; without one, nothing happens (with a warning).
 
@@ -128,9 +131,10 @@ def parallelize_module(
     device_mesh = device_mesh or current_mesh()
     if device_mesh is None:
         raise RuntimeError("torch_tp.parallelize_module: no device_mesh given and no `with mesh:` block is active")
-    if device_mesh.ndim != 1:
+    if device_mesh.ndim != 1 and not _takes_mesh_of(parallelize_plan, device_mesh.ndim):
         raise ValueError(f"Tensor Parallel only accepts a 1D DeviceMesh, but found {device_mesh.ndim}D! "
-                         "If you have a 2-D or N-D device_mesh, consider passing in device_mesh[\"tp\"]")
+                         "If you have a 2-D or N-D device_mesh, consider passing in device_mesh[\"tp\"]"
+                         " (only a plan of ExpertTensorParallel styles takes a 2-D (ep, tp) mesh)")
 
     if parallelize_plan is None:
         warnings.warn("No parallelize_plan is provided and auto-parallel is not supported at the moment, "
@@ -138,6 +142,8 @@ def parallelize_module(
         return module
 
     hf_plan = _names_hf_strings(parallelize_plan)
+    if hf_plan:
+        check_plan_strings(parallelize_plan)
     tied = _tied_parameters(module) if hf_plan else []
     with reading_config(module):
         _parallelize(module, device_mesh, parallelize_plan, src_data_rank, "")
@@ -153,6 +159,13 @@ def parallelize_module(
         module.register_load_state_dict_pre_hook(_check_load)
         module._tp_checks_loads = True
     return module
+
+
+def _takes_mesh_of(plan, ndim: int) -> bool:
+    """Whether every style of ``plan`` shards over an ``ndim``-D mesh (``mesh_ndim``; 1 for most)."""
+    if isinstance(plan, dict):
+        return bool(plan) and all(_takes_mesh_of(style, ndim) for style in plan.values())
+    return getattr(plan, "mesh_ndim", 1) == ndim
 
 
 def _names_hf_strings(plan) -> bool:

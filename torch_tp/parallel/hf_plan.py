@@ -191,6 +191,8 @@ _STYLES: Dict[str, Tuple[type, Callable[[], ParallelStyle]]] = {
 # module's own string: (parameter name, string) pairs that say what that style does to them.
 EXPERT_PARAMETER_ENTRIES = {"ExpertsTensorParallel": {("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise")},
                             "ExpertParallel": {("gate_up_proj", "grouped_gemm"), ("down_proj", "grouped_gemm")}}
+# ExpertTensorParallel (no HF string) splits the experts both ways: either plan's entries describe it.
+EXPERT_PARAMETER_ENTRIES["ExpertTensorParallel"] = set().union(*EXPERT_PARAMETER_ENTRIES.values())
 _EXPERTS_STRINGS = {"moe_tp_experts": "ExpertsTensorParallel", "ep_dispatch_experts": "ExpertParallel"}
 
 # HF strings torch_tp knows and does not implement, and why.
@@ -211,6 +213,18 @@ def _refuse(string: str, where: str) -> None:
     raise ValueError(f"torch_tp.parallelize_module: {where} has the plan string '{string}', which is not a Hugging "
                      f"Face tensor-parallel style torch_tp knows; use one of {', '.join(sorted(_STYLES))}, "
                      "replicate, or a ParallelStyle.")
+
+
+def check_plan_strings(plan, key: str = "") -> None:
+    """Before a plan changes anything: every HF string in it is one torch_tp applies, so an unknown
+    or unimplemented one (an ``ep_plan`` string from a newer transformers) is refused with its
+    plan key while the model is still whole, not after the modules before it were parallelized."""
+    if isinstance(plan, dict):
+        for inner, value in plan.items():
+            check_plan_strings(value, f"{key}.{inner}" if key and inner else key or inner)
+    elif isinstance(plan, str) and plan != "replicate" and plan not in _STYLES and \
+            not any(plan == string for entries in EXPERT_PARAMETER_ENTRIES.values() for _, string in entries):
+        _refuse(plan, f"the plan key '{key}'" if key else "the plan")
 
 
 # The config of the model parallelize_module was given (a transformers model's

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers: the experts of a layer split over the ranks of a tensor-parallel group.
+"""Mixture-of-experts layers: the experts of a layer split over the ranks of a tensor-parallel group,
+whole over an expert-parallel group, or both on an (ep, tp) mesh.
 
 An experts module holds every expert's weights stacked on a leading expert
 dim, as transformers' MoE models do (``@use_experts_implementation``:
@@ -52,6 +53,19 @@ gradient (the router's) is computed where the scores are. The ranks hold
 different tokens (data parallel over the EP ranks); a rank whose experts get
 no rows runs them on one zero row, whose output it drops, so its parameters
 still get (zero) gradients.
+
+NOTE [experts under expert and tensor parallelism]
+On an (ep, tp) mesh, rank (g, t) holds experts [g E/ep, (g+1) E/ep), each
+with intermediate chunk t ([Shard(0), Shard(1)] gate_up_proj, rank-major
+over tp; [Shard(0), Shard(2)] down_proj), as torchtitan's
+ExpertTensorParallel. The TP ranks of an EP rank hold the same tokens (the
+dense layers around are tensor parallel over tp). Each runs the expert
+parallel exchange over its ep group (the ranks of its own tp position, which
+hold the other experts' chunk t): the rows it gets are its TP peers' rows,
+its experts' outputs partial sums over tp, and combine, linear, keeps them
+partial. One all-reduce over tp completes the layer, and the inputs pass
+through copy_to_tp_region, as under tensor parallelism alone: the order is
+copy (tp), dispatch (ep), experts, combine (ep), reduce (tp).
 """
 
 from dataclasses import dataclass
@@ -63,11 +77,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._install import ParallelModule, TPState, install
+from ._layout import tp_group
 from ._params import module_path
 from .packed import PackedLayout, _PackedModule, keep_packed_order_in_state_dicts
 from .style import ParallelStyle, restore_parameters, swap_in_local_parameters
 
-__all__ = ["ExpertParallel", "ExpertsTensorParallel"]
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "ExpertsTensorParallel"]
 
 _EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -109,14 +124,39 @@ class ExpertsTPState(TPState):
     layouts: Dict[str, PackedLayout]  # gate_up_proj's [gate | up] blocks along dim 1 (NOTE [packed parameters])
 
 
-def _local_input(value, name: str):
+def _local_input(value, name: str, style: str):
     """A replicated input as its local tensor (transformers hands plain tensors; a DTensor must be
     ``Replicate()``: every rank's experts read every token)."""
     if isinstance(value, DTensor):
         if any(not isinstance(p, Replicate) for p in value.placements):
-            raise ValueError(f"torch_tp.ExpertsTensorParallel: {name} must be replicated, got {value.placements}")
+            raise ValueError(f"torch_tp.{style}: {name} must be replicated, got {value.placements}")
         return value.to_local()
     return value
+
+
+def _rank_major_gate_up(module: nn.Module, ranks: int) -> PackedLayout:
+    """Put ``gate_up_proj``'s dim 1 in the rank-major order over ``ranks``, whose ``Shard(1)`` chunk r is
+    [gate chunk r | up chunk r] (NOTE [packed parameters]); returns its layout."""
+    intermediate = module.gate_up_proj.shape[1] // 2
+    layout = PackedLayout((intermediate, intermediate), 1, ranks)
+    gate_up = module.gate_up_proj
+    with torch.no_grad():
+        rank_major = gate_up.index_select(1, layout.rank_major_index(gate_up.device))
+    module.gate_up_proj = nn.Parameter(rank_major, requires_grad=gate_up.requires_grad)
+    return layout
+
+
+def _check_divides(module: nn.Module, style: str, what: str, size: int, ranks: int, group: str) -> None:
+    """``what`` ("intermediate size", "experts") of ``size`` must split evenly over ``ranks``."""
+    if size % ranks:
+        raise ValueError(f"torch_tp.{style}: {_where(module)} has {what} {size}, which does not split evenly over "
+                         f"the {ranks} ranks of the {group} group")
+
+
+def _check_num_experts(module: nn.Module, style: str, experts: int) -> None:
+    if getattr(module, "num_experts", experts) != experts:
+        raise ValueError(f"torch_tp.{style}: {_where(module)} has num_experts={module.num_experts}, but its "
+                         f"parameters hold {experts} experts")
 
 
 class _ExpertsTPModule(_PackedModule, ParallelModule):
@@ -128,8 +168,10 @@ class _ExpertsTPModule(_PackedModule, ParallelModule):
         parallelism]): replicated [T, H] and routing in, the whole [T, H] out."""
         state = self._tp_state
         group = state.group.name
-        hidden_states = torch.ops.torch_tp.copy_to_tp_region(_local_input(hidden_states, "hidden_states"), group)
-        top_k_weights = torch.ops.torch_tp.copy_to_tp_region(_local_input(top_k_weights, "top_k_weights"), group)
+        hidden_states = _local_input(hidden_states, "hidden_states", self._tp_kind)
+        top_k_weights = _local_input(top_k_weights, "top_k_weights", self._tp_kind)
+        hidden_states = torch.ops.torch_tp.copy_to_tp_region(hidden_states, group)
+        top_k_weights = torch.ops.torch_tp.copy_to_tp_region(top_k_weights, group)
         set_aside = swap_in_local_parameters(self, state.parameter_names, False)
         try:
             partial = super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -163,17 +205,12 @@ class ExpertsTensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
+        state = getattr(module, "_tp_state", None)
+        if isinstance(state, ExpertTensorParallelState) and state.group == tp_group(device_mesh):
+            return module  # already split over this TP group too (a tp_plan after ExpertTensorParallel)
         _, intermediate, _ = experts_sizes(module, name)
-        ranks = device_mesh.size()
-        if intermediate % ranks:
-            raise ValueError(f"torch_tp.{name}: {_where(module)} has intermediate size {intermediate}, which does not "
-                             f"split over the {ranks} ranks of the TP group")
-        # gate_up_proj's dim 1 in the rank-major order, whose Shard(1) chunk r is [gate chunk r | up chunk r].
-        layout = PackedLayout((intermediate, intermediate), 1, ranks)
-        gate_up = module.gate_up_proj
-        with torch.no_grad():
-            rank_major = gate_up.index_select(1, layout.rank_major_index(gate_up.device))
-        module.gate_up_proj = nn.Parameter(rank_major, requires_grad=gate_up.requires_grad)
+        _check_divides(module, name, "intermediate size", intermediate, device_mesh.size(), "TP")
+        layout = _rank_major_gate_up(module, device_mesh.size())
         install(module, device_mesh, self, {"gate_up_proj": Shard(1), "down_proj": Shard(2)}, _ExpertsTPModule,
                 ExpertsTPState, _EXPERT_PARAMETERS, {"gate_up_proj": layout})
         keep_packed_order_in_state_dicts(module)
@@ -189,6 +226,14 @@ class ExpertParallelState(TPState):
 
     parameter_names: Tuple[str, ...]
     num_experts: int  # E, over the whole group; the module's forward sees its E / p
+    ep_group: str  # the group the tokens are exchanged over (the mesh's, or an (ep, tp) mesh's ep dim)
+
+
+@dataclass(eq=False)
+class ExpertTensorParallelState(ExpertParallelState):
+    """An ExpertTensorParallel experts module; ``group`` is its mesh's tp dim."""
+
+    layouts: Dict[str, PackedLayout]  # gate_up_proj's [gate | up] blocks over tp (NOTE [packed parameters])
 
 
 class _ExpertParallelModule(ParallelModule):
@@ -198,10 +243,15 @@ class _ExpertParallelModule(ParallelModule):
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         """This rank's tokens [T, H] with their global expert ids -> their weighted expert outputs [T, H]
         (NOTE [experts under expert parallelism])."""
+        hidden_states = _local_input(hidden_states, "hidden_states", self._tp_kind)
+        top_k_weights = _local_input(top_k_weights, "top_k_weights", self._tp_kind)
+        return self._exchange_and_run(hidden_states, top_k_index, top_k_weights, args, kwargs)
+
+    def _exchange_and_run(self, hidden_states, top_k_index, top_k_weights, args, kwargs):
+        """The tokens to the ranks of their experts over ``ep_group``, the module's own forward on the
+        rows this rank's experts get, the results back and summed per token."""
         state = self._tp_state
-        group = state.group.name
-        hidden_states = _local_input(hidden_states, "hidden_states")
-        top_k_weights = _local_input(top_k_weights, "top_k_weights")
+        group = state.ep_group
         rows, rows_per_expert, order, tokens_per_expert, recv_counts = torch.ops.torch_tp.moe_token_dispatch(
             hidden_states, top_k_index, state.num_experts, group)
         local_experts = rows_per_expert.numel()
@@ -216,7 +266,8 @@ class _ExpertParallelModule(ParallelModule):
         set_aside = swap_in_local_parameters(self, state.parameter_names, False)
         self.num_experts = local_experts
         try:
-            out = super().forward(rows, expert_ids, unit_weights, *args, **kwargs)[:received]
+            out = super(_ExpertParallelModule, self).forward(rows, expert_ids, unit_weights, *args, **kwargs)
+            out = out[:received]
         finally:
             self.num_experts = state.num_experts
             restore_parameters(self, set_aside)
@@ -249,15 +300,72 @@ class ExpertParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
         experts, _, _ = experts_sizes(module, name)
-        ranks = device_mesh.size()
-        if experts % ranks:
-            raise ValueError(f"torch_tp.{name}: {_where(module)} has {experts} experts, which do not split over the "
-                             f"{ranks} ranks of the expert-parallel group")
-        if getattr(module, "num_experts", experts) != experts:
-            raise ValueError(f"torch_tp.{name}: {_where(module)} has num_experts={module.num_experts}, but its "
-                             f"parameters hold {experts} experts")
+        _check_divides(module, name, "experts", experts, device_mesh.size(), "expert-parallel")
+        _check_num_experts(module, name, experts)
         install(module, device_mesh, self, {"gate_up_proj": Shard(0), "down_proj": Shard(0)}, _ExpertParallelModule,
-                ExpertParallelState, _EXPERT_PARAMETERS, experts)
+                ExpertParallelState, _EXPERT_PARAMETERS, experts, tp_group(device_mesh).name)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class _ExpertTensorParallelModule(_PackedModule, _ExpertParallelModule):
+    _tp_kind = "ExpertTensorParallel"
+    _tp_state: ExpertTensorParallelState
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        """The tokens of this rank's TP group [T, H] -> their weighted expert outputs [T, H] (NOTE [experts
+        under expert and tensor parallelism]): copy (tp), dispatch (ep), experts, combine (ep), reduce (tp)."""
+        tp = self._tp_state.group.name
+        hidden_states = _local_input(hidden_states, "hidden_states", self._tp_kind)
+        top_k_weights = _local_input(top_k_weights, "top_k_weights", self._tp_kind)
+        hidden_states = torch.ops.torch_tp.copy_to_tp_region(hidden_states, tp)
+        top_k_weights = torch.ops.torch_tp.copy_to_tp_region(top_k_weights, tp)
+        partial = self._exchange_and_run(hidden_states, top_k_index, top_k_weights, args, kwargs)
+        return torch.ops.torch_tp.reduce_from_tp_region(partial, tp)
+
+
+class ExpertTensorParallel(ParallelStyle):
+    r"""Split the experts of an experts module whole over the ``ep`` dim of a 2-D ``(ep, tp)`` mesh
+    and each expert's intermediate dim over its ``tp`` dim (torchtitan's ``ExpertTensorParallel``).
+
+    Rank ``(g, t)`` holds experts ``[g E/ep, (g+1) E/ep)``, each with the
+    ``t``-th chunk of its intermediate dim: ``gate_up_proj`` is ``[Shard(0),
+    Shard(1)]`` (its ``[gate | up]`` blocks split as under
+    :class:`ExpertsTensorParallel`) and ``down_proj`` ``[Shard(0),
+    Shard(2)]``, DTensors of the full ``[E, ...]`` shape whose state dicts are
+    in the natural order. The ranks of a tp group hold the same tokens, those
+    of an ep group their own: the tokens move over ep as under
+    :class:`ExpertParallel`, and the output is all-reduced over tp once (NOTE
+    [experts under expert and tensor parallelism] in
+    ``torch_tp/parallel/moe.py``). Apply it before the model's TP plan on
+    ``mesh["tp"]``; that plan's ``moe_tp_experts`` then leaves the module as
+    it is.
+
+    Example::
+
+        >>> from torch_tp import parallelize_module, ExpertTensorParallel
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        >>> parallelize_module(model, mesh, {"model.layers.*.mlp.experts": ExpertTensorParallel()})
+        >>> parallelize_module(model, mesh["tp"], model.tp_plan)
+    """
+
+    mesh_ndim = 2  # parallelize_module takes an (ep, tp) mesh for it
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = type(self).__name__
+        if device_mesh.ndim != 2:
+            raise ValueError(f"torch_tp.{name}: {_where(module)} needs a 2-D (ep, tp) mesh, got {device_mesh}")
+        experts, intermediate, _ = experts_sizes(module, name)
+        _check_divides(module, name, "experts", experts, device_mesh.size(0), "expert-parallel (mesh dim 0)")
+        _check_divides(module, name, "intermediate size", intermediate, device_mesh.size(1), "TP (mesh dim 1)")
+        _check_num_experts(module, name, experts)
+        layout = _rank_major_gate_up(module, device_mesh.size(1))
+        install(module, device_mesh, self, {"gate_up_proj": (Shard(0), Shard(1)), "down_proj": (Shard(0), Shard(2))},
+                _ExpertTensorParallelModule, ExpertTensorParallelState, _EXPERT_PARAMETERS, experts,
+                tp_group(device_mesh, 0).name, {"gate_up_proj": layout})
+        keep_packed_order_in_state_dicts(module)
         return module
 
     def __repr__(self) -> str:
