@@ -8,8 +8,9 @@ reference is transformers' ``from_pretrained`` of that directory followed by
 then ``load_pretrained``. Their parameters (each rank's local tensors) and buffers must be equal
 bit for bit: loading only moves and casts data. The plans cover HF's strings (with tied
 embeddings), torchtitan's sequence-parallel styles, packed blocks with 4, 2 and 1 KV heads, and a
-Qwen3-MoE under its own plan (experts split by ExpertsTensorParallel) whose per-expert checkpoint
-tensors transformers merges at load time.
+Qwen3-MoE, whose per-expert checkpoint tensors transformers merges at load time, under its own
+tp_plan (experts split by ExpertsTensorParallel), its ep_plan (whole experts per rank) and
+ExpertTensorParallel on an (ep, tp) mesh of 2 x 2.
 
 Then torch_tp's copy trains one AdamW step and is written by ``torch_tp.parallel.save_pretrained``:
 transformers' ``from_pretrained`` must load that directory unsharded with exactly the gathered
@@ -70,6 +71,8 @@ def _save_reference(kind: str, path: str) -> None:
 def _plan(model, plan: str):
     if plan == "hf":
         return model.tp_plan
+    if plan == "ep":
+        return model.ep_plan
     if plan == "sp":  # the logits gathered: HF's own loss takes them
         return dict(sp_plan(), lm_head=ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()))
     assert plan == "packed", plan
@@ -77,6 +80,10 @@ def _plan(model, plan: str):
 
 
 def _parallel(model, plan: str):
+    if plan == "ep_tp":  # the experts over (ep, tp), ExpertTensorParallel; the rest by the tp_plan over tp
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("ep", "tp"))
+        torch_tp.parallelize_module(model, mesh, {"model.layers.*.mlp.experts": torch_tp.ExpertTensorParallel()})
+        return torch_tp.parallelize_module(model, mesh["tp"], model.tp_plan)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     return torch_tp.parallelize_module(model, mesh, _plan(model, plan))
 
@@ -155,12 +162,13 @@ def _check_reload(kind: str, plan: str, out: str) -> None:
 
 # Where a directory torch_tp wrote is loaded again at another degree.
 RELOAD_AT = {("llama", "hf", 2): 4, ("qwen3_tied", "hf", 2): 1, ("phi3_kv4", "packed", 2): 4,
-             ("phi3_kv1", "packed", 2): 4, ("qwen3_moe", "hf", 2): 4}
+             ("phi3_kv1", "packed", 2): 4, ("qwen3_moe", "hf", 2): 4, ("qwen3_moe", "ep", 2): 4}
 
 
 @pytest.mark.parametrize("kind, plan, world_size", [
     ("llama", "hf", 1), ("llama", "hf", 2), ("llama", "hf", 4), ("qwen3_tied", "hf", 2), ("llama", "sp", 2),
     ("phi3_kv4", "packed", 2), ("phi3_kv1", "packed", 2), ("phi3_kv2", "packed", 4), ("qwen3_moe", "hf", 2),
+    ("qwen3_moe", "ep", 2), ("qwen3_moe", "ep_tp", 4),
 ])
 def test_load_and_save(ranks, tmp_path, kind, plan, world_size):
     path, out = str(tmp_path / "hf"), str(tmp_path / "torch_tp")

@@ -13,9 +13,9 @@ order, as DTensor nests them). That piece is a box of the full tensor: a range o
 ``safe_open(...).get_slice(name)[box]`` reads just those bytes from the file, so a rank reads
 its shard and the replicated tensors, never a full sharded tensor. A packed parameter (NOTE
 [packed parameters] in packed.py) is not one box but one per block (this rank's chunk of each
-block, concatenated along the packed dim), read block by block into its local tensor. What
-fits neither (``_StridedShard`` under FSDP2, a packed parameter on a 2-D mesh) is read whole
-and cut locally, as :func:`~torch_tp.load_full_state_dict` cuts it. Each tensor is read under
+block, concatenated along the packed dim), read block by block into its local tensor, on a 1-D
+mesh and on an (ep, tp) mesh alike. What fits neither (``_StridedShard`` under FSDP2) is read
+whole and cut locally, as :func:`~torch_tp.load_full_state_dict` cuts it. Each tensor is read under
 its own ``safe_open``, so the file's mapped pages are released after every tensor and a rank's
 resident memory grows by what it keeps, not by what it touched.
 
@@ -188,15 +188,32 @@ def _dtensor_box(param: DTensor) -> Optional[Box]:
 
 
 def _packed_boxes(param: DTensor, layout: PackedLayout) -> Optional[List[Tuple[Box, int]]]:
-    """For a packed parameter on a 1-D mesh: (box of the full natural tensor, offset along the
-    packed dim in the local tensor) of each block's chunk on this rank."""
-    if param.device_mesh.ndim != 1:
+    """For a packed parameter: (box of the full natural tensor, offset along the packed dim in the
+    local tensor) of each block's chunk on this rank. The packed dim is split by the one mesh dim
+    of the layout's degree (the TP dim); the others may ``Shard`` other dims (the experts dim on an
+    (ep, tp) mesh) or replicate. None for any other layout."""
+    coordinate = param.device_mesh.get_coordinate()
+    if coordinate is None:
         return None
-    rank = param.device_mesh.get_local_rank()
+    box, rank = [(0, n) for n in param.shape], None
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:
+            return None
+        if placement.dim == layout.dim:
+            if rank is not None or param.device_mesh.size(mesh_dim) != layout.degree:
+                return None
+            rank = coordinate[mesh_dim]
+            continue
+        start, length = box[placement.dim]
+        offset, length = chunk_range(length, param.device_mesh.size(mesh_dim), coordinate[mesh_dim])
+        box[placement.dim] = (start + offset, length)
+    if rank is None:
+        return None
     pieces, natural, local = [], 0, 0
     for size in layout.blocks:
         chunk = size // layout.degree
-        box = [(0, n) for n in param.shape]
         box[layout.dim] = (natural + rank * chunk, chunk)
         pieces.append((tuple(box), local))
         natural += size
