@@ -338,6 +338,70 @@ def test_dcp_across_expert_layouts(ranks, tmp_path):
         ranks(ep * tp).run(_dcp_load, path, ep, tp, timeout=300)
 
 
+class _GroupedExperts(torch.nn.Module):
+    """torchtitan's GroupedExperts contract in float64 (its own computes in bfloat16): w1, w3 [E, I, H],
+    w2 [E, H, I]; forward(x [N, H] sorted by expert, num_tokens_per_expert [E]) -> [N, H]."""
+
+    def __init__(self, experts: int = 4, hidden: int = 16, intermediate: int = 8):
+        super().__init__()
+        self.num_experts = experts
+        make = torch.nn.Parameter
+        self.w1 = make(torch.randn(experts, intermediate, hidden, dtype=torch.float64) / 4)
+        self.w2 = make(torch.randn(experts, hidden, intermediate, dtype=torch.float64) / 4)
+        self.w3 = make(torch.randn(experts, intermediate, hidden, dtype=torch.float64) / 4)
+
+    def forward(self, x, num_tokens_per_expert):
+        rows = x.split(num_tokens_per_expert.tolist())
+        return torch.cat([(torch.nn.functional.silu(r @ w1.T) * (r @ w3.T)) @ w2.T
+                          for r, w1, w2, w3 in zip(rows, self.w1, self.w2, self.w3)])
+
+
+def _titan_experts():
+    """torchtitan's own GroupedExperts (0.3's config API), or None where torchtitan is not installed
+    (a benchmark peer, not a test dependency)."""
+    try:
+        from torchtitan.models.common.moe import GroupedExperts
+    except ImportError:
+        return None
+    module = GroupedExperts(GroupedExperts.Config(dim=16, hidden_dim=8, num_experts=4))
+    for param in module.parameters():
+        torch.nn.init.normal_(param, std=0.25)
+    return module
+
+
+def _check_grouped_experts():
+    """ExpertParallel on torchtitan's grouped-experts form: each rank's rows (sorted by expert, a
+    skewed count with an empty expert; a rank of no rows at 4 ranks) must give the unsharded
+    module's outputs on them, and the experts' gradients the sum over the ranks' rows. float64:
+    1e-12; torchtitan's own module computes in bfloat16 (its grouped GEMMs cast): 2e-2."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    for unsharded, tol in ((_GroupedExperts(), 1e-12), (_titan_experts(), 2e-2)):
+        if unsharded is None:
+            continue
+        ours = torch_tp.parallelize_module(copy.deepcopy(unsharded), mesh, torch_tp.ExpertParallel())
+        assert all(p.placements == (Shard(0),) and p.to_local().shape[0] == 4 // world_size
+                   for p in ours.parameters())
+        counts = torch.tensor([0, 5, 1, 2]) * (rank + 1) * (rank != 3)  # rank 3 (of 4) has no rows
+        dtype = next(unsharded.parameters()).dtype
+        x = torch.randn(int(counts.sum()), 16, dtype=dtype, generator=torch.Generator().manual_seed(rank))
+        what = f"{type(unsharded).__name__} at {world_size} ranks, rank {rank}"
+        expected, got = unsharded(x, counts), ours(x, counts)
+        assert_close(got, expected, f"{what}: output", tol)
+        expected.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        for (name, param), reference in zip(ours.named_parameters(), unsharded.parameters()):
+            summed = reference.grad.clone()
+            dist.all_reduce(summed)
+            assert_close(_full(param.grad), summed, f"{what}: {name}.grad", tol, floor=GRAD_FLOOR)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_grouped_experts(ranks, world_size):
+    ranks(world_size).run(_check_grouped_experts, timeout=300)
+
+
 def _check_bad_input():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     world_size = dist.get_world_size()

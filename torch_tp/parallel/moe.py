@@ -54,6 +54,17 @@ different tokens (data parallel over the EP ranks); a rank whose experts get
 no rows runs them on one zero row, whose output it drops, so its parameters
 still get (zero) gradients.
 
+NOTE [torchtitan's grouped experts under expert parallelism]
+torchtitan's GroupedExperts holds w1, w2, w3 (``w1_EFD``, ``w2_EDF``, ``w3_EFD``
+in torchtitan 0.3), each [E, ...], and its forward takes rows already sorted
+by expert with their counts, ``(x [N, H], num_tokens_per_expert [E]) -> [N,
+H]``; the router and the sort are outside it (torchtitan's token
+dispatcher). ExpertParallel shards every one of its 3-D parameters on dim 0
+and runs its forward between ``torch_tp::moe_dispatch`` (the rows to the
+ranks of their experts, regrouped by local expert, with the local counts) and
+``moe_combine`` (back, in the sender's sorted order): torchtitan's own
+ExpertParallel movement, on local tensors.
+
 NOTE [experts under expert and tensor parallelism]
 On an (ep, tp) mesh, rank (g, t) holds experts [g E/ep, (g+1) E/ep), each
 with intermediate chunk t ([Shard(0), Shard(1)] gate_up_proj, rank-major
@@ -90,6 +101,13 @@ _EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 def _where(module: nn.Module) -> str:
     where = f"'{module_path()}'" if module_path() else "the root module"
     return f"{where} ({type(module).__name__})"
+
+
+def grouped_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchtitan GroupedExperts (NOTE [torchtitan's grouped experts under
+    expert parallelism]): w1, w2, w3 stacked on a leading experts dim, no transformers layout."""
+    names = sorted(name.partition("_")[0] for name in module._parameters)
+    return names == ["w1", "w2", "w3"] and "gate_up_proj" not in module._parameters
 
 
 def experts_sizes(module: nn.Module, style: str) -> Tuple[int, int, int]:
@@ -291,6 +309,11 @@ class ExpertParallel(ParallelStyle):
     holds its own tokens: the ranks of the mesh are data parallel for
     everything but the experts.
 
+    torchtitan's ``GroupedExperts`` (``w1``, ``w2``, ``w3`` of ``[E, ...]``,
+    forward ``(x [N, H] sorted by expert, num_tokens_per_expert [E])``) is
+    split the same way, its rows moved by ``moe_dispatch`` and ``moe_combine``
+    (NOTE [torchtitan's grouped experts under expert parallelism]).
+
     Example::
 
         >>> from torch_tp import parallelize_module, ExpertParallel
@@ -299,15 +322,51 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = type(self).__name__
-        experts, _, _ = experts_sizes(module, name)
+        if grouped_experts(module):  # torchtitan's GroupedExperts
+            experts, names, mixin = _grouped_experts_count(module, name), tuple(module._parameters), \
+                _GroupedExpertParallelModule
+        else:
+            (experts, _, _), names, mixin = experts_sizes(module, name), _EXPERT_PARAMETERS, _ExpertParallelModule
         _check_divides(module, name, "experts", experts, device_mesh.size(), "expert-parallel")
         _check_num_experts(module, name, experts)
-        install(module, device_mesh, self, {"gate_up_proj": Shard(0), "down_proj": Shard(0)}, _ExpertParallelModule,
-                ExpertParallelState, _EXPERT_PARAMETERS, experts, tp_group(device_mesh).name)
+        install(module, device_mesh, self, {param: Shard(0) for param in names}, mixin, ExpertParallelState, names,
+                experts, tp_group(device_mesh).name)
         return module
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class _GroupedExpertParallelModule(ParallelModule):
+    _tp_kind = "ExpertParallel"
+    _tp_state: ExpertParallelState
+
+    def forward(self, x, num_tokens_per_expert, *args, **kwargs):
+        """This rank's rows [N, H] sorted by global expert, with their counts [E] -> the experts'
+        outputs [N, H] in the same order (NOTE [torchtitan's grouped experts under expert parallelism])."""
+        state = self._tp_state
+        rows, rows_per_expert, recv_counts = torch.ops.torch_tp.moe_dispatch(x, num_tokens_per_expert,
+                                                                             state.ep_group)
+        set_aside = swap_in_local_parameters(self, state.parameter_names, False)
+        try:
+            out = super().forward(rows, rows_per_expert, *args, **kwargs)
+        finally:
+            restore_parameters(self, set_aside)
+        return torch.ops.torch_tp.moe_combine(out, recv_counts, num_tokens_per_expert, state.ep_group)
+
+
+def _grouped_experts_count(module: nn.Module, style: str) -> int:
+    """E of a torchtitan GroupedExperts: every parameter 3-D with the same leading dim, plain."""
+    shapes = {name: tuple(param.shape) for name, param in module._parameters.items()}
+    counts = {shape[0] if len(shape) == 3 else None for shape in shapes.values()}
+    if len(counts) != 1 or None in counts:
+        raise ValueError(f"torch_tp.{style}: {_where(module)} holds {shapes}; grouped experts are 3-D "
+                         "[E, ..] parameters with one E")
+    for name, param in module._parameters.items():
+        if isinstance(param, DTensor):
+            raise ValueError(f"torch_tp.{style}: {_where(module)}: parameter '{name}' is already a DTensor "
+                             f"({param.placements} on {param.device_mesh}); {style} distributes the plain one")
+    return counts.pop()
 
 
 class _ExpertTensorParallelModule(_PackedModule, _ExpertParallelModule):
