@@ -75,6 +75,15 @@ def _full_natural(model, name: str, value):
     return full
 
 
+def _forward_both(unsharded, ours, ids, what: str, tol: float):
+    """Both models' outputs on ``ids``, after checking that ours has the unsharded logits, loss and
+    auxiliary load-balancing loss."""
+    expected, got = unsharded(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
+    for name in ("logits", "loss", "aux_loss"):
+        assert_close(getattr(got, name), getattr(expected, name), f"{what}: {name}", tol)
+    return expected, got
+
+
 def _assert_grads_then_adamw(ours, unsharded, what: str, tol: float):
     """Every gradient of ``ours`` (full, natural order) is the unsharded model's, and so is the state
     dict after an AdamW step of both, with the full ``[E, ...]`` expert tensors."""
@@ -103,12 +112,8 @@ def _check_plan(kind: str):
     assert not isinstance(ours.model.layers[0].mlp.gate.weight, DTensor), "the router must stay replicated"
 
     torch.manual_seed(1)
-    ids = torch.randint(0, 64, (2, 12))
-    expected, got = unsharded(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
     what = f"{kind} at {world_size} ranks"
-    assert_close(got.logits, expected.logits, f"{what}: logits", tol)
-    assert_close(got.loss, expected.loss, f"{what}: loss", tol)
-    assert_close(got.aux_loss, expected.aux_loss, f"{what}: aux_loss", tol)
+    expected, got = _forward_both(unsharded, ours, torch.randint(0, 64, (2, 12)), what, tol)
     expected.loss.backward()
     got.loss.backward()
     _assert_grads_then_adamw(ours, unsharded, what, tol)
@@ -213,12 +218,8 @@ def _check_expert_layout(kind: str, ep: int, tp: int):
     assert experts.gate_up_proj.to_local().shape == (4 // ep, 64 // tp, 32)
     assert not isinstance(ours.model.layers[0].mlp.gate.weight, DTensor), "the router must stay replicated"
 
-    ids = _batch(group)
-    expected, got = unsharded(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
     what = f"{kind} at ep {ep} x tp {tp}, rank {dist.get_rank()}"
-    assert_close(got.logits, expected.logits, f"{what}: logits", tol)
-    assert_close(got.loss, expected.loss, f"{what}: loss", tol)
-    assert_close(got.aux_loss, expected.aux_loss, f"{what}: aux_loss", tol)
+    expected, got = _forward_both(unsharded, ours, _batch(group), what, tol)
     got.loss.backward()
     _sum_over_ep(ours, mesh)
     expected.loss.backward()
