@@ -7,7 +7,10 @@ splits), its gradient with the reverse exchange of the upstream gradient. ``moe_
 choice is expert 0, and at 4 ranks rank 1 has no tokens at all. The output, and the gradients of the
 hidden states, of the routing weights and of ``W``, must equal the unsharded layer's; ``W``'s
 gradient rows of this rank's experts sum over every rank's tokens (the all-reduce of the
-references). ``moe_combine(moe_dispatch(x))`` gives ``x`` back exactly (only moves).
+references). ``moe_combine(moe_dispatch(x))`` gives ``x`` back exactly (only moves). ``torch.compile(fullgraph=True)``
+(aot_eager at 2 and 4 ranks, inductor at 2) of all five ops around a toy expert layer gives the eager outputs
+and gradients. A wrong router is refused by name: an expert id out of range (either side), more experts per
+token than there are.
 
 Tolerance: float64, 1e-12 of each tensor's largest magnitude: the exchange only moves rows, so the
 only differences are the order of the K-term weighted sums and of the gradient sums over ranks.
@@ -18,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 import torch_tp
+
+import multirank
 from _compare import assert_close, assert_error_names
 
 TOL = 1e-12
@@ -89,10 +94,103 @@ def _check_bad_input():
     index = torch.tensor([[0, 1], [2, EXPERTS], [1, 0]])  # an expert id out of range, on every rank
     assert_error_names(lambda: torch_tp.ops.moe_token_dispatch(hidden, index, EXPERTS, group),
                        ["moe_token_dispatch", f"{EXPERTS}", "num_experts"], IndexError)
+    assert_error_names(lambda: torch_tp.ops.moe_token_dispatch(hidden, index.clamp(max=1) - 1, EXPERTS, group),
+                       ["moe_token_dispatch", "expert id -1", "num_experts"], IndexError)
+    # More experts per token than there are (ids in range, K=5 > E=4): refused before anything is sent.
+    wide = torch.arange(3 * (EXPERTS + 1)).remainder(EXPERTS).view(3, EXPERTS + 1)
+    assert_error_names(lambda: torch_tp.ops.moe_token_dispatch(hidden, wide, EXPERTS, group),
+                       ["moe_token_dispatch", f"K={EXPERTS + 1}", f"num_experts={EXPERTS}"])
     if dist.get_world_size() > 1:
         assert_error_names(lambda: torch_tp.ops.moe_token_dispatch(hidden, index.clamp(max=2), 3, group),
                            ["3", f"{dist.get_world_size()}"], Exception)
     torch.ops.torch_tp.all_reduce(torch.ones(1), "sum", torch_tp.ops.group_name(group))  # every rank still in step
+
+
+def _local_experts(rows, rows_per_expert, weight):
+    """This rank's experts on the rows a dispatch brought (expert-major): row r of local expert e is
+    ``rows[r] @ weight[e]^T``. A loop of masked matmuls, one per local expert (no torch._grouped_mm, no
+    split by data-dependent sizes), so the function has no host read of the counts."""
+    expert_of_row = torch.searchsorted(rows_per_expert.cumsum(0), torch.arange(rows.size(0)), right=True)
+    out = torch.zeros(rows.size(0), weight.size(1), dtype=rows.dtype)
+    for e in range(weight.size(0)):
+        out = out + torch.where((expert_of_row == e).unsqueeze(1), rows @ weight[e].t(), 0.0)
+    return out
+
+
+def _moe_block(hidden, index, scores, weight, tokens, tokens_per_expert, x, output_splits, input_splits, group):
+    """Every token exchange op in one function: the HF pair around the experts, the torchtitan pair
+    around them, and an uneven all-to-all there and back."""
+    rows, rows_per_expert, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(
+        hidden, index, EXPERTS, group)
+    out = torch_tp.ops.moe_token_combine(_local_experts(rows, rows_per_expert, weight), scores, order, per_expert,
+                                         recv_counts, group)
+    local, local_per_expert, counts = torch_tp.ops.moe_dispatch(tokens, tokens_per_expert, group)
+    back = torch_tp.ops.moe_combine(_local_experts(local, local_per_expert, weight).tanh(), counts, tokens_per_expert,
+                                    group)
+    y = torch_tp.ops.all_to_all_single(x, output_splits, input_splits, group)
+    z = torch_tp.ops.all_to_all_single(y.sin(), input_splits, output_splits, group)
+    return out, back, y, z
+
+
+def _check_compiled(backend):
+    """``torch.compile(fullgraph=True)`` of :func:`_moe_block` gives the eager outputs and gradients.
+
+    The routing is skewed as in :func:`_check_token_exchange`, and no token picks the last expert, so the
+    last rank receives no rows for it (at 4 ranks: no rows at all), in both pairs. The row counts the
+    exchanges return are data-dependent (unbacked sizes of the fake kernels); the splits of
+    ``all_to_all_single`` are Python ints, different on each rank, so each rank compiles its own graph.
+
+    ``fullgraph=True`` is what lets dynamo keep the ops with data-dependent output sizes in the graph
+    (dynamo allows them under fullgraph, or with ``torch._dynamo.config.capture_dynamic_output_shape_ops``);
+    without either, it breaks the graph at ``moe_token_dispatch``/``moe_dispatch`` and at a combine whose
+    counts come from outside the graph, and runs those ops eagerly.
+
+    Tolerance: float64, ``TOL`` (1e-12 of each tensor's largest magnitude). The compiled graph runs the same
+    float64 kernels on the same rows (the ops only move them); what may differ is the order of sums: the
+    gradient contributions of the K slots and of the per-expert loop, and inductor's fused reductions.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    local = EXPERTS // world_size
+    gen = torch.Generator().manual_seed(10 + rank)
+    tokens = 0 if (world_size == 4 and rank == 1) else 3 + rank
+    index = torch.stack([torch.zeros(tokens, dtype=torch.long),
+                         torch.randint(1, EXPERTS - 1, (tokens,), generator=gen)], dim=1)  # never the last expert
+    per_expert = torch.tensor([2 + rank, 1, rank % 2] + [0] * (EXPERTS - 3))  # again none for the last expert
+    input_splits = [(rank + 2 * peer) % 3 for peer in range(world_size)]  # uneven, some zero
+    output_splits = [(peer + 2 * rank) % 3 for peer in range(world_size)]
+    inputs = [torch.randn(tokens, HIDDEN, dtype=torch.float64, generator=gen), index,
+              torch.rand(tokens, TOP_K, dtype=torch.float64, generator=gen),
+              torch.randn(local, HIDDEN, HIDDEN, dtype=torch.float64, generator=gen),
+              torch.randn(int(per_expert.sum()), HIDDEN, dtype=torch.float64, generator=gen), per_expert,
+              torch.randn(sum(input_splits), 2, dtype=torch.float64, generator=gen)]
+    differentiable = (0, 2, 3, 4, 6)
+    grads_out = None
+    results = []
+    torch._dynamo.reset()
+    for fn in (_moe_block, torch.compile(_moe_block, backend=backend, fullgraph=True)):
+        args = [t.clone().requires_grad_(i in differentiable) for i, t in enumerate(inputs)]
+        outs = fn(*args, output_splits, input_splits, group)
+        if grads_out is None:
+            grads_out = [torch.randn(o.shape, dtype=torch.float64, generator=gen) for o in outs]
+        torch.autograd.backward(outs, grads_out)
+        results.append([o.detach() for o in outs] + [args[i].grad for i in differentiable])
+    names = ["out", "back", "y", "z"] + [f"grad of input {i}" for i in differentiable]
+    for name, got, expected in zip(names, results[1], results[0]):
+        assert_close(got, expected, f"rank {rank} of {world_size}, {backend}: {name}", TOL)
+
+
+def _check_compiled_combine_alone():
+    """``moe_token_combine`` compiled on its own, its counts made by an eager ``moe_token_dispatch`` (what a
+    graph break between the two gives)."""
+    hidden = torch.randn(3, HIDDEN, dtype=torch.float64)
+    index = torch.tensor([[0, 1], [2, 1], [0, 3]])
+    scores = torch.rand(3, TOP_K, dtype=torch.float64)
+    rows, _, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(hidden, index, EXPERTS, None)
+    torch._dynamo.reset()
+    combine = torch.compile(torch_tp.ops.moe_token_combine, backend="aot_eager", fullgraph=True)
+    assert_close(combine(rows, scores, order, per_expert, recv_counts),
+                 torch_tp.ops.moe_token_combine(rows, scores, order, per_expert, recv_counts), "combine", TOL)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -108,3 +206,26 @@ def test_token_dispatch_and_combine(ranks, world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_bad_input(ranks, world_size):
     ranks(world_size).run(_check_bad_input)
+
+
+@pytest.mark.parametrize("world_size, backend", [(2, "aot_eager"), (4, "aot_eager"), (2, "inductor")])
+def test_compiled_matches_eager(ranks, world_size, backend):
+    ranks(world_size).run(_check_compiled, backend, timeout=300)
+
+
+class _PendingUnbackedSize(Exception):
+    """The known limitation of :func:`test_compiled_combine_with_counts_from_outside`, and nothing else."""
+
+
+@pytest.mark.xfail(raises=_PendingUnbackedSize, strict=True,
+                   reason="the C++ composite moe_token_combine makes an unbacked size (its inner moe_combine's) that "
+                   "none of its outputs holds, which dynamo refuses (PendingUnbackedSymbolNotFound) when the counts "
+                   "are not the ones a moe_token_dispatch in the same graph made (NOTE [row counts the fake kernels "
+                   "know] in torch_tp/ops.py)")
+def test_compiled_combine_with_counts_from_outside(ranks):
+    try:
+        ranks(1).run(_check_compiled_combine_alone, timeout=300)
+    except multirank.RankError as e:
+        if "PendingUnbackedSymbolNotFound" in str(e):
+            raise _PendingUnbackedSize(str(e)) from None
+        raise

@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._torch_private import LocalTensor, LocalTensorMode, resolve_process_group
 
@@ -436,6 +437,51 @@ def rms_norm(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optio
 # torch.library.get_ctx().new_dynamic_size() makes (C++ Meta kernels have no
 # way to), so these three fake kernels live here; the checks on values stay
 # in the device kernels.
+#
+# NOTE [row counts the fake kernels know]
+# A fresh unbacked size per call is not enough. moe_token_combine is a C++
+# composite that dynamo records as one node: its inner moe_combine's fresh
+# size is checked equal to order.size(0) and then appears in none of the
+# node's outputs, which dynamo refuses (PendingUnbackedSymbolNotFound). And
+# moe_combine(moe_dispatch(x)) would have a size unrelated to x's, so adding
+# it to x (a residual) costs runtime asserts. But the kernels check two facts
+# the fake kernels can reuse: sum(tokens_per_expert) == tokens.size(0)
+# (moe_dispatch, _moe_dispatch_rows) and sum(recv_counts) == the rows
+# dispatched (local_out.size(0) of moe_combine). So each fake kernel remembers,
+# per count tensor (by identity, while its version is unchanged: the same
+# values), how many rows it sums to, and a later movement of the same counts
+# returns exactly that size: moe_combine the sender's rows (x's), and
+# _moe_dispatch_rows the dispatched rows. Counts not seen in the trace (made
+# outside the compiled graph, changed in place, inference tensors) get a fresh
+# unbacked size; moe_token_combine then still fails as above when its counts
+# come from outside the graph (a graph break between moe_token_dispatch and
+# moe_token_combine), which needs a change in C++ (the composite passing its
+# known row count, order.size(0), to the movement).
+_rows_of_counts = WeakIdKeyDictionary()
+
+
+def _version(counts: torch.Tensor) -> Optional[int]:
+    try:
+        return counts._version
+    except RuntimeError:  # an inference tensor keeps no version
+        return None
+
+
+def _remember_rows(counts: torch.Tensor, rows) -> None:
+    version = _version(counts)
+    if version is not None:
+        _rows_of_counts[counts] = (version, rows)
+
+
+def _rows(counts: torch.Tensor):
+    known = _rows_of_counts.get(counts)
+    if known is not None and known[0] == _version(counts):
+        return known[1]
+    rows = torch.library.get_ctx().new_dynamic_size()
+    _remember_rows(counts, rows)
+    return rows
+
+
 def _moe_group_size(op: str, group: str, num_experts: int) -> int:
     size = resolve_process_group(group).size()
     if num_experts <= 0 or num_experts % size != 0:
@@ -447,22 +493,25 @@ def _moe_group_size(op: str, group: str, num_experts: int) -> int:
 @torch.library.register_fake("torch_tp::moe_dispatch")
 def _moe_dispatch_fake(tokens, tokens_per_expert, group):
     size = _moe_group_size("moe_dispatch", group, tokens_per_expert.size(0))
-    rows = torch.library.get_ctx().new_dynamic_size()
+    _remember_rows(tokens_per_expert, tokens.size(0))
     local = tokens_per_expert.size(0) // size
-    return (tokens.new_empty((rows, *tokens.shape[1:])), tokens_per_expert.new_empty((local,)),
-            tokens_per_expert.new_empty((size, local)))
+    recv_counts = tokens_per_expert.new_empty((size, local))
+    rows = _rows(recv_counts)
+    return (tokens.new_empty((rows, *tokens.shape[1:])), tokens_per_expert.new_empty((local,)), recv_counts)
 
 
 @torch.library.register_fake("torch_tp::_moe_dispatch_rows")
 def _moe_dispatch_rows_fake(tokens, tokens_per_expert, recv_counts, group):
     _moe_group_size("_moe_dispatch_rows", group, tokens_per_expert.size(0))
-    return tokens.new_empty((torch.library.get_ctx().new_dynamic_size(), *tokens.shape[1:]))
+    _remember_rows(tokens_per_expert, tokens.size(0))
+    return tokens.new_empty((_rows(recv_counts), *tokens.shape[1:]))
 
 
 @torch.library.register_fake("torch_tp::moe_combine")
 def _moe_combine_fake(local_out, recv_counts, tokens_per_expert, group):
     _moe_group_size("moe_combine", group, tokens_per_expert.size(0))
-    return local_out.new_empty((torch.library.get_ctx().new_dynamic_size(), *local_out.shape[1:]))
+    _remember_rows(recv_counts, local_out.size(0))
+    return local_out.new_empty((_rows(tokens_per_expert), *local_out.shape[1:]))
 
 
 def all_to_all_single(x: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
