@@ -19,6 +19,17 @@ whole and cut locally, as :func:`~torch_tp.load_full_state_dict` cuts it. Each t
 its own ``safe_open``, so the file's mapped pages are released after every tensor and a rank's
 resident memory grows by what it keeps, not by what it touched.
 
+NOTE [reading a box straight into its tensor]
+A box whose elements are one run of the row-major tensor (a ``Shard(0)`` piece, a whole tensor,
+a block of a packed ``Shard(0)`` parameter) is a byte range of the file. When the local tensor
+it goes to is a contiguous CPU tensor of the checkpoint's dtype, the bytes are read with
+``os.preadv`` into that tensor's memory, one system call: the kernel copies them from the page
+cache as it faults the tensor's pages in. Copying from the memory map instead faults each page
+twice, once on each side, which costs about twice as long. Every other box (columns, another
+dtype, another device) is read through ``safe_open`` and copied. No tensor of the model keeps
+the file mapped: it can be overwritten (``save_pretrained`` to the same directory) while the
+model lives.
+
 transformers renames some checkpoint keys at load time and converts others (per-expert
 tensors merged into one 3-D experts tensor): its conversion mapping for the model
 (``get_model_conversion_mapping``). :func:`load_pretrained` renames keys as
@@ -164,6 +175,87 @@ def _read_box(file: str, key: str, box: Optional[Box]) -> torch.Tensor:
         return f.get_slice(key)[tuple(slice(start, start + length) for start, length in box)]
 
 
+def _data_offsets(file: str) -> Dict[str, Tuple[str, Tuple[int, ...], int]]:
+    """Each tensor of a safetensors file (whose header safe_open has checked): its dtype name,
+    shape and the file offset of its first byte (the layout in the module docstring)."""
+    with open(file, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(length))
+    return {key: (info["dtype"], tuple(info["shape"]), 8 + length + info["data_offsets"][0])
+            for key, info in header.items() if key != "__metadata__"}
+
+
+def _element_run(shape: Tuple[int, ...], box: Optional[Box]) -> Optional[Tuple[int, int]]:
+    """(first element, count) when ``box`` of a row-major tensor of ``shape`` is one run of its
+    elements: the dims before the first partial one have size 1, those after it are whole."""
+    box = box or tuple((0, size) for size in shape)
+    partial = next((d for d, (range_, size) in enumerate(zip(box, shape)) if range_ != (0, size)), len(shape))
+    if any(shape[d] != 1 for d in range(partial)) or \
+            any(box[d] != (0, shape[d]) for d in range(partial + 1, len(shape))):
+        return None
+    inner = 1
+    for size in shape[partial + 1:]:
+        inner *= size
+    if partial == len(shape):
+        return 0, inner
+    return box[partial][0] * inner, box[partial][1] * inner
+
+
+class _FileTensor:
+    """Tensor ``key`` of a checkpoint file, read whole or by boxes; ``offsets``: the files' data
+    offsets read so far (:func:`_data_offsets`), shared by one load."""
+
+    def __init__(self, file: str, key: str, offsets: Dict[str, Dict[str, Tuple[str, Tuple[int, ...], int]]]):
+        self.file, self.key, self.offsets = file, key, offsets
+
+    def read(self, box: Optional[Box]) -> torch.Tensor:
+        return _read_box(self.file, self.key, box)
+
+    def read_into(self, box: Optional[Box], out: torch.Tensor) -> None:
+        """``out.copy_(self.read(box))``, straight from the file where it can be (NOTE [reading a box
+        straight into its tensor])."""
+        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
+            out.copy_(self.read(box))
+            return
+        if self.file not in self.offsets:
+            self.offsets[self.file] = _data_offsets(self.file)
+        dtype, shape, start = self.offsets[self.file][self.key]
+        run = _element_run(shape, box)
+        if _DTYPE_NAMES.get(out.dtype) != dtype or run is None or run[1] != out.numel():
+            out.copy_(self.read(box))
+            return
+        memory = memoryview(out.view(-1).view(torch.uint8).numpy())
+        offset, done = start + run[0] * out.element_size(), 0
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            while done < len(memory):  # preadv may return fewer bytes than asked (large reads)
+                got = os.preadv(fd, [memory[done:]], offset + done)
+                if got == 0:
+                    raise RuntimeError(f"torch_tp.parallel.load_pretrained: {self.file!r} ends inside tensor "
+                                       f"{self.key!r} (a truncated safetensors file?)")
+                done += got
+        finally:
+            os.close(fd)
+
+
+class _InMemory:
+    """A tensor already in memory (a converted one), read by boxes."""
+
+    def __init__(self, full: torch.Tensor):
+        self.full = full
+
+    def read(self, box: Optional[Box]) -> torch.Tensor:
+        if box is None:
+            return self.full
+        piece = self.full
+        for dim, (start, length) in enumerate(box):
+            piece = piece.narrow(dim, start, length)
+        return piece
+
+    def read_into(self, box: Optional[Box], out: torch.Tensor) -> None:
+        out.copy_(self.read(box))
+
+
 # ---------------------------------------------------------------- where each rank's values come from
 
 
@@ -221,42 +313,29 @@ def _packed_boxes(param: DTensor, layout: PackedLayout) -> Optional[List[Tuple[B
     return pieces
 
 
-def _fill(param: torch.Tensor, read: Callable[[Optional[Box]], torch.Tensor],
-          packed: Dict[int, Tuple[torch.Tensor, PackedLayout]]) -> None:
-    """Copy this rank's values of ``param`` (read with ``read(box)``, ``None`` for all of it) into
-    its local tensor, in place (``copy_`` casts to the parameter's dtype, as loading does)."""
+def _fill(param: torch.Tensor, source, packed: Dict[int, Tuple[torch.Tensor, PackedLayout]]) -> None:
+    """Write this rank's values of ``param`` (from ``source``, a :class:`_FileTensor` or
+    :class:`_InMemory`) into its local tensor, in place (casting to the parameter's dtype, as
+    loading does)."""
     if not isinstance(param, DTensor):
-        param.detach().copy_(read(None))
+        source.read_into(None, param.detach())
         return
     local = dtensor_local(param)
     if id(param) in packed:
         layout = packed[id(param)][1]
         pieces = _packed_boxes(param, layout)
         if pieces is None:
-            local.copy_(dtensor_local(layout.to_rank_major(read(None), param)))
+            local.copy_(dtensor_local(layout.to_rank_major(source.read(None), param)))
             return
         for box, offset in pieces:
-            length = box[layout.dim][1]
-            local.narrow(layout.dim, offset, length).copy_(read(box))
+            source.read_into(box, local.narrow(layout.dim, offset, box[layout.dim][1]))
         return
     box = _dtensor_box(param)
     if box is None:
-        full = read(None).to(param.device)
+        full = source.read(None).to(param.device)
         local.copy_(dtensor_local(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)))
     elif all(length > 0 for _, length in box):
-        local.copy_(read(box))
-
-
-def _cut(full: torch.Tensor) -> Callable[[Optional[Box]], torch.Tensor]:
-    """``read`` for a tensor already in memory (a converted one)."""
-    def read(box: Optional[Box]) -> torch.Tensor:
-        if box is None:
-            return full
-        piece = full
-        for dim, (start, length) in enumerate(box):
-            piece = piece.narrow(dim, start, length)
-        return piece
-    return read
+        source.read_into(box, local)
 
 
 @dataclass
@@ -442,19 +521,18 @@ def load_pretrained(model: nn.Module, path: str, *, strict: bool = True,
     _materialize(model, device)
     tensors = _model_tensors(model)  # to_empty may have swapped tensors
     packed = packed_parameters()
-    done = set()
+    done, offsets = set(), {}
     with torch.no_grad():
         for target, key in plan.direct.items():
             if id(tensors[target]) not in done:
-                file = checkpoint[key][1]
-                _fill(tensors[target], lambda box, key=key, file=file: _read_box(file, key, box), packed)
+                _fill(tensors[target], _FileTensor(checkpoint[key][1], key, offsets), packed)
                 done.add(id(tensors[target]))
         for converter, target, sources in plan.converted:
             converted = _convert(model, converter, target, sources,
                                  lambda key: _read_box(checkpoint[key][1], key, None))
             for name, value in converted.items():
                 if name in tensors and id(tensors[name]) not in done:
-                    _fill(tensors[name], _cut(value), packed)
+                    _fill(tensors[name], _InMemory(value), packed)
                     done.add(id(tensors[name]))
             del converted
 
