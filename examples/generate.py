@@ -145,7 +145,7 @@ def load_model(args, state: Dict, mesh, tp, device) -> Llama:
     # split over ranks), logits all-gathered to a plain tensor on every rank. The parameters are
     # the same DTensors as under the training plan, so DCP loads the checkpoint into them.
     tp.parallelize_module(model, mesh, tp_plan(tp, sequence_parallel=False, loss_parallel=False,
-                                               n_kv_heads=config.n_kv_heads))
+                                               n_kv_heads=config.n_kv_heads, moe=config.n_experts is not None))
     model.to_empty(device=device)
     # The rotary table is a non-persistent buffer (not in the checkpoint): compute it here.
     model.rope.copy_(precompute_rope(config.head_dim, config.max_seq_len, config.rope_theta))

@@ -8,6 +8,10 @@ so its tensor-parallel plan applies unchanged:
     layers.N.attention.{wq,wk,wv,wo}    nn.Linear, no bias; rotary position embedding
     layers.N.ffn_norm                   nn.RMSNorm(dim)
     layers.N.feed_forward.{w1,w2,w3}    SwiGLU: w2(silu(w1(x)) * w3(x))
+      or, with LlamaConfig(n_experts=E, top_k=K), a mixture of experts (MoEFeedForward):
+    layers.N.feed_forward.router        nn.Linear(dim, E, no bias): softmax, top-K, renormalized
+    layers.N.feed_forward.experts       Experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+                                        (transformers' layout, torch_tp's MoE styles apply to it)
     norm                                nn.RMSNorm(dim)
     output                              nn.Linear(dim, vocab_size, no bias)
 
@@ -46,11 +50,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
+    "Experts",
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "MoEFeedForward",
+    "ReplicateParameters",
     "tp_plan",
     "load_tp_api",
     "TP_API_NAMES",
@@ -79,10 +87,16 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 512
     depth_init: bool = True  # torchtitan: output projections' init std shrinks with depth
+    # Mixture of experts: None keeps the dense SwiGLU feed-forward. With n_experts, every layer's
+    # feed_forward is a MoEFeedForward of n_experts SwiGLU experts of ffn_hidden_dim, top_k per token.
+    n_experts: Optional[int] = None
+    top_k: int = 2
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.n_experts is not None and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -103,7 +117,12 @@ class LlamaConfig:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """The fields, without the MoE ones for a dense model (the dense model's dict, and so its
+        checkpoints' train_state.json, is what it was before mixtures of experts existed)."""
+        fields = asdict(self)
+        if self.n_experts is None:
+            del fields["n_experts"], fields["top_k"]
+        return fields
 
 
 def precompute_rope(head_dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
@@ -242,11 +261,79 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU experts stacked in transformers' experts layout (Mixtral's, Qwen3-MoE's),
+    so torch_tp's ExpertsTensorParallel, ExpertParallel and ExpertTensorParallel apply unchanged::
+
+        gate_up_proj [E, 2I, H]   rows [gate | up] of each expert (w1 | w3 of the dense FeedForward)
+        down_proj    [E, H, I]    (w2)
+
+    ``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``:
+    ``sum_k w_k * down_e(silu(gate_e x) * up_e x)`` over each token's K experts e, one expert at a
+    time over the tokens routed to it (transformers' eager experts). It reads ``num_experts`` and the
+    leading dim of the parameters, never E from elsewhere: under expert parallelism the styles run it
+    on this rank's experts with local expert ids."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def init_weights(self, init_std: float):
+        # As the dense FeedForward: gate (w1) std 0.02, up (w3) and down (w2) the depth-scaled std.
+        hidden = self.down_proj.shape[-1]
+        nn.init.trunc_normal_(self.gate_up_proj[:, :hidden], mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.gate_up_proj[:, hidden:], mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.down_proj, mean=0.0, std=init_std)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # [E, K, T]: which (slot, token) pairs each expert gets; only the experts that get any run.
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            hit = (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+        for e in hit:
+            slot, token = torch.where(mask[e])
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class MoEFeedForward(nn.Module):
+    """A mixture-of-experts feed-forward (Mixtral's, Qwen3-MoE's routing): a linear router
+    ``dim -> E``, softmax, the top-k experts of each token with their probabilities renormalized to
+    sum to 1, and :class:`Experts`. ``forward(x [..., dim]) -> [..., dim]``; no load-balancing loss."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = Experts(n_experts, dim, hidden_dim)
+
+    def init_weights(self, init_std: float):
+        nn.init.trunc_normal_(self.router.weight, mean=0.0, std=0.02)
+        self.experts.init_weights(init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.size(-1))  # [T, dim]
+        # The router's weight may be a Replicate() DTensor (ReplicateParameters): its local tensor.
+        probs = F.softmax(F.linear(tokens, to_local(self.router.weight)), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, index = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(tokens, index, weights.to(tokens.dtype)).view(x.shape)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, config: LlamaConfig):
         super().__init__()
         self.attention = Attention(config)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        if config.n_experts is None:
+            self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        else:
+            self.feed_forward = MoEFeedForward(config.dim, config.ffn_hidden_dim, config.n_experts, config.top_k)
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         if config.depth_init:
@@ -354,7 +441,7 @@ def load_tp_api(impl: Any = "torch") -> Any:
 
 
 def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel: bool = True,
-            n_kv_heads: Optional[int] = None) -> Dict[str, Any]:
+            n_kv_heads: Optional[int] = None, moe: bool = False, experts_tp: bool = True) -> Dict[str, Any]:
     """torchtitan's Llama plan as one ``parallelize_module`` plan.
 
     Keys use ``*`` for the layer index (each dotted part is matched with fnmatch).
@@ -366,6 +453,17 @@ def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel
     ``n_kv_heads`` and an API that has ``KVHeadColwiseParallel`` (torch_tp),
     ``wk``/``wv`` take it, so fewer KV heads than ranks work (each KV head on
     the ranks whose query heads read it); otherwise they are ColwiseParallel.
+
+    With ``moe=True`` (a model of :class:`MoEFeedForward` layers; torch_tp only)
+    the feed-forward entries are the MoE layer's: the router stays replicated,
+    and ``experts`` gets ``ExpertsTensorParallel`` (each expert's intermediate
+    dim split over the ranks), unless ``experts_tp=False`` leaves the experts
+    to a style applied before (``ExpertParallel`` on an ep mesh, whose ranks
+    hold different tokens, or ``ExpertTensorParallel`` on an (ep, tp) mesh,
+    which this plan's ``ExpertsTensorParallel`` then leaves as it is). Under
+    sequence parallelism the layer takes the all-gathered sequence as a plain
+    tensor and hands back this rank's sequence shard of its replicated output
+    (no communication; the backward all-gathers its gradient).
 
     Args:
         api: ``"torch"``, ``"torch_tp"`` or a module with the style classes (see :func:`load_tp_api`).
@@ -390,10 +488,17 @@ def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel
         "layers.*.attention.wk": kv_style(),
         "layers.*.attention.wv": kv_style(),
         "layers.*.attention.wo": tp.RowwiseParallel(output_layouts=between),
-        "layers.*.feed_forward.w1": tp.ColwiseParallel(),
-        "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=between),
-        "layers.*.feed_forward.w3": tp.ColwiseParallel(),
     }
+    if not moe:
+        plan.update({
+            "layers.*.feed_forward.w1": tp.ColwiseParallel(),
+            "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=between),
+            "layers.*.feed_forward.w3": tp.ColwiseParallel(),
+        })
+    else:
+        plan["layers.*.feed_forward.router"] = ReplicateParameters()
+        if experts_tp:
+            plan["layers.*.feed_forward.experts"] = tp.ExpertsTensorParallel()
     if sequence_parallel:
         plan.update({
             "norm": tp.SequenceParallel(),
@@ -404,9 +509,25 @@ def tp_plan(api: Any = "torch", *, loss_parallel: bool = True, sequence_parallel
             "layers.*.ffn_norm": tp.SequenceParallel(),
             "layers.*.feed_forward": tp.PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ) if not moe else tp.PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
             ),
         })
     return plan
+
+
+class ReplicateParameters(ParallelStyle):
+    """torchtitan's ``NoParallel`` for a MoE router: its parameters become ``Replicate()`` DTensors
+    on the mesh, so the optimizer (fused AdamW refuses a mix of DTensors and plain tensors), DCP
+    and FSDP2 see the same kind of parameter as everywhere else. Every TP rank routes the same
+    (all-gathered) tokens, so its gradient is already whole on each rank and is not reduced; the
+    forward (:class:`MoEFeedForward`) runs on the local tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(module, device_mesh)
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1) -> torch.optim.Optimizer:

@@ -126,6 +126,10 @@ def parse_args(argv=None):
                    help="characters to generate at the end (0: none; skipped under --pp > 1, which would have to "
                         "run generation through the pipeline)")
     g.add_argument("--amp", action="store_true", help="bf16 autocast (cuda)")
+    g.add_argument("--log-grad-norm", action="store_true",
+                   help="record each step's gradient norm (the whole model's, before the optimizer step) in "
+                        "metrics.json's grad_norms, and under --experts the experts' alone in expert_grad_norms: "
+                        "one collective per parameter and step")
     g.add_argument("--save-hf", metavar="DIR", default=None,
                    help="at the end, write the model as a Hugging Face LlamaForCausalLM directory (config.json, "
                         "safetensors files, an index when --save-hf-shard-size splits them) for from_pretrained "
@@ -147,6 +151,16 @@ def parse_args(argv=None):
                         "work too (KVHeadColwiseParallel: each KV head on the ranks whose query heads read it)")
     g.add_argument("--no-loss-parallel", action="store_true",
                    help="all-gather the logits and use the plain cross entropy")
+    g.add_argument("--experts", type=int, default=None, metavar="N",
+                   help="make every layer's feed-forward a mixture of N SwiGLU experts with a linear router "
+                        "(default: the dense feed-forward); --impl torch_tp only, not with --pp")
+    g.add_argument("--top-k", type=int, default=2, metavar="K",
+                   help="experts per token under --experts, their router probabilities renormalized to sum to 1 "
+                        "(default 2)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree under --experts: the experts split whole over N of the --dp "
+                        "ranks (N must divide --dp and --experts), data parallel over the other --dp / N; "
+                        "the rest of the model stays data parallel over all --dp ranks (default 1)")
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--warmup", type=int, default=10)
@@ -158,7 +172,37 @@ def parse_args(argv=None):
                 "without --pp) to export")
     if args.save_hf is not None and args.check:
         p.error("--save-hf with --check: --check trains no model to write")
+    check_moe_args(p, args)
     return args
+
+
+def check_moe_args(p, args) -> None:
+    """The combinations of --experts, --top-k and --ep that run, or parser errors naming the options;
+    the ones that need the world size are in main."""
+    if args.experts is None:
+        if args.ep != 1:
+            p.error(f"--ep {args.ep} needs --experts: expert parallelism splits the experts of a mixture of experts")
+        return
+    if args.experts < 1:
+        p.error(f"--experts {args.experts} must be at least 1")
+    if not 1 <= args.top_k <= args.experts:
+        p.error(f"--top-k {args.top_k} must be between 1 and --experts ({args.experts})")
+    if args.ep < 1 or args.experts % args.ep:
+        p.error(f"--ep {args.ep} must divide --experts ({args.experts}): each expert-parallel rank holds "
+                "--experts / --ep whole experts")
+    if args.ep > 1 and args.dp % args.ep:
+        p.error(f"--ep {args.ep} must divide --dp ({args.dp}): the expert-parallel ranks are carved out of the "
+                "data-parallel ones")
+    refused = [
+        ("--pp", args.pp > 1, "pipeline stages of the mixture-of-experts model are not supported"),
+        ("--impl torch", args.impl == "torch",
+         "torch has no styles for experts (ExpertsTensorParallel, ExpertParallel are torch_tp's): use --impl torch_tp"),
+        ("--save-hf", args.save_hf is not None, "the Hugging Face export writes a dense LlamaForCausalLM"),
+        ("--check", args.check, "--check compares the dense model with its unsharded copy"),
+    ]
+    for option, hit, why in refused:
+        if hit:
+            p.error(f"--experts with {option}: {why}")
 
 
 # ----------------------------------------------------------------------------- data
@@ -459,6 +503,24 @@ def scalar(loss) -> float:
     return to_full(loss).item()
 
 
+def grad_norm(parts, pp_mesh, device) -> List[float]:
+    """[the L2 norm of the whole model's gradient, that of the experts' parameters alone]
+    (--log-grad-norm), the same numbers at every layout: each parameter's sum of squares from its
+    DTensor gradient (whatever its mesh and placements: TP shards, FSDP2 shards, experts split over
+    ep, partial sums), completed by ``full_tensor()``, and the pipeline stages' sums added over "pp".
+    A collective: every rank calls it."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    for part, _ in parts:
+        for name, param in part.named_parameters():
+            if param.grad is not None:
+                square = to_full(param.grad.detach().double().pow(2).sum()).item()
+                sums += torch.tensor([square, square if ".experts." in name else 0.0], dtype=torch.float64)
+    if pp_mesh.size() > 1:
+        sums = sums.to(device)
+        dist.all_reduce(sums, group=pp_mesh.get_group())
+    return sums.sqrt().tolist()
+
+
 def dp_mean(value: float, dp_mesh, device) -> float:
     """The mean of a per-rank loss over the data-parallel ranks (the global batch's loss)."""
     if dp_mesh.size() == 1:
@@ -653,9 +715,18 @@ def main(argv=None):
                    f"{args.layers} layers + embedding + output that a stage can hold")
         if microbatches < 1 or rows % microbatches:
             refuse(f"--microbatches {microbatches} must divide --batch / --dp ({rows})")
-    mesh_3d = init_device_mesh(device.type, (args.pp, args.dp, pp_world // args.dp),
-                               mesh_dim_names=("pp", "dp", "tp"))
-    mesh, dp_mesh, pp_mesh = mesh_3d["tp"], mesh_3d["dp"], mesh_3d["pp"]
+    tp_degree = pp_world // args.dp
+    if args.ep == 1:
+        mesh_3d = init_device_mesh(device.type, (args.pp, args.dp, tp_degree), mesh_dim_names=("pp", "dp", "tp"))
+        mesh, dp_mesh, pp_mesh = mesh_3d["tp"], mesh_3d["dp"], mesh_3d["pp"]
+    else:
+        # torchtitan's carving: dp = (dp / ep) x ep, the dp rank d being (d // ep, d % ep), so every
+        # layout of the same --dp gives rank d the same rows of the batch. "dp" (flattened) for the
+        # non-expert parameters and the batch, "ep" for the experts, "dp_mod_ep" for their FSDP2.
+        mesh_4d = init_device_mesh(device.type, (args.pp, args.dp // args.ep, args.ep, tp_degree),
+                                   mesh_dim_names=("pp", "dp_mod_ep", "ep", "tp"))
+        mesh, pp_mesh = mesh_4d["tp"], mesh_4d["pp"]
+        dp_mesh = mesh_4d["dp_mod_ep", "ep"]._flatten("dp")
 
     if args.check:
         results = check_tp_against_reference(mesh, tp, device=device.type, loss_parallel=not args.no_loss_parallel)
@@ -668,8 +739,11 @@ def main(argv=None):
 
     corpus = Corpus(args.corpus, args.tokenizer)
     config = LlamaConfig(vocab_size=corpus.vocab_size, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                         n_kv_heads=args.kv_heads, max_seq_len=args.seq)
+                         n_kv_heads=args.kv_heads, max_seq_len=args.seq, n_experts=args.experts, top_k=args.top_k)
     check_tp_degree(config, mesh.size(), tp)
+    if args.experts is not None and config.ffn_hidden_dim % mesh.size():
+        refuse(f"--experts with TP degree {mesh.size()}: each expert's intermediate size {config.ffn_hidden_dim} "
+               "(from --dim) must be divisible by it")
 
     torch.manual_seed(args.seed)  # the same init on every rank; parallelize_module keeps rank 0's
     model = Llama(config).to(device)
@@ -683,8 +757,14 @@ def main(argv=None):
         pipe = {"has_first": 0 in stage_ids, "has_last": n_stages - 1 in stage_ids}
     else:
         models = [model]
-    plan = tp_plan(tp, loss_parallel=not args.no_loss_parallel, n_kv_heads=config.n_kv_heads)
+    moe = args.experts is not None
+    plan = tp_plan(tp, loss_parallel=not args.no_loss_parallel, n_kv_heads=config.n_kv_heads, moe=moe,
+                   experts_tp=args.ep == 1)
     for part in models:
+        if args.ep > 1:  # the experts first, on their own mesh; the TP plan below leaves them as they are
+            experts_mesh, style = ((mesh_4d["ep", "tp"], tp.ExpertTensorParallel()) if mesh.size() > 1
+                                   else (mesh_4d["ep"], tp.ExpertParallel()))
+            tp.parallelize_module(part, experts_mesh, {"layers.*.feed_forward.experts": style})
         tp.parallelize_module(part, mesh, stage_plan(plan, part) if args.pp > 1 else plan)
         if args.dp > 1:
             # torchtitan's 2-D recipe: FSDP2 over "dp" of every block, then of the root,
@@ -692,6 +772,18 @@ def main(argv=None):
             from torch.distributed.fsdp import fully_shard
 
             for block in part.layers.values():
+                if args.ep > 1:
+                    # NOTE [gradients of expert-parallel experts]: each ep rank's experts get the
+                    # gradients of every ep rank's tokens (the all-to-all's backward), summed; FSDP2
+                    # over the dp / ep ranks holding the same experts adds the rest, and dividing by
+                    # --dp, not by dp / ep, makes them the global batch's mean, as every other
+                    # gradient (torchtitan's set_gradient_divide_factor). Over 2 or more ranks a sum
+                    # reduction and a division after it: a factor other than the group's size is
+                    # otherwise NCCL's PREMUL_SUM, which gloo and torch_tp's backend do not have. Not
+                    # over one rank (--ep = --dp), where torch 2.15's FSDP2 would divide twice.
+                    experts = fully_shard(block.feed_forward.experts, mesh=mesh_4d["dp_mod_ep"])
+                    experts.set_gradient_divide_factor(float(args.dp))
+                    experts.set_force_sum_reduction_for_comms(args.dp > args.ep)
                 fully_shard(block, mesh=dp_mesh)
             fully_shard(part, mesh=dp_mesh)
     parts = [(part, make_optimizer(part, args.lr, args.weight_decay)) for part in models]
@@ -706,20 +798,24 @@ def main(argv=None):
         start, losses, tok_rates = state["step"], list(state["losses"]), list(state.get("tok_rates", []))
     if is_main:
         os.makedirs(args.out_dir, exist_ok=True)
+        moe_text = f", {config.n_experts} experts, top-{config.top_k}" if moe else ""
         layout = f"TP {mesh.size()}" + (f" x FSDP2 {args.dp}" if args.dp > 1 else "")
+        if args.ep > 1:
+            layout += f" (experts: EP {args.ep} x FSDP2 {args.dp // args.ep})"
         if args.pp > 1:
             layout = (f"PP {args.pp} ({args.pp_schedule}, {n_stages} stages, {microbatches} micro-batches) x "
                       + layout)
         print(f"train_llama: --impl {args.impl}, {world} ranks ({layout}) on {device.type} ({backend}), "
               f"torch {torch.__version__}; "
               f"model {n_params / 1e6:.2f}M params (dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads, "
-              f"vocab {config.vocab_size}), batch {args.batch} x seq {args.seq}, corpus {corpus.train.numel():,} "
+              f"vocab {config.vocab_size}{moe_text}), batch {args.batch} x seq {args.seq}, corpus {corpus.train.numel():,} "
               f"train tokens" + (f"; resumed at step {start}" if args.resume else ""), flush=True)
 
     tokens_per_step = args.batch * args.seq  # the global batch; each dp rank takes args.batch // args.dp rows
     dp_rows = slice(dp_mesh.get_local_rank() * rows, (dp_mesh.get_local_rank() + 1) * rows)
     end = args.steps if args.stop_after is None else max(start, min(args.steps, args.stop_after))
     progress = Progress(args.steps, start, is_main)
+    grad_norms: List[List[float]] = []  # this run's steps, under --log-grad-norm: [whole model, experts]
     for step in range(start, end):
         t0 = time.perf_counter()
         for _, optimizer in parts:
@@ -736,6 +832,8 @@ def main(argv=None):
             else:
                 with autocast(args, device):
                     value = pipeline_loss(schedule, pipe, inputs, targets, pp_mesh, device, train=True)
+        if args.log_grad_norm:
+            grad_norms.append(grad_norm(parts, pp_mesh, device))
         for _, optimizer in parts:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -772,10 +870,14 @@ def main(argv=None):
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"impl": args.impl, "world_size": world, "pp": args.pp,
                        "pp_schedule": args.pp_schedule if args.pp > 1 else None, "dp": args.dp, "tp": mesh.size(),
+                       "ep": args.ep,
                        "device": device.type, "backend": backend,
                        "torch": torch.__version__, "config": config.to_dict(), "batch": args.batch,
                        "seq": args.seq, "steps": end, "losses": losses, "tokens_per_s": tok_rates,
-                       "mean_tokens_per_s": mean_rate, "val_loss": val}, f, indent=1)
+                       "mean_tokens_per_s": mean_rate, "val_loss": val,
+                       **({"grad_norms": [total for total, _ in grad_norms]} if args.log_grad_norm else {}),
+                       **({"expert_grad_norms": [e for _, e in grad_norms]} if args.log_grad_norm and moe else {}),
+                       **({"experts": config.n_experts, "top_k": config.top_k} if moe else {})}, f, indent=1)
         if text is not None:
             print("sample: " + repr(text[:400]))
         elif args.sample > 0 and args.pp > 1:
