@@ -20,13 +20,13 @@ its own ``safe_open``, so the file's mapped pages are released after every tenso
 resident memory grows by what it keeps, not by what it touched.
 
 NOTE [reading a box straight into its tensor]
-A box whose elements are one run of the row-major tensor (a ``Shard(0)`` piece, a whole tensor,
-a block of a packed ``Shard(0)`` parameter) is a byte range of the file. When the local tensor
-it goes to is a contiguous CPU tensor of the checkpoint's dtype, the bytes are read with
-``os.preadv`` into that tensor's memory, one system call: the kernel copies them from the page
+A box is a set of byte ranges of the file: one for a ``Shard(0)`` piece, a whole tensor or a
+block of a packed ``Shard(0)`` parameter, one per row for a ``Shard(1)`` piece. When the local
+tensor it goes to is a contiguous CPU tensor of the checkpoint's dtype, each range is read with
+``os.preadv`` into its place in that tensor's memory: the kernel copies the bytes from the page
 cache as it faults the tensor's pages in. Copying from the memory map instead faults each page
-twice, once on each side, which costs about twice as long. Every other box (columns, another
-dtype, another device) is read through ``safe_open`` and copied. No tensor of the model keeps
+twice, once on each side, which costs about twice as long. Other boxes (another dtype or
+device, or more ranges than ``_MAX_RUNS``) are read through ``safe_open`` and copied. No tensor of the model keeps
 the file mapped: it can be overwritten (``save_pretrained`` to the same directory) while the
 model lives.
 
@@ -185,20 +185,27 @@ def _data_offsets(file: str) -> Dict[str, Tuple[str, Tuple[int, ...], int]]:
             for key, info in header.items() if key != "__metadata__"}
 
 
-def _element_run(shape: Tuple[int, ...], box: Optional[Box]) -> Optional[Tuple[int, int]]:
-    """(first element, count) when ``box`` of a row-major tensor of ``shape`` is one run of its
-    elements: the dims before the first partial one have size 1, those after it are whole."""
+def _element_runs(shape: Tuple[int, ...], box: Optional[Box]) -> Tuple[List[int], int]:
+    """``box`` of a row-major tensor of ``shape`` as runs of consecutive elements, in the box's own
+    row-major order: (each run's first element, the run's length). The dims after the last
+    partial one are whole, so a run is that dim's range times their size; one run per index of
+    the dims before it."""
     box = box or tuple((0, size) for size in shape)
-    partial = next((d for d, (range_, size) in enumerate(zip(box, shape)) if range_ != (0, size)), len(shape))
-    if any(shape[d] != 1 for d in range(partial)) or \
-            any(box[d] != (0, shape[d]) for d in range(partial + 1, len(shape))):
-        return None
-    inner = 1
-    for size in shape[partial + 1:]:
-        inner *= size
-    if partial == len(shape):
-        return 0, inner
-    return box[partial][0] * inner, box[partial][1] * inner
+    partial = max((d for d, (range_, size) in enumerate(zip(box, shape)) if range_ != (0, size)), default=0)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    run = (box[partial][1] if shape else 1) * (strides[partial] if shape else 1)
+    starts = [box[partial][0] * strides[partial] if shape else 0]
+    for d in range(partial - 1, -1, -1):  # outer dims: each index repeats the inner runs
+        first, length = box[d]
+        starts = [(first + i) * strides[d] + inner for i in range(length) for inner in starts]
+    return starts, run
+
+
+# More runs than this (a box of short pieces of many rows) go through safe_open: one system call
+# per run would cost more than the copy it saves.
+_MAX_RUNS = 1 << 16
 
 
 class _FileTensor:
@@ -220,20 +227,25 @@ class _FileTensor:
         if self.file not in self.offsets:
             self.offsets[self.file] = _data_offsets(self.file)
         dtype, shape, start = self.offsets[self.file][self.key]
-        run = _element_run(shape, box)
-        if _DTYPE_NAMES.get(out.dtype) != dtype or run is None or run[1] != out.numel():
+        if _DTYPE_NAMES.get(out.dtype) != dtype:
             out.copy_(self.read(box))
             return
+        starts, run = _element_runs(shape, box)
+        size = out.element_size()
         memory = memoryview(out.view(-1).view(torch.uint8).numpy())
-        offset, done = start + run[0] * out.element_size(), 0
+        if len(starts) * run != out.numel() or len(starts) > _MAX_RUNS:
+            out.copy_(self.read(box))
+            return
         fd = os.open(self.file, os.O_RDONLY)
         try:
-            while done < len(memory):  # preadv may return fewer bytes than asked (large reads)
-                got = os.preadv(fd, [memory[done:]], offset + done)
-                if got == 0:
-                    raise RuntimeError(f"torch_tp.parallel.load_pretrained: {self.file!r} ends inside tensor "
-                                       f"{self.key!r} (a truncated safetensors file?)")
-                done += got
+            for i, first in enumerate(starts):  # each run into its place in out (out is the box, row-major)
+                piece, offset, done = memory[i * run * size:(i + 1) * run * size], start + first * size, 0
+                while done < len(piece):  # preadv may return fewer bytes than asked (large reads)
+                    got = os.preadv(fd, [piece[done:]], offset + done)
+                    if got == 0:
+                        raise RuntimeError(f"torch_tp.parallel.load_pretrained: {self.file!r} ends inside tensor "
+                                           f"{self.key!r} (a truncated safetensors file?)")
+                    done += got
         finally:
             os.close(fd)
 
