@@ -263,3 +263,23 @@ def test_save_writes_what_transformers_writes(tmp_path):
         else:
             with open(os.path.join(theirs, name)) as f, open(os.path.join(ours, name)) as g:
                 assert json.load(g) == json.load(f), name
+
+
+def test_box_byte_runs():
+    """The runs load_pretrained reads a box by (NOTE [reading a box straight into its tensor]) hold
+    exactly the box's elements in its row-major order, for every box of small shapes up to 3-D."""
+    from itertools import product
+
+    from torch_tp.parallel.pretrained import _element_runs
+
+    for shape in [(), (5,), (3, 4), (1, 4), (2, 3, 4), (4, 1, 3)]:
+        full = torch.arange(max(1, torch.Size(shape).numel())).reshape(shape)
+        ranges = [[(start, length) for start in range(size) for length in range(1, size - start + 1)]
+                  for size in shape]
+        for box in product(*ranges):
+            want = full
+            for dim, (start, length) in enumerate(box):
+                want = want.narrow(dim, start, length)
+            starts, run = _element_runs(shape, box)
+            got = torch.cat([full.reshape(-1)[first:first + run] for first in starts])
+            assert torch.equal(got, want.reshape(-1)), (shape, box)
