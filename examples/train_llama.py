@@ -11,6 +11,8 @@ Launch (2 ranks on CPU, about a minute):
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2          # 2 pipeline stages x TP over 2
     torchrun --nproc-per-node 4 examples/train_llama.py --kv-heads 1    # MQA: one KV head over 4 TP ranks
     torchrun --nproc-per-node 2 examples/train_llama.py --save-hf hf    # ... and a Hugging Face directory
+    torchrun --nproc-per-node 4 examples/train_llama.py --experts 8 --top-k 2 --dp 2 --ep 2
+                                            # mixture of experts: EP 2 x TP 2, the rest FSDP2 2 x TP 2
 
 The model and torchtitan's TP plan (sequence parallel, loss_parallel) are in
 llama_model.py; --impl picks whose parallelize_module and styles apply it:
@@ -42,6 +44,22 @@ state, and train_state.json (step, losses). --resume restores them at any
 --pp, --dp and TP degree, and with either --impl (the parameters are DTensors, which
 DCP reshards), and the resumed run sees the batches the uninterrupted one
 would have.
+
+--experts N makes every layer's feed-forward a mixture of N SwiGLU experts
+(llama_model.MoEFeedForward: a linear router, softmax, the --top-k experts
+of each token, their probabilities renormalized; transformers' experts
+layout, no load-balancing loss). Under TP the router stays replicated and
+the experts get torch_tp.ExpertsTensorParallel (each expert's intermediate
+dim split over "tp"). --ep N splits the experts whole over N of the --dp
+ranks (torchtitan's carving: a ("pp", "dp_mod_ep", "ep", "tp") mesh whose
+two middle dims flattened are "dp"): torch_tp.ExpertParallel on "ep", or
+ExpertTensorParallel on ("ep", "tp") with TP, applied before the TP plan;
+FSDP2 shards the experts over "dp_mod_ep" (the ranks holding the same
+experts) with their gradients divided by --dp, the rest over "dp". --ep must
+divide --dp and --experts; --experts is refused with --pp, --impl torch,
+--save-hf and --check. Its checkpoints resume at any --dp, --ep and TP
+degree. --log-grad-norm records each step's gradient norm in metrics.json
+(the experts' alone too).
 
 --save-hf DIR writes the trained model, at the end, as a Hugging Face
 LlamaForCausalLM directory (config.json, safetensors files, their index when
