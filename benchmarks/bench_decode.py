@@ -3,33 +3,14 @@
 plan without sequence parallelism, applied by torch_tp and by torch's DTensor TP, beside the unsharded model
 on one rank and beside the memory-bandwidth limit (CPU, eager, one intra-op thread per rank).
 
-A decode step is bandwidth bound: it streams every weight once per token. The limit is measured the way the
-step is, in the same run: ``gemv`` runs only the step's weight GEMVs (each linear's local weight times one
-token; the unsharded model's on rank 0 alone, the TP shards on every rank at once), with F.linear (what the
-unsharded model runs) and with torch_tp's column-parallel op (what the TP model's linears run; for float32,
-bfloat16 and float16 it has its own kernel, faster than ATen's). So ``unsharded gemv / tp gemv`` is the best
-TP speedup F.linear allows on this machine, ``unsharded gemv / unsharded gemv torch_tp op`` what the kernel
-alone gains, and ``torch_tp - tp gemv torch_tp op`` what torch_tp spends around its GEMVs; rank 0's
-torch.profiler view of a few untimed steps splits that rest (GEMVs, collectives, everything else).
-
-A sample is a decode loop's steady state: each implementation decodes WARM_TOKENS untimed tokens, then
-STEADY_TOKENS timed ones back to back (the sample: their mean), as generate() runs tokens, so the caches hold
-what that implementation's own last token left there. Per token right after another implementation (--cold,
-how the earlier sections were taken) every token starts with the other models' weights in the caches; where
-a rank's shard of the weights fits in the last-level cache and the whole model does not, that is not what a
-user's decode sees.
-
-With --prefill a step is the prompt's forward instead: the PROMPT tokens into an empty cache, so every linear
-is a GEMM of PROMPT rows, not a GEMV (no GEMV-only rows then). There torch's bfloat16 on a CPU without a native
-bfloat16 GEMM is its scalar fallback and torch_tp's linears are not (NOTE [half-precision GEMMs through float32
-panels] in csrc/ops/gemm_cpu.cpp); the float32 rows show the same step where both run SGEMM.
-
-float16 (which issue 26's goals leave out: they name float32 and bfloat16) runs alone, into a section and files
-of its own (decode_float16.*, decode_prefill_float16.*), so that the recorded float32/bfloat16 sections stay;
---cold too (decode_cold.*).
+A decode step streams every weight once per token, so the limit is measured as the step is, in the same run:
+the step's weight GEMVs alone, through F.linear (what the unsharded model runs) and through torch_tp's
+column-parallel op (what the TP linears run). A sample is a decode loop's steady state (untimed tokens of the
+same implementation first); --cold times each token right after another implementation's, when a rank's
+weight shard may still be in the last-level cache where the whole model's is not. --prefill times the prompt's
+forward instead (GEMMs, not GEMVs). float16 (outside issue 26's goals) and --cold write sections of their own.
 """
 
-import copy
 import sys
 from typing import Callable, Dict, List
 
@@ -96,11 +77,9 @@ class Case:
         reference = lm.Llama(c).to(dtype)
         prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(4321))
         self.models = {"unsharded": reference}
-        for impl, api_name in (("torch_tp", "torch_tp"), ("dtensor", "torch")):
-            api = lm.load_tp_api(api_name)
-            model = copy.deepcopy(reference)
-            api.parallelize_module(model, mesh, lm.tp_plan(api, sequence_parallel=False, loss_parallel=False))
-            self.models[impl] = model
+        for impl in ("torch_tp", "dtensor"):
+            self.models[impl], _ = harness.parallelized(
+                reference, mesh, impl, lambda api: lm.tp_plan(api, sequence_parallel=False, loss_parallel=False))
         self.rank = dist.get_rank()
         self.weight_mib = sum(w.numel() * w.element_size() for w in _linears(reference)) / 2**20
         self.steps: Dict[str, Callable[[], None]] = {}
@@ -158,15 +137,13 @@ def measure(args):
             error = case.check()
             if error > (1e-4 if dtype_name == "float32" else 5e-2):
                 raise AssertionError(f"{name} {dtype_name}: TP logits differ from the unsharded model's by {error:.2e}")
-            warm = {k: (lambda step=step: [step() for _ in range(WARM_TOKENS)]) for k, step in case.steps.items()}
             samples = harness.time_interleaved(case.steps, repeats, order=harness.permutations(impls), warmup=3,
-                                               reset=warm if steady else None, calls=STEADY_TOKENS if steady else 1)
+                                               reset=harness.steady(case.steps, WARM_TOKENS) if steady else None,
+                                               calls=STEADY_TOKENS if steady else 1)
             parts = harness.profile_split(case.steps["torch_tp"], 10, GEMV_EVENTS)
             tp = samples.median("torch_tp", "ms")
-            extra = {"weights MiB": case.weight_mib,
-                     "torch_tp tokens/s": (PROMPT if args.prefill else 1) * 1e3 / tp,
-                     f"torch_tp: {mm} ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
-                     "torch_tp: rest ms": tp - parts["mm"] - parts["collectives"]}
+            extra = {"weights MiB": case.weight_mib, "torch_tp tokens/s": (PROMPT if args.prefill else 1) * 1e3 / tp,
+                     **harness.split_columns(parts, tp, mm)}
             table.add({"config": name, "dtype": dtype_name}, samples, extra=extra)
             del case
     shapes = "; ".join(f"{name}: {c['n_layers']} layers, dim {c['dim']}, {c['n_heads']} heads, ffn "
@@ -176,27 +153,20 @@ def measure(args):
              f"**dtensor** (torch.distributed.tensor.parallel) over the {dist.get_world_size()} ranks; "
              f"**unsharded**: the model on rank 0 alone. Models ({shapes}; vocab {VOCAB}). ")
     if args.prefill:
-        about += (f"A step runs the {PROMPT}-token prompt into an empty `KVCache` (rewound before each sample), "
-                  f"logits gathered: every linear a GEMM of {PROMPT} rows. `torch_tp tokens/s`: prompt tokens. "
-                  "`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self times per step over 10 untimed "
-                  "steps (gemm: aten::mm/addmm; in bfloat16 and float16 on a CPU without native GEMMs for them, "
-                  "the float32 GEMMs of NOTE [half-precision GEMMs through float32 panels]; collectives include "
-                  "waiting for the peer; rest = the step's median minus both). ")
+        about += (f"A step runs the {PROMPT}-token prompt into an empty `KVCache`, logits gathered: every linear a "
+                  f"GEMM of {PROMPT} rows (in bfloat16 and float16 on a CPU without native GEMMs for them, "
+                  "torch_tp's run float32 panels). `torch_tp tokens/s`: prompt tokens. ")
     else:
-        about += (f"A step decodes one token with `KVCache` holding {PROMPT} (cache rewound before each token), "
-                  "logits gathered. " + (
-                      "A sample: one token right after another implementation's (--cold). " if args.cold else
-                      f"A sample: the mean of {STEADY_TOKENS} tokens decoded back to back after {WARM_TOKENS} "
-                      "untimed ones of the same implementation, a decode loop's steady state. ") +
-                  "**unsharded gemv** / **tp gemv**: the step's weight GEMVs alone (`F.linear` of one token with "
-                  "each linear's weight: whole on rank 0 alone / each rank's shard at once), the bandwidth limit "
-                  "measured like the step; **... torch_tp op**: the same GEMVs through torch_tp's column-parallel "
-                  "op, which runs its own kernel for a few rows of float32, bfloat16 or float16 on the CPU (NOTE "
-                  "[few-row GEMV on the CPU] in csrc/ops/gemv_cpu.cpp) and ATen's GEMM otherwise: the limit of the "
-                  "TP step, whose linears run that op, while the unsharded model runs F.linear. `torch_tp: "
-                  "gemv/collectives/rest`: rank 0's torch.profiler self times per token over 10 untimed steps "
-                  "(gemv: aten::mm/addmm and the torch_tp kernel; collectives include waiting for the peer; rest = "
-                  "the step's median minus both: dispatch, Python, attention, norms). ")
+        about += (f"A step decodes one token with `KVCache` holding {PROMPT} (rewound before each token), logits "
+                  "gathered. " + ("A sample: one token right after another implementation's (--cold). " if args.cold
+                                  else f"A sample: the mean of {STEADY_TOKENS} tokens back to back after "
+                                  f"{WARM_TOKENS} untimed ones of the same implementation. ") +
+                  "**unsharded gemv** / **tp gemv**: the step's weight GEMVs alone (`F.linear` of one token, whole "
+                  "weights on rank 0 alone / each rank's shards at once), the bandwidth limit measured like the "
+                  "step; **... torch_tp op**: the same through torch_tp's column-parallel op (its own few-row "
+                  "kernel on the CPU, NOTE [few-row GEMV on the CPU]), the limit of the TP step, whose linears run "
+                  "that op. ")
+    about += harness.split_about(mm, "aten::mm/addmm" + ("" if args.prefill else " and the torch_tp kernel"), 10)
     suffix = (" float16" if args.dtypes == ["float16"] else "") + (" cold" if args.cold else "")
     mode = (" prefill" if args.prefill else "") + suffix
     return {

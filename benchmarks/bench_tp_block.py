@@ -2,7 +2,6 @@
 """Training steps of the example Llama (examples/llama_model.py) under its sequence-parallel TP plan, applied
 by torch_tp and by torch's DTensor TP, side by side (CPU, float32, one thread per rank)."""
 
-import copy
 import sys
 import time
 from typing import Dict
@@ -26,12 +25,17 @@ CONFIGS = {
 }
 
 
+def block_plan(api):
+    """The example plan's per-layer entries, as torchtitan parallelizes each block."""
+    return {k[len("layers.*."):]: v for k, v in lm.tp_plan(api).items() if k.startswith("layers.*.")}
+
+
 class Case:
     """One configuration: deep copies of one unsharded model (same weights on every rank), parallelized by
     each implementation; ``steps[impl]()`` is one timed training step, ``grads[impl]()`` the same without the
     optimizer, ``resets[impl]()`` the untimed reset."""
 
-    def __init__(self, name: str, mesh, impls, optimizer: str) -> None:
+    def __init__(self, name: str, mesh, impls) -> None:
         kind, overrides, batch, seq, _, _ = CONFIGS[name]
         group = mesh.get_group()
         self.config = c = lm.LlamaConfig(**{**overrides, "max_seq_len": max(seq, 512)})
@@ -49,20 +53,11 @@ class Case:
             x_local = x_full.chunk(group.size(), dim=1)[group.rank()].contiguous()
         self.grads, self.steps, self.resets = {}, {}, {}
         for impl in impls:
-            api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
-            model = copy.deepcopy(reference)
-            plan = lm.tp_plan(api)
-            if kind == "block":  # the per-layer entries, as torchtitan parallelizes each block
-                plan = {k[len("layers.*."):]: v for k, v in plan.items() if k.startswith("layers.*.")}
-            api.parallelize_module(model, mesh, plan)
+            model, api = harness.parallelized(reference, mesh, impl, None if kind == "model" else block_plan)
             if impl == COMPILED:  # torchtitan's recipe: every block compiled, the rest eager
                 for block in (model.layers.values() if kind == "model" else [model]):
                     block.compile(fullgraph=True)
-            # The example's fused AdamW, or torch's for-loop one (one DTensor dispatch per parameter and op);
-            # a small lr keeps hundreds of repeats away from divergence.
-            opt = (lm.make_optimizer(model, lr=1e-5) if optimizer == "fused" else
-                   torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
-                                     foreach=False))
+            opt = lm.make_optimizer(model, lr=1e-5)  # small: hundreds of repeats stay far from divergence
             if kind == "model":
                 x, loss_backward = None, self._model_loss(model, api, inputs, targets)
             else:
@@ -96,10 +91,8 @@ class Case:
     @staticmethod
     def _step(model, optimizer, loss_backward):
         """``(grads, step)``: ``grads()`` is forward, loss, backward, until every parameter holds its complete
-        gradient: DTensor leaves the SequenceParallel norm weights' gradients Partial(sum), pending reductions
-        an optimizer would make, so they are redistributed here (torch_tp completes them at the end of
-        backward). ``step()`` is ``grads()`` then optimizer.step(), with the step's end and backward()'s
-        return as laps."""
+        gradient (:func:`harness.complete_grads`); ``step()`` is ``grads()`` then optimizer.step(), with the
+        step's end and backward()'s return as laps."""
         params = list(model.parameters())
         t_backward = 0.0
 
@@ -119,8 +112,7 @@ class Case:
 
 
 def count_collectives(case: Case, impl: str) -> str:
-    """The collectives one untimed step issues on this rank, by kind, from torch.profiler's ``c10d::*``
-    events and the ops' direct calls into the torch_tp backend (``torch_tp_backend::*``)."""
+    """The collectives one untimed step issues on this rank, by kind (:func:`harness.collective_op`)."""
     case.resets[impl]()
     prof = harness.profile(case.grads[impl], 1)
     counts: Dict[str, int] = {}
@@ -142,7 +134,7 @@ def measure(args):
              "`torch_tp_backend::*` events; DTensor's include the reductions of its Partial gradients):"]
     for name in args.configs:
         kind, _, batch, seq, repeats, warmup = CONFIGS[name]
-        case = Case(name, mesh, impls, args.optimizer)
+        case = Case(name, mesh, impls)
         samples = harness.time_interleaved(case.steps, max(3, repeats // 10 if args.quick else repeats),
                                            reset=case.resets, warmup=1 + (warmup // 3 if args.quick else warmup))
         # after the timed steps: a first step may issue one-time collectives (set-up, shard sizes)
@@ -175,7 +167,7 @@ def measure(args):
         + ". `model*`: `cross_entropy` inside `loss_parallel()`; `block*`: one block on this rank's sequence "
         "shard, loss its part of `mean(out**2)`. A step is forward, loss, backward, until every parameter holds "
         "its complete gradient (DTensor's Partial norm-weight gradients redistributed); cells time it. "
-        f"Then `optimizer.step()` ({args.optimizer} AdamW, lr 1e-5), timed on its own; training step = both.",
+        "Then `optimizer.step()` (fused AdamW, lr 1e-5), timed on its own; training step = both.",
         "tables": [table],
         "notes": ["\n".join(notes)],
     }
@@ -184,9 +176,6 @@ def measure(args):
 if __name__ == "__main__":
     p = harness.parser(__doc__, quick="smoke run: every configuration, a tenth of the repeats", backend="gloo",
                        configs=CONFIGS)
-    p.add_argument("--optimizer", choices=["fused", "for-loop"], default="fused",
-                   help="the AdamW stepped after each step: the example's fused one (default) or torch's "
-                   "for-loop one (foreach=False)")
     p.add_argument("--compile", action="store_true",
                    help="also time torch_tp with every block compiled (block.compile(fullgraph=True)); writes "
                    "tp_block[_torch_tp]_compile.*")

@@ -1,34 +1,15 @@
 #!/usr/bin/env python3
 """Training steps of the example Llama (examples/llama_model.py) under its sequence-parallel TP plan, against
-perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded model on rank 0 alone, with one
-intra-op thread and with one per core (what a CPU user tries first), side by side (CPU, eager).
+perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded model on rank 0 alone with one
+intra-op thread and with one per core (what a CPU user tries first) (CPU, eager).
 
-Scaling efficiency is ``unsharded / (p * torch_tp)``: 1 when p ranks do the unsharded step's work in 1/p of its
-time. Two laps in each step, when the loss is computed and when the gradients are complete, split it into
-forward + loss, backward and optimizer without a profiler; rank 0's torch.profiler view of a few untimed torch_tp
-steps splits it into the GEMMs, the collectives (waiting for the peer included) and the rest.
-
-A sample is a training loop's steady state: each implementation runs WARM_STEPS untimed steps, then
-STEADY_STEPS timed ones back to back (the sample: their mean; the laps: the last one's), implementations
-interleaved sample by sample against the machine's drift. A step right after another implementation's (--cold,
-how the earlier sections were taken) starts with the other models' data in the caches and, after the unsharded
-step, with the other ranks' CPUs idle for a whole step; on a VM with a vCPU per rank that costs a 2-rank step
-more than a 1-rank one, and no training loop runs that way.
-
-With --amp every side runs its forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the CPU
-AMP recipe, and the unsharded float32 step runs beside them (**unsharded float32**): on a CPU without a native
-bfloat16 GEMM, torch's bfloat16 GEMMs are its scalar fallback and torch_tp's linears are not (NOTE
-[half-precision GEMMs through float32 panels] in csrc/ops/gemm_cpu.cpp), so the float32 step is the fair
-unsharded baseline there.
-
-Each step also counts the minor page faults it took (the notes' medians, rank 0). Tensors of a few hundred
-KiB and more come from glibc's malloc, which hands freed memory at the top of its heap, and whole freed mmap
-chunks, back to the kernel; the next step faults it in again, zeroed, page by page. How often depends on the
-tensors' sizes, so it differs between the unsharded step and a rank's half-sized one (the unsharded example
-step can fault every step where a TP rank's step does not), and a fault's cost differs between machines.
---keep-freed-memory turns glibc's trimming off and its mmap threshold
-up to 32 MiB (mallopt, every rank, before the models are built), so freed memory stays in the process for the
-next step, as a caching allocator (jemalloc, tcmalloc) keeps it: every side without that cost.
+A sample is a training loop's steady state (untimed steps of the same implementation first): right after
+another implementation's step, a step starts with the other models' data in the caches and the other ranks'
+CPUs idle, which no training loop sees. --amp: bfloat16 autocast on every side, beside the unsharded float32
+step, the fair baseline on a CPU without a native bfloat16 GEMM (torch's falls back to scalar code, torch_tp's
+does not: NOTE [half-precision GEMMs through float32 panels]). Minor page faults per step are counted: glibc's
+malloc hands freed memory back to the kernel and the next step faults it in again, page by page, more or less
+often depending on tensor sizes; --keep-freed-memory stops that, as a caching allocator would.
 """
 
 import contextlib
@@ -46,13 +27,12 @@ from torch.distributed.device_mesh import init_device_mesh
 import harness
 import llama_model as lm  # examples/llama_model.py, on sys.path through harness
 
-# name: (LlamaConfig overrides, batch, seq, samples); --cold takes COLD_REPEATS x samples single steps.
+# name: (LlamaConfig overrides, batch, seq, samples)
 CONFIGS = {
     "example": ({"dim": 256, "n_layers": 4, "n_heads": 4}, 4, 64, 20),
     "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 2, 256, 5),
 }
 WARM_STEPS, STEADY_STEPS = 1, 3  # a sample: untimed, then timed steps of one implementation
-COLD_REPEATS = 3
 VOCAB = 256  # the example's byte vocabulary
 IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp", "dtensor"]
 COMPILED_IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp"]  # torch 2.14's TP fails compiled (RESULTS.md)
@@ -81,9 +61,7 @@ class Case:
                 self.steps[impl] = (self._step(model, None, inputs, targets, threads, autocast, self.faults[impl])
                                     if rank0 else self._idle)
             else:
-                api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
-                model = copy.deepcopy(reference)
-                api.parallelize_module(model, mesh, lm.tp_plan(api))
+                model, api = harness.parallelized(reference, mesh, impl)
                 self.steps[impl] = self._step(model, api, inputs, targets, 1, amp, self.faults[impl])
             if compile_blocks:  # torchtitan's recipe, on every side alike
                 for block in model.layers.values():
@@ -140,10 +118,8 @@ def median_faults(case: Case, impl: str) -> float:
 
 
 def keep_freed_memory() -> None:
-    """glibc's malloc keeps freed memory for reuse instead of returning it to the kernel (the module's notes):
-    no trimming of the heap's top (M_TRIM_THRESHOLD -1), and blocks up to 32 MiB, the largest mmap threshold
-    glibc takes on 64-bit, from the heap rather than their own mappings (M_MMAP_THRESHOLD; setting either
-    also stops glibc adjusting them)."""
+    """glibc's malloc keeps freed memory for reuse: no trimming of the heap's top (M_TRIM_THRESHOLD -1), and
+    blocks up to 32 MiB (the largest mmap threshold glibc takes on 64-bit) from the heap, not mmap."""
     libc = ctypes.CDLL(None)
     m_trim_threshold, m_mmap_threshold = -1, -3
     if not (libc.mallopt(m_trim_threshold, -1) and libc.mallopt(m_mmap_threshold, 32 << 20)):
@@ -167,20 +143,14 @@ def measure(args):
         if args.amp:  # torch's bfloat16 steps take seconds where its GEMMs are the scalar fallback
             repeats = max(2, repeats // 4)
         repeats = max(2, repeats // 5) if args.quick else repeats
-        if args.cold:
-            repeats *= COLD_REPEATS
-        # A sample: WARM_STEPS untimed steps (as the sample's reset, before the barrier), then STEADY_STEPS.
-        warm = {} if args.cold else {k: (lambda step=step: [step() for _ in range(WARM_STEPS)])
-                                     for k, step in case.steps.items()}
-        calls = 1 if args.cold else STEADY_STEPS
-        # Two phases: the 2-thread run leaves an OpenMP worker spinning on the other core for a while after
-        # it (GOMP's spin-wait), which would slow whichever TP step ran next; so it is timed on its own, beside
-        # the 1-thread unsharded step again (the phase's own ratio is in the notes).
+        warm = harness.steady(case.steps, WARM_STEPS)
+        # Two phases: the 2-thread run leaves an OpenMP worker spinning on the other core for a while (GOMP's
+        # spin-wait), which would slow whichever TP step ran next; so it is timed beside the 1-thread step alone.
         tp_keys = [k for k in impls if k != "unsharded 2 threads"]
         samples = harness.time_interleaved({k: case.steps[k] for k in tp_keys}, repeats, reset=warm, warmup=1,
-                                           order=harness.permutations(tp_keys), calls=calls)
+                                           order=harness.permutations(tp_keys), calls=STEADY_STEPS)
         threads = harness.time_interleaved({k: case.steps[k] for k in ("unsharded", "unsharded 2 threads")},
-                                           repeats, reset=warm, warmup=1, calls=calls)
+                                           repeats, reset=warm, warmup=1, calls=STEADY_STEPS)
         samples.per_rank["unsharded 2 threads"] = threads.per_rank["unsharded 2 threads"]
         parts = harness.profile_split(case.steps["torch_tp"], 3, ("aten::mm", "aten::addmm", "aten::bmm"))
         tp, unsharded = samples.median("torch_tp", "ms"), samples.median("unsharded", "ms")
@@ -189,8 +159,7 @@ def measure(args):
             extra["dtensor scaling"] = unsharded / (p * samples.median("dtensor", "ms"))
         if args.amp:
             extra["torch_tp scaling against float32"] = samples.median("unsharded float32", "ms") / (p * tp)
-        extra |= {"torch_tp: gemm ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
-                  "torch_tp: rest ms": tp - parts["mm"] - parts["collectives"]}
+        extra |= harness.split_columns(parts, tp, "gemm")
         table.add({"config": name}, samples, extra=extra)
         c = case.config
         two = threads.median("unsharded", "ms") / threads.median("unsharded 2 threads", "ms")
@@ -214,17 +183,14 @@ def measure(args):
            f"unsharded float32 / ({p} x torch_tp)") if args.amp else ""
     keep = ("; glibc's malloc keeps freed memory for reuse (`--keep-freed-memory`: no trimming, mmap threshold 32 "
             "MiB), as a caching allocator does") if args.keep_freed_memory else ""
-    mode = ((" compile" if args.compile else " amp" if args.amp else "") + (" cold" if args.cold else "")
-            + (" keep" if args.keep_freed_memory else ""))
-    sample = ("A sample: one step right after another implementation's (--cold). " if args.cold else
-              f"A sample: the mean of {STEADY_STEPS} steps back to back after {WARM_STEPS} untimed one(s) of the "
+    mode = (" compile" if args.compile else " amp" if args.amp else "") + (" keep" if args.keep_freed_memory else "")
+    sample = (f"A sample: the mean of {STEADY_STEPS} steps back to back after {WARM_STEPS} untimed one(s) of the "
               "same implementation, a training loop's steady state; the laps are its last step's. ")
     return {
         "tag": "bench_train" + mode,
         "stem": "train" + mode.replace(" ", "_"),
         "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded"
         + (", blocks compiled" if args.compile else ", bfloat16 autocast" if args.amp else "")
-        + (", each step right after another implementation's" if args.cold else "")
         + (", freed memory kept by malloc" if args.keep_freed_memory else ""),
         "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}{amp}{keep}, {args.backend} backend, "
         f"{p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
@@ -235,9 +201,7 @@ def measure(args):
         "AdamW (lr 1e-5) and zero_grad; DTensor's Partial norm-weight gradients redistributed before the "
         f"optimizer. {sample}Scaling = unsharded / ({p} x TP step). Per phase (notes): each step's laps when the "
         "loss is computed and when the gradients are complete split it into forward + loss, backward and "
-        "optimizer (with zero_grad). "
-        f"`torch_tp: gemm/collectives/rest`: rank 0's torch.profiler self "
-        "times per step over 3 untimed steps.",
+        "optimizer (with zero_grad). " + harness.split_about("gemm", "aten::mm/addmm/bmm", 3),
         "tables": [table],
         "notes": ["\n".join(notes)],
     }
@@ -252,10 +216,7 @@ if __name__ == "__main__":
                    help="bfloat16 autocast on every side, beside the unsharded float32 step; writes train_amp.*")
     p.add_argument("--keep-freed-memory", action="store_true",
                    help="glibc's malloc keeps freed memory for the next step instead of returning it to the kernel "
-                   "(see above); writes train[_compile|_amp][_cold]_keep.*")
-    p.add_argument("--cold", action="store_true",
-                   help="time single steps right after another implementation's, not a training loop's steady "
-                   "state; writes train[_compile|_amp]_cold.*")
+                   "(see above); writes train[_compile|_amp]_keep.*")
     args = p.parse_args()
     if args.amp and args.compile:
         p.error("--amp and --compile are separate runs")

@@ -1,24 +1,18 @@
 """What every benchmark here shares: interleaved timing, cross-rank medians and the JSON a run writes.
 
-The method, in the manner of torch.utils.benchmark and nccl-tests: the implementations a benchmark compares
-run side by side in one job. Every repeat runs one timed sample of each, in an order that changes from repeat
-to repeat, so machine drift hits them all alike and none always runs first (cold) or after the same one (whose
-leftovers it would pay for). Before each sample an untimed reset runs (gradients to None, buffers refilled),
-then a barrier lines the ranks up; each rank times its own sample (perf_counter; CUDA events on a GPU), and
-after the run the times are gathered: a repeat's time is the slowest rank's, since a distributed step is done
-when it is done everywhere. A sample is one call, or a batch of back-to-back calls for calls too short for the
-clock (per-call time: batch time / batch length). Reported are medians over repeats with p10/p90, ratios of
-medians, and paired differences as medians of the per-repeat differences. Cyclic GC is off while timing.
+The method, as torch.utils.benchmark's and nccl-tests': the implementations compared run side by side in one
+job, one timed sample of each per repeat, in an order that changes between repeats, so drift hits them alike
+and none always runs first or after the same one. Before each sample an untimed reset, then a barrier; a
+repeat's time is the slowest rank's (a distributed step is done when it is done everywhere). A sample is one
+call or a batch of back-to-back calls (per-call time: batch time / length). Reported: medians over repeats with
+p10/p90, ratios of medians, paired differences (medians of per-repeat differences). GC is off while timing.
 
-With ``--noop-group`` a benchmark binds its steps to a group on torch's "fake" backend instead, whose
-collectives complete at once without communicating: what is left is each layer's own cost (dispatch, checks,
-allocation, autograd). There samples are batches, with one world-group barrier per round.
-
-The scripts run as ``torchrun ... benchmarks/<script>.py``, so this directory is ``sys.path[0]``; the example
-model's directory, examples/, is put on ``sys.path`` here for the scripts that run examples/llama_model.py.
+``--noop-group`` binds the steps to a group on torch's "fake" backend, whose collectives return at once: what
+is left is each layer's own cost. examples/ goes on ``sys.path`` here for examples/llama_model.py.
 """
 
 import argparse
+import copy
 import datetime
 import gc
 import itertools
@@ -45,14 +39,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 KiB = 1024
 MiB = 1024 * KiB
 UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6}
-# torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor for the *_single names; the old ones
-# warn on every call, which would inflate what a small call costs. The new names where they exist.
+# torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor (a warning every call): the new names.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def parse_size(text: str) -> int:
-    """``4K``, ``16KiB``, ``1M``, ``64MiB`` or a plain byte count."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     mult = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(t[-1:], 1)
     return int(float(t[:-1] if mult > 1 else t) * mult)
@@ -72,18 +64,14 @@ def busbw_GBps(op: str, nbytes: int, seconds: float, p: int) -> float:
 
 
 def materialize(t):
-    """Wait for an eager functional collective's result, also inside a DTensor: DTensor hands back outputs and
-    gradients before their collectives have finished, and a step is not done until they have."""
+    """Wait for an eager functional collective's result, also inside a DTensor (DTensor hands back outputs
+    before their collectives have finished)."""
     from torch.distributed.tensor import DTensor
 
     inner = t._local_tensor if isinstance(t, DTensor) else t
     if isinstance(inner, funcol.AsyncCollectiveTensor):
         inner.wait()
     return t
-
-
-# ---------------------------------------------------------------------------
-# timing
 
 
 def wall_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
@@ -116,11 +104,9 @@ def rotations(keys: Sequence[str]) -> Callable[[int], List[str]]:
 
 
 def permutations(keys: Sequence[str]) -> Callable[[int], List[str]]:
-    """Repeat r runs the r-th of all orders of ``keys``, taken in a fixed shuffled sequence: none always
-    after the same one either. Over every ``len(keys)!`` repeats each key runs in each position, and right
-    after each other key, equally often; the shuffle spreads that over fewer repeats too, where
-    itertools' own sequence keeps its first keys for ``(len(keys) - 1)!`` orders (bench_decode's 7 keys: the
-    same two first, one right after the other, in all of its 100 repeats)."""
+    """Repeat r runs the r-th of all orders of ``keys`` in a fixed shuffled sequence, so each key runs in
+    each position and after each other key equally often, spread over few repeats (itertools' own sequence
+    keeps the same first keys for ``(len(keys) - 1)!`` orders)."""
     orders = [list(o) for o in itertools.permutations(keys)]
     random.Random(0).shuffle(orders)
     return lambda r: orders[r % len(orders)]
@@ -128,11 +114,7 @@ def permutations(keys: Sequence[str]) -> Callable[[int], List[str]]:
 
 def quantile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile (numpy's default)."""
-    v = sorted(values)
-    pos = q * (len(v) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+    return torch.tensor(values, dtype=torch.float64).quantile(q).item()
 
 
 def stats(times_s: Sequence[float], unit: str) -> Dict[str, Any]:
@@ -206,9 +188,9 @@ def time_interleaved(steps: Dict[str, Callable[[], Any]], repeats: int, *,
 
 
 def complete_grads(params) -> None:
-    """Finish a step's gradients: DTensor TP leaves the SequenceParallel norm weights' gradients
-    ``Partial(sum)``, pending reductions an optimizer would make, so they are redistributed here
-    (torch_tp completes them at the end of backward); then wait for any collective still in flight."""
+    """Finish a step's gradients: DTensor TP leaves the SequenceParallel norm weights' gradients Partial(sum)
+    for an optimizer to reduce, so they are redistributed here (torch_tp completes them in backward); then
+    wait for any collective still in flight."""
     from torch.distributed.tensor import DTensor
 
     for p in params:
@@ -219,8 +201,7 @@ def complete_grads(params) -> None:
 
 
 def profile(fn: Callable[[], Any], calls: int):
-    """torch.profiler's CPU view of ``calls`` calls of ``fn`` (its ``key_averages()`` per op). Kineto prints
-    start/stop lines (and, without a GPU, an error) on fd 2: they are hidden."""
+    """torch.profiler's CPU view of ``calls`` calls of ``fn``, with Kineto's lines on fd 2 hidden."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     sys.stderr.flush()
@@ -238,17 +219,16 @@ def profile(fn: Callable[[], Any], calls: int):
 
 
 def collective_op(event: str) -> str:
-    """The op of a collective's profiler event: ``c10d::*``, or ``torch_tp_backend::*`` where torch_tp's ops
-    call its backend directly; "" for any other event and for barriers (no step's own collectives)."""
+    """The op of a collective's profiler event (``c10d::*``, ``torch_tp_backend::*``); "" for any other event
+    and for barriers."""
     kind, _, op = event.partition("::")
     return op if kind in ("c10d", "torch_tp_backend") and "barrier" not in op else ""
 
 
 def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str]) -> Dict[str, float]:
-    """Rank 0's torch.profiler view of ``calls`` untimed calls of ``step``, which every rank runs (the step's
-    collectives need its peers), broadcast to every rank; per call in ms: ``mm``, the self time of
-    ``mm_events``; ``collectives``, that of :func:`collective_op`'s events (waiting for the peer included);
-    ``per <op>``, each collective op's time per call of it."""
+    """Rank 0's torch.profiler view of ``calls`` untimed calls of ``step`` (every rank runs them), per call in
+    ms: ``mm``, the self time of ``mm_events``; ``collectives``, that of :func:`collective_op`'s events
+    (waiting for the peer included); ``per <op>``, each collective op's time per call of it."""
     mm = collectives = 0.0
     per: Dict[str, float] = {}
     for e in profile(step, calls).key_averages():
@@ -262,13 +242,37 @@ def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str])
     return out[0]
 
 
-# ---------------------------------------------------------------------------
-# results
+def split_columns(parts: Dict[str, float], step_ms: float, mm: str) -> Dict[str, float]:
+    """:func:`profile_split`'s figures as a table's extra columns of torch_tp's step, the rest included."""
+    return {f"torch_tp: {mm} ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
+            "torch_tp: rest ms": step_ms - parts["mm"] - parts["collectives"]}
+
+
+def split_about(mm: str, events: str, calls: int) -> str:
+    """What :func:`split_columns` are, for a section's ``about``."""
+    return (f"`torch_tp: {mm}/collectives/rest`: rank 0's torch.profiler self times per step over {calls} untimed "
+            f"steps ({mm}: {events}; collectives include waiting for the peer; rest = the step's median minus both). ")
+
+
+def steady(steps: Dict[str, Callable[[], Any]], calls: int) -> Dict[str, Callable[[], None]]:
+    """Resets that run each step ``calls`` times untimed, so a sample is a loop's steady state."""
+    return {k: (lambda step=step: [step() for _ in range(calls)]) for k, step in steps.items()}
+
+
+def parallelized(reference: torch.nn.Module, mesh, impl: str, plan: Optional[Callable] = None):
+    """``(model, api)``: a deep copy of ``reference`` under examples/llama_model.py's ``tp_plan(api)`` (or
+    ``plan(api)``), applied by torch's DTensor TP for ``impl`` "dtensor", else by torch_tp."""
+    import llama_model as lm
+
+    api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
+    model = copy.deepcopy(reference)
+    api.parallelize_module(model, mesh, (plan or lm.tp_plan)(api))
+    return model, api
 
 
 class Table:
-    """Rows of one comparison, as :mod:`report` prints them: a row is a case (``case``: its labels), each
-    implementation's stats, the paired differences, and ``extra`` figures; ratios are taken at report time."""
+    """Rows of one comparison for :mod:`report`: a row is a case's labels, each implementation's stats, the
+    paired differences and ``extra`` figures; ratios are taken at report time."""
 
     def __init__(self, unit: str, impls: Sequence[str], ratios: Sequence[Tuple[str, str]] = (),
                  paired: Sequence[Tuple[str, str]] = (), title: str = "") -> None:
@@ -278,8 +282,8 @@ class Table:
 
     def add(self, case: Dict[str, Any], samples: Samples, keys: Optional[Dict[str, str]] = None,
             extra: Optional[Dict[str, Any]] = None, x: Optional[float] = None, panel: str = "") -> Dict[str, Any]:
-        """``keys[impl]``: the sample key of ``impl`` (default: the name itself); ``x``, ``panel``: where the
-        plot puts the row (a numeric x draws lines over x, one panel per ``panel``; none draws bars)."""
+        """``keys[impl]``: the sample key of ``impl`` (default: itself); ``x``, ``panel``: the plot's lines over
+        a numeric x, a panel per ``panel`` (no x: bars)."""
         keys = keys or {}
         key = lambda impl: keys.get(impl, impl)  # noqa: E731
         row = {
@@ -297,7 +301,7 @@ def noop_group() -> dist.ProcessGroup:
     """A group on torch's "fake" backend beside the world group; every rank must call this."""
     why = ""
     try:
-        # torch names the backend but registers its creator only when this module is imported.
+        # torch registers the backend's creator only when this module is imported.
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
         group = dist.new_group(backend="fake")
@@ -312,10 +316,9 @@ def noop_group() -> dist.ProcessGroup:
 
 def parser(doc: str, *, launch: str = "torchrun --nproc-per-node 2", quick: str = "", noop_batch: int = 0,
            backend: str = "", configs: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The options every script shares, under the script's docstring, with ``launch`` in the usage line;
-    ``quick``: the help of a smoke-run flag; ``noop_batch``: the default batch of ``--noop-group``;
-    ``backend``: the default of ``--backend``, the process group's (:func:`run`); ``configs``: what
-    ``--configs`` chooses from. Each option is left out where its argument is empty."""
+    """The options scripts share, each left out where its argument is empty: ``quick``, the help of
+    ``--quick``; ``noop_batch``, the default batch of ``--noop-group``; ``backend``, the default of
+    ``--backend`` (:func:`run`); ``configs``, what ``--configs`` chooses from."""
     p = argparse.ArgumentParser(prog=f"{launch} {os.path.relpath(sys.argv[0])}", description=doc,
                                 epilog="Method and outputs: benchmarks/harness.py, benchmarks/report.py.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -349,8 +352,13 @@ def names(allowed: Sequence[str]) -> Callable[[str], List[str]]:
     return parse
 
 
+def numbers(kind: Callable[[str], Any]) -> Callable[[str], List[Any]]:
+    """An argparse type: a comma-separated list of ``kind(value)``."""
+    return lambda text: [kind(v) for v in text.split(",")]
+
+
 def sizes(text: str) -> List[int]:
-    """An argparse type: comma-separated sizes (:func:`parse_size`)."""
+    """An argparse type: comma-separated sizes, each ``4K``, ``16KiB``, ``1M``, ``64MiB`` or a byte count."""
     return [parse_size(s) for s in text.split(",")]
 
 
@@ -371,7 +379,7 @@ def machine() -> Dict[str, Any]:
         "cpu_model": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "torch_version": torch.__version__,
         "torch_tp_version": torch_tp.__version__, "python_version": platform.python_version(),
         "backend": dist.get_backend(), "world_size": dist.get_world_size(), "threads_per_rank": torch.get_num_threads(),
-        # glibc malloc tunables change what fresh output allocations cost (large blocks are mmap'd per call).
+        # glibc malloc tunables change what fresh allocations cost
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
     }
 
@@ -380,9 +388,8 @@ def run(args: argparse.Namespace, measure: Callable[[argparse.Namespace], Dict[s
         threads: Optional[int] = 1, torchrun: bool = True) -> int:
     """Set up the process group (``args.backend``, else gloo), ``measure(args)``, and on rank 0 write
     ``<stem>.json`` and :mod:`report`'s outputs. ``measure`` returns ``tag`` (the RESULTS.md markers), ``stem``,
-    ``title``, ``about`` (what the implementations are), ``tables`` (:class:`Table`) and optionally ``notes``
-    (lines). ``threads``: intra-op threads per rank (one: 2 ranks on 2 cores, no oversubscription).
-    ``torchrun=False``: one process, world size 1."""
+    ``title``, ``about``, ``tables`` (:class:`Table`) and optionally ``notes``. ``threads``: intra-op threads
+    per rank (one: no oversubscription). ``torchrun=False``: one process, world size 1."""
     name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     backend = getattr(args, "backend", "gloo")
     if torchrun and "RANK" not in os.environ:
