@@ -1,23 +1,37 @@
 #!/usr/bin/env python3
-"""torch_tp's collective ops against torch's functional collectives and raw c10d, on a gloo group (CPU, float32).
+"""Collectives on one machine, three comparisons, a section each:
 
-With ``--dim 1`` the all-gather and reduce-scatter run along dim 1 of a [4, n] input, as a sequence-parallel
-gather of [b, s, h] runs along s; raw c10d, which has no dim, moves the same bytes along dim 0 (the floor).
+- torch_tp's collective ops against torch's functional collectives and raw c10d (CPU, float32; size: the
+  per-rank input). With ``--dim 1`` the all-gather and reduce-scatter run along dim 1 of a [4, n] input, as a
+  sequence-parallel gather of [b, s, h] runs along s; raw c10d, which has no dim, moves the same bytes along
+  dim 0 (the floor).
+- ``--vs-gloo``: the torch_tp process-group backend against gloo, latency and bus bandwidth (size: nccl-tests'
+  S; a section for each world size: run it with --nproc-per-node 2 and 4).
+- ``--latency``: the torch_tp backend at the latency limit, against DeepSpeed's CPU shared-memory all-reduce
+  and gloo. DeepSpeed is a peer, never a dependency: without it (or where its op does not build, or the CPU
+  lacks the ISA its kernels need) its columns are left empty and the section says why.
 """
 
+import os
 import sys
+import time
 
-import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+# DeepSpeed sets up shared memory only when these are set before it is imported (torchrun sets neither).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
-import harness
-from harness import ALL_GATHER, KiB, MiB, REDUCE_SCATTER
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+import harness  # noqa: E402
+from harness import ALL_GATHER, KiB, MiB, REDUCE_SCATTER  # noqa: E402
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter"]
 IMPLS = ["torch_tp", "functional", "raw"]
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 NOOP_SIZES = [64, 4 * KiB, 64 * KiB]
+FEW_SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]  # --latency's, and --vs-gloo --quick's
 # Timed repeats by size: many where a call is short and noisy, few where one takes tens of ms (full run
 # about 4 minutes on 2 cores); --quick takes about a tenth.
 REPEATS = {4 * KiB: 400, 16 * KiB: 400, 64 * KiB: 300, 256 * KiB: 200, MiB: 120, 4 * MiB: 60, 16 * MiB: 30,
@@ -25,6 +39,10 @@ REPEATS = {4 * KiB: 400, 16 * KiB: 400, 64 * KiB: 300, 256 * KiB: 200, MiB: 120,
 # The functional collectives' new names where they exist, as harness.ALL_GATHER takes c10d's.
 FC_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 FC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ["gloo", "torch_tp"]
+LATENCY_IMPLS = ["tp dist", "tp op", "tp op_", "ds", "ds raw", "gloo", "all_gather tp dist", "all_gather tp op",
+                 "reduce_scatter tp dist", "reduce_scatter tp op"]
 
 
 def repeats(nbytes: int, args) -> int:
@@ -57,12 +75,12 @@ def steps(op: str, nbytes: int, group: dist.ProcessGroup, dim: int):
             "raw": lambda: REDUCE_SCATTER(out, x, group=group)}, None, nbytes
 
 
-def measure(args):
+def overhead(args):
     group = harness.noop_group() if args.noop_group else dist.group.WORLD
     p = dist.get_world_size()
     table = harness.Table("us", IMPLS, ratios=[("torch_tp", "raw"), ("torch_tp", "functional")],
                           paired=[("torch_tp", "raw"), ("torch_tp", "functional")])
-    for nbytes in args.sizes:
+    for nbytes in args.sizes or (NOOP_SIZES if args.noop_group else SIZES):
         unit = 4 * p * (4 if args.dim else 1)
         if nbytes % unit:
             raise ValueError(f"size {nbytes} B must be a multiple of {unit} B (float32 x world size x rows)")
@@ -105,17 +123,204 @@ def measure(args):
     }
 
 
+def numel(dtype: torch.dtype, size: int, p: int) -> int:
+    n = size // dtype.itemsize
+    return n - n % p
+
+
+def dist_calls(dtype: torch.dtype, size: int, group):
+    """``{op: call}``: each op through ``dist`` on preallocated buffers of its own; ``size`` is nccl-tests' S: the
+    all_reduce tensor, the all_gather output, the reduce_scatter input. Zeros: in-place sums stay zero."""
+    p = group.size()
+    full, piece = torch.zeros(numel(dtype, size, p), dtype=dtype), torch.zeros(numel(dtype, size, p) // p, dtype=dtype)
+    reduced, gathered, scattered = full.clone(), torch.empty_like(full), torch.empty_like(piece)
+    return {"all_reduce": lambda: dist.all_reduce(reduced, group=group),
+            "all_gather": lambda: ALL_GATHER(gathered, piece, group=group),
+            "reduce_scatter": lambda: REDUCE_SCATTER(scattered, full, group=group)}
+
+
+def memcpy_GBps() -> float:
+    """Single-core memcpy, the physical limit: 16 MiB ``copy_`` on rank 0 while the others wait, bytes
+    copied per second, the median of 20 after warm-up."""
+    value = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank() == 0:
+        src = torch.randn(4 * MiB)
+        dst = torch.empty_like(src)
+        times = []
+        for i in range(25):
+            start = time.perf_counter()
+            dst.copy_(src)
+            if i >= 5:
+                times.append(time.perf_counter() - start)
+        value[0] = 16 * MiB / harness.quantile(times, 0.5) / 1e9
+    dist.broadcast(value, src=0)
+    return value.item()
+
+
+def against_gloo(args):
+    p = dist.get_world_size()
+    groups = {"gloo": dist.group.WORLD, "torch_tp": dist.new_group(backend="torch_tp")}
+    memcpy = memcpy_GBps()
+    table = harness.Table("us", BACKENDS, ratios=[("gloo", "torch_tp")])
+    for size in args.sizes or (FEW_SIZES if args.quick else SIZES):
+        for op in args.ops:
+            for dtype_name in args.dtypes:
+                calls = {name: dist_calls(DTYPES[dtype_name], size, g)[op] for name, g in groups.items()}
+                # batches long enough for the clock at small S; a barrier on the group being timed
+                samples = harness.time_interleaved(
+                    calls, 3 if args.quick else 30 if size <= MiB else 15 if size <= 16 * MiB else 7,
+                    calls=20 if size <= 64 * KiB else 5 if size <= MiB else 1, warmup=1,
+                    barrier=lambda name: dist.barrier(group=groups[name]))
+                bw = {name: harness.busbw_GBps(op, size, samples.median(name, "s"), p) for name in BACKENDS}
+                table.add({"op": op, "dtype": dtype_name, "size": harness.fmt_size(size)}, samples,
+                          x=size, panel=f"{op} {dtype_name}",
+                          extra={"gloo busbw GB/s": bw["gloo"], "torch_tp busbw GB/s": bw["torch_tp"],
+                                 "torch_tp busbw / memcpy": bw["torch_tp"] / memcpy})
+        if dist.get_rank() == 0:
+            print(f"[bench_collectives --vs-gloo] {harness.fmt_size(size)} done", flush=True)
+    return {
+        "tag": f"bench_backend ws={p}", "stem": f"backend_ws{p}",
+        "title": f"The torch_tp backend against gloo, {p} ranks on one machine",
+        "about": "Both backends in one job: the default gloo group and `dist.new_group(backend=\"torch_tp\")` "
+        f"over the same ranks, alternating within each repeat. `dist.all_reduce` (in place), `{ALL_GATHER.__name__}`, "
+        f"`{REDUCE_SCATTER.__name__}`; size S as nccl-tests: the all_reduce tensor, the all_gather output, the "
+        "reduce_scatter input; busbw = S/t x 2(p-1)/p (all_reduce) or (p-1)/p. A sample is a batch of 20 calls "
+        "up to 64 KiB, 5 up to 1 MiB, else 1.",
+        "memcpy_GBps": memcpy, "buffer_bytes_env": os.environ.get("TORCH_TP_SHM_BUFFER_BYTES"),
+        "tables": [table],
+        "notes": [f"Single-core memcpy bandwidth, same run: **{memcpy:.2f} GB/s** (16 MiB `copy_`, median)."],
+    }
+
+
+def calls_per_sample(size: int) -> int:
+    return 100 if size <= 64 * KiB else 10 if size <= MiB else 1
+
+
+def deepspeed_ops(p: int):
+    """``(inference_all_reduce, its raw op, what)``, or ``(None, None, why not)``, the same on every rank."""
+    try:
+        import deepspeed
+        import deepspeed.comm as ds_comm
+
+        if os.environ["LOCAL_SIZE"] != str(p):
+            raise RuntimeError(f"LOCAL_SIZE={os.environ['LOCAL_SIZE']} is not the world size {p}: no shared memory")
+        deepspeed.init_distributed(dist_backend="gloo")
+        backend = ds_comm.comm.cdb
+        if getattr(backend, "shm_comm_op", None) is None:
+            raise RuntimeError("DeepSpeed's deepspeed_shm_comm op did not build")
+        if getattr(backend, "shm_vector_kernel_level", 0) < 2:
+            raise RuntimeError("the CPU lacks avx512bw, which DeepSpeed's bf16 shm kernel needs")
+        ds = (ds_comm.inference_all_reduce, torch.ops.deepspeed.inference_all_reduce_,
+              f"DeepSpeed {deepspeed.__version__}")
+    except Exception as e:  # not installed, or unusable here
+        ds = (None, None, f"DeepSpeed skipped ({type(e).__name__}: {e})")
+    ok = torch.tensor([0 if ds[0] is None else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return ds if ok.item() else (None, None, ds[2] if ds[0] is None else "DeepSpeed skipped (unusable on another rank)")
+
+
+def latency_steps(dtype: torch.dtype, size: int, tp, ds_call, ds_raw):
+    """Every implementation of one (dtype, size), each on buffers of its own. ``tp dist``: `dist.*` on the
+    torch_tp group; ``tp op``: the functional torch_tp op (a fresh output); ``tp op_``: the in-place one,
+    DeepSpeed's raw op's like-for-like."""
+    p, name = tp.size(), tp.group_name
+    buf = {k: torch.zeros(numel(dtype, size, p), dtype=dtype) for k in ("tp op", "tp op_", "ds", "ds raw")}
+    shard, full = torch.zeros(numel(dtype, size, p) // p, dtype=dtype), torch.zeros(numel(dtype, size, p), dtype=dtype)
+    tp_dist = dist_calls(dtype, size, tp)
+    out = {
+        "tp dist": tp_dist["all_reduce"],
+        "tp op": lambda: torch.ops.torch_tp.all_reduce(buf["tp op"], "sum", name),
+        "tp op_": lambda: torch.ops.torch_tp.all_reduce_(buf["tp op_"], "sum", name),
+        "gloo": dist_calls(dtype, size, dist.group.WORLD)["all_reduce"],
+        "all_gather tp dist": tp_dist["all_gather"],
+        "all_gather tp op": lambda: torch.ops.torch_tp.all_gather(shard, 0, name, None),
+        "reduce_scatter tp dist": tp_dist["reduce_scatter"],
+        "reduce_scatter tp op": lambda: torch.ops.torch_tp.reduce_scatter(full, 0, "sum", name),
+    }
+    if ds_call is not None:
+        out["ds"] = lambda: ds_call(buf["ds"])
+        out["ds raw"] = lambda: ds_raw(buf["ds raw"])
+    return out
+
+
+def breakdown(tp, rounds: int, ds_raw) -> harness.Table:
+    """A 4 KiB float32 all-reduce by layer, in the same rounds: torch's Python c10d wrapper, dispatcher and
+    Work alone (no-op group), one transport step without data (barrier), the call handed to the worker
+    thread (async + wait), the inline call, the ops (direct calls into the backend), and what any
+    functional op called through torch.ops pays before it communicates (aten.clone)."""
+    fake = harness.noop_group()
+    t = {k: torch.zeros(1024) for k in ("fake", "sync", "async", "ds raw", "clone")}
+    parts = {
+        "torch_tp barrier": lambda: dist.barrier(group=tp),
+        "tp dist async_op=True + wait": lambda: dist.all_reduce(t["async"], group=tp, async_op=True).wait(),
+        "tp dist": lambda: dist.all_reduce(t["sync"], group=tp),
+        "tp op": lambda: torch.ops.torch_tp.all_reduce(t["sync"], "sum", tp.group_name),
+        "tp op_": lambda: torch.ops.torch_tp.all_reduce_(t["sync"], "sum", tp.group_name),
+        "aten.clone through torch.ops (no communication)": lambda: torch.ops.aten.clone(t["clone"]),
+        "no-op group dist.all_reduce": lambda: dist.all_reduce(t["fake"], group=fake),
+    }
+    if ds_raw is not None:
+        parts["ds raw"] = lambda: ds_raw(t["ds raw"])
+    samples = harness.time_interleaved(parts, rounds, calls=calls_per_sample(4 * KiB), warmup=1,
+                                       barrier=lambda key: dist.barrier(group=tp))
+    table = harness.Table("us", list(parts), title="4 KiB float32 all-reduce by layer (same rounds)")
+    table.add({"what": "4 KiB float32"}, samples)
+    return table
+
+
+def latency(args):
+    p = dist.get_world_size()
+    load_start = os.getloadavg()
+    tp = dist.new_group(backend="torch_tp")
+    ds_call, ds_raw, peer = deepspeed_ops(p)
+    rounds = lambda size: 5 if args.quick else 15 if size <= MiB else 7  # noqa: E731
+    tables = [] if args.no_breakdown else [breakdown(tp, rounds(4 * KiB), ds_raw)]
+    table = harness.Table("us", LATENCY_IMPLS, ratios=[("ds", "tp dist"), ("ds raw", "tp op"), ("ds raw", "tp op_")],
+                          title="us per call")
+    for size in args.sizes or FEW_SIZES:
+        for dtype_name in args.dtypes:
+            samples = harness.time_interleaved(latency_steps(DTYPES[dtype_name], size, tp, ds_call, ds_raw),
+                                               rounds(size), calls=calls_per_sample(size), warmup=1,
+                                               barrier=lambda key: dist.barrier(group=tp))
+            table.add({"dtype": dtype_name, "size": harness.fmt_size(size)}, samples, x=size, panel=dtype_name)
+            if dist.get_rank() == 0:
+                print(f"[bench_collectives --latency] {dtype_name} {harness.fmt_size(size)} done", flush=True)
+    return {
+        "tag": f"bench_backend_latency ws={p}", "stem": f"backend_latency_ws{p}",
+        "title": f"The torch_tp backend against DeepSpeed's shm all-reduce and gloo, {p} ranks",
+        "about": f"Peers: {peer}. All-reduce: **tp dist** `dist.all_reduce` on a torch_tp group, **tp op** "
+        "`torch.ops.torch_tp.all_reduce` (functional), **tp op_** `torch.ops.torch_tp.all_reduce_` (in place), "
+        "**ds** `deepspeed.comm.inference_all_reduce`, **ds raw** `torch.ops.deepspeed.inference_all_reduce_`, "
+        f"**gloo** `dist.all_reduce`; all_gather and reduce_scatter through `dist.{ALL_GATHER.__name__}` / "
+        f"`{REDUCE_SCATTER.__name__}` and the ops (DeepSpeed has none: compare with its same-size all-reduce). "
+        "Every column of a row in the same rounds, rotating; a sample is a batch of back-to-back calls (100 up "
+        "to 64 KiB, 10 up to 1 MiB, else 1) after a torch_tp barrier.",
+        "tables": tables + [table],
+        "notes": ["Load average (1, 5, 15 min) at the start: {:.1f}, {:.1f}, {:.1f}; at the end: {:.1f}, {:.1f}, "
+                  "{:.1f} (the machine is shared).".format(*load_start, *os.getloadavg())],
+    }
+
+
 if __name__ == "__main__":
-    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats (with --noop-group: see --calls)",
-                       noop_batch=100, backend="gloo")
-    p.add_argument("--sizes", type=harness.sizes, help="comma-separated per-rank sizes, e.g. 4K,1M (default: "
-                   "4 KiB .. 64 MiB, x4 steps; with --noop-group: 64,4K,64K)")
+    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats (--noop-group: see --calls; --vs-gloo: "
+                       "four sizes, three repeats; --latency: five rounds per row)", noop_batch=100, backend="gloo")
+    p.add_argument("--vs-gloo", action="store_true", help="the torch_tp backend against gloo; writes backend_ws<p>.*")
+    p.add_argument("--latency", action="store_true",
+                   help="the torch_tp backend against DeepSpeed and gloo; writes backend_latency_ws<p>.*")
+    p.add_argument("--sizes", type=harness.sizes, help="comma-separated sizes, e.g. 4K,1M (default: 4 KiB .. 64 "
+                   "MiB, x4 steps; --noop-group: 64,4K,64K; --latency and --vs-gloo --quick: 4K,64K,1M,16M)")
     p.add_argument("--ops", type=harness.names(OPS), default=",".join(OPS),
-                   help="comma-separated subset of %(default)s")
+                   help="comma-separated subset of %(default)s (not --latency)")
     p.add_argument("--dim", type=int, default=0, choices=[0, 1],
                    help="1: all_gather and reduce_scatter along dim 1 of a [4, n] input (raw c10d: dim 0)")
     p.add_argument("--calls", type=int, default=5000,
                    help="with --noop-group: timed calls per size, op and implementation (default: %(default)s)")
+    p.add_argument("--dtypes", type=harness.names(DTYPES), default="float32,bfloat16",
+                   help=f"--vs-gloo, --latency: comma-separated, of {', '.join(DTYPES)} (default: %(default)s)")
+    p.add_argument("--no-breakdown", action="store_true",
+                   help="--latency: skip the 4 KiB by-layer table (its no-op group row needs torch's fake backend)")
     args = p.parse_args()
-    args.sizes = args.sizes or (NOOP_SIZES if args.noop_group else SIZES)
+    if (args.vs_gloo or args.latency) and (args.backend != "gloo" or args.noop_group or args.dim):
+        p.error("--vs-gloo and --latency make their own torch_tp group beside the gloo world group")
+    measure = against_gloo if args.vs_gloo else latency if args.latency else overhead
     sys.exit(harness.run(args, measure))
