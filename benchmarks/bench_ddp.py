@@ -17,9 +17,10 @@ IMPLS = ["torch_tp", "torch"]
 
 def measure(args):
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(args.layers) for m in (nn.Linear(args.dim, args.dim), nn.GELU())])
+    layers, dim = (4, 512) if args.quick else (8, 1536)
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(dim, dim), nn.GELU())])
     numel = sum(p.numel() for p in model.parameters())
-    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(32, dim, generator=torch.Generator().manual_seed(dist.get_rank()))
     table = harness.Table("ms", IMPLS + [f"{i} compute" for i in IMPLS] + ["comm"], ratios=[("torch", "torch_tp")])
     for cap in args.bucket_mb:
         wrapped = {"torch_tp": torch_tp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap),
@@ -64,8 +65,8 @@ def measure(args):
     return {
         "tag": f"bench_ddp{suffix}", "stem": f"ddp{suffix}",
         "title": f"Data parallel: torch_tp.DistributedDataParallel vs torch DDP ({args.backend})",
-        "about": f"Model: {args.layers} x (Linear({args.dim}, {args.dim}) + GELU), {numel / 1e6:.1f} M fp32 "
-        f"parameters, batch {args.batch} per rank; deep copies of one model in both wrappers. A step is forward, "
+        "about": f"Model: {layers} x (Linear({dim}, {dim}) + GELU), {numel / 1e6:.1f} M fp32 "
+        "parameters, batch 32 per rank; deep copies of one model in both wrappers. A step is forward, "
         "loss, backward until every gradient is averaged; `compute`: the same under `no_sync()`; `comm`: the "
         "model's gradient size all-reduced in buckets of the cap; hidden = (compute + comm - step) / comm. Per "
         "repeat both steps (order alternating), both compute-only steps, then comm.",
@@ -75,13 +76,9 @@ def measure(args):
 
 if __name__ == "__main__":
     p = harness.parser(__doc__, quick="smoke run: 4 x 512 layers, 3 repeats", backend="gloo")
-    p.add_argument("--bucket-mb", type=lambda text: [float(v) for v in text.split(",")], default="1,5,25,100",
+    p.add_argument("--bucket-mb", type=harness.numbers(float), default="1,5,25,100",
                    help="comma-separated bucket caps, MiB (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=8, help="Linear layers (default: %(default)s)")
-    p.add_argument("--dim", type=int, default=1536, help="layer width (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=32, help="rows per rank (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=9, help="timed repeats per bucket cap (default: %(default)s)")
     args = p.parse_args()
-    if args.quick:
-        args.layers, args.dim, args.repeats = 4, 512, 3
+    args.repeats = 3 if args.quick else args.repeats
     sys.exit(harness.run(args, measure))

@@ -1,12 +1,9 @@
 #!/usr/bin/env python3
-"""What handing a DTensor from one tensor-parallel module to the next costs, per call (CPU, eager).
-
-Where a plan asks for DTensors between modules (SequenceParallel's output, PrepareModuleInput's with torch's
-default ``use_local_output=False``, as in torchtitan's plan), the producing module wraps its local result as a
-DTensor and the next module takes the local tensor back. No data moves; the cost is the wrapping: torch_tp's
-(a ``HandedDTensor``, NOTE [DTensors handed between torch_tp modules]) against torch's (``DTensor.from_local``
-and ``.to_local()``, two autograd Functions when the tensor requires grad) and the local tensor handed on as it
-is. The forward only: torch's handoff adds two autograd nodes per handoff to the backward, torch_tp's none.
+"""What handing a DTensor from one tensor-parallel module to the next costs, per call (CPU, eager): where a
+plan asks for DTensors between modules (SequenceParallel's output, PrepareModuleInput's with
+``use_local_output=False``), one module wraps its local result and the next takes the local tensor back. No
+data moves. The forward only: torch's handoff also adds two autograd nodes to the backward, torch_tp's none
+(NOTE [DTensors handed between torch_tp modules]).
 """
 
 import sys

@@ -15,11 +15,10 @@ import harness
 import torch_tp
 
 IMPLS = ["torch_tp", "torch_tp_fused", "dtensor", "floor"]
-# (batch, hidden): the first is framework cost and latency (tiny GEMMs), the last two are
-# GEMM-bound, the one between shows the crossover. --quick leaves out the largest.
+# (batch, hidden): framework cost and latency (tiny GEMMs), the crossover, then GEMM-bound sizes.
 SIZES = [(8, 256), (128, 512), (512, 1024), (1024, 2048)]
-# Timed repeats and untimed warm-up steps per size: fewer where a step is longer (a full run takes minutes);
-# a size not listed gets 30 and 2.
+# Timed repeats and untimed warm-up steps per size, fewer where a step is longer; otherwise 30 and 2.
+NOOP_STEPS = 2000  # --noop-group: timed steps per implementation
 REPEATS = {(8, 256): (400, 10), (128, 512): (120, 5), (512, 1024): (30, 2), (1024, 2048): (12, 1)}
 
 
@@ -35,7 +34,6 @@ def mlp_steps(batch: int, hidden: int, group: dist.ProcessGroup, mesh: DeviceMes
               torch_tp.ops.shard(w2, 1, group), b2.clone()]
     col, row = torch.ops.torch_tp.column_parallel_linear, torch.ops.torch_tp.row_parallel_linear
 
-    # torch_tp: the column op, F.gelu (or the op's fused tanh GELU), the row op.
     tp = [t.clone().requires_grad_() for t in shards]
     x_tp = x.clone().requires_grad_()
 
@@ -49,8 +47,7 @@ def mlp_steps(batch: int, hidden: int, group: dist.ProcessGroup, mesh: DeviceMes
         for t in [x_tp, *tp]:
             t.grad = None
 
-    # DTensor: the same weights in nn.Linear layers, parallelized; src_data_rank=None: each rank keeps its
-    # own chunk of the (identical) full weights.
+    # DTensor: the same weights in nn.Linear layers; src_data_rank=None: each rank keeps its own chunk.
     model = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
     with torch.no_grad():
         for p, w in zip(model.parameters(), (w1, b1, w2, b2)):
@@ -68,8 +65,7 @@ def mlp_steps(batch: int, hidden: int, group: dist.ProcessGroup, mesh: DeviceMes
         x_dt.grad = None
         model.zero_grad(set_to_none=True)
 
-    # The floor: the same math by hand, no autograd, the forward's and the backward's all-reduce one after
-    # the other (torch_tp overlaps the backward one with the weight-gradient GEMM, so it may come in under).
+    # The floor: the same math by hand, no autograd, the all-reduces not overlapped (torch_tp may come in under).
     fw1, fb1, fw2, fb2 = shards
 
     def step_floor():
@@ -100,7 +96,7 @@ def measure(args):
         repeats, warmup = REPEATS.get((batch, hidden), (30, 2))
         if args.noop_group:  # batches of steps, the reset inside (a few attribute stores for every impl)
             batched = {k: (lambda s=s, r=resets.get(k, lambda: None): (r(), s())) for k, s in steps.items()}
-            samples = harness.time_interleaved(batched, max(3, args.steps // args.batch),
+            samples = harness.time_interleaved(batched, max(3, NOOP_STEPS // args.batch),
                                                order=harness.permutations(IMPLS), calls=args.batch, warmup=2,
                                                barrier="round")
         else:
@@ -127,13 +123,11 @@ def measure(args):
 
 
 if __name__ == "__main__":
-    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats, without the largest size (with "
-                       "--noop-group: see --steps)", noop_batch=50)
+    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats, without the largest size",
+                       noop_batch=50)
     p.add_argument("--sizes", type=lambda text: [tuple(int(v) for v in s.split("x")) for s in text.split(",")],
                    help="comma-separated batch x hidden, e.g. 8x256,512x1024 (default: "
                    + ",".join(f"{b}x{h}" for b, h in SIZES) + "; with --noop-group: 8x256)")
-    p.add_argument("--steps", type=int, default=2000,
-                   help="with --noop-group: timed steps per implementation (default: %(default)s)")
     args = p.parse_args()
     args.sizes = args.sizes or (SIZES[:1] if args.noop_group else SIZES[:-1] if args.quick else SIZES)
     sys.exit(harness.run(args, measure))

@@ -1,9 +1,6 @@
 #!/usr/bin/env python3
-"""The linear ops on one device against nn.Linear, and the fused bias+GELU epilogue against the unfused ops.
-
-One process, a process group of world size 1, so the ops do no communication: what is measured is their own
-GEMM path against torch's. On a GPU the device's two ceilings are measured the same way first (a large square
-matmul in the dtype, a large device-to-device copy), and each row gives the FLOP rate both sides reached.
+"""The linear ops on one device against nn.Linear, and the fused bias+GELU epilogue against the unfused ops, in
+one process (world size 1: no communication), beside the device's ceilings and the FLOP rate of each side.
 """
 
 import sys
@@ -82,29 +79,6 @@ def measure(args):
         extra = {f"{impl} TFLOP/s": flop / samples.median(impl, "s") / 1e12 for impl in ("torch_tp", "reference")}
         table.add({"comparison": label, "torch_tp": ours, "reference": theirs}, samples, extra=extra)
 
-    # The row op's forward taken apart (its GEMM carries no bias: the bias is added after the reduction),
-    # each piece against nn.Linear, whose bias rides in the GEMM's epilogue: which kernel the plain GEMM
-    # gets, what the separate bias pass costs, and what the op adds around them.
-    # On CUDA, torch.mm once more through cuBLASLt (torch's preferred BLAS library, set around the call):
-    # ATen's plain GEMM goes through cuBLAS, nn.Linear's bias-epilogue GEMM through cuBLASLt.
-    def through_cublaslt(fn):
-        def run():
-            previous = torch.backends.cuda.preferred_blas_library()
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            try:
-                return fn()
-            finally:
-                torch.backends.cuda.preferred_blas_library(previous)
-        return run
-
-    pieces = harness.Table("us", ["piece", "nn.Linear"], ratios=[("piece", "nn.Linear")],
-                           title="The row op's forward, piece by piece, against nn.Linear")
-    for label, piece in [("torch.mm(x, W^T)", lambda: torch.mm(x, w.t())),
-                         *([("torch.mm(x, W^T), cuBLASLt", through_cublaslt(lambda: torch.mm(x, w.t())))]
-                           if device.type == "cuda" else []),
-                         ("torch.mm(x, W^T).add_(b)", lambda: torch.mm(x, w.t()).add_(b)),
-                         ("row_parallel_linear", variants["row_parallel_linear"])]:
-        pieces.add({"forward": label}, side_by_side({"piece": fwd(piece), "nn.Linear": fwd(variants["nn.Linear"])}))
     name, notes = "CPU", []
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -121,7 +95,7 @@ def measure(args):
         "title": "Linear ops on one device: torch_tp's GEMM path against nn.Linear, and the fused epilogue",
         "about": f"Device: {name}, {args.dtype}, x [{m}, {n}] @ W [{n}, {n}]^T + b; world size 1 (no "
         "communication). Each call timed with CUDA events (perf_counter on the CPU), no barrier.",
-        "tables": [table, pieces], "notes": notes,
+        "tables": [table], "notes": notes,
     }
 
 

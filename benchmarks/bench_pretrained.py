@@ -1,19 +1,12 @@
 #!/usr/bin/env python3
 """Loading a Hugging Face checkpoint into tensor-parallel shards: peak resident memory and wall time per rank
-(CPU, gloo, float32).
-
-A Llama built from config (over 2 GiB in float32) is saved once with ``save_pretrained`` to a temporary
-directory (or ``--dir``: one already saved). For each TP degree, every repeat launches each implementation in
-fresh processes (torchrun), in rotating order:
+(CPU, gloo, float32). A Llama of over 2 GiB is saved once with ``save_pretrained`` (or ``--dir``: one already
+saved); each repeat loads it in fresh torchrun processes per implementation, rotating:
 
 - **torch_tp**: the model on the meta device, ``torch_tp.parallelize_module(model, mesh, model.tp_plan)``,
   ``torch_tp.parallel.load_pretrained(model, dir)``: each rank reads only its slices;
 - **whole**: ``from_pretrained(dir)`` on every rank, then ``torch_tp.parallelize_module``;
 - **hf tp_plan**: transformers' own ``from_pretrained(dir, tp_plan="auto")`` (its DTensor TP).
-
-A rank's time runs from its process group being up to the model being loaded (a barrier before); its memory is
-``ru_maxrss`` (the process's peak) and that peak less the RSS before loading (after the imports). The bound is
-issue 52's: this rank's shard + the replicated tensors + the largest single tensor, + 10%.
 """
 
 import json
@@ -64,7 +57,8 @@ def load(impl: str, path: str):
 
 
 def worker(impl: str, path: str, out: str) -> None:
-    """One rank of one load; writes its figures to ``out``.<rank>."""
+    """One rank of one load; writes to ``out``.<rank> its time from a barrier to the model loaded, its peak
+    RSS, its RSS before loading and issue 52's bound (shard + replicated tensors + the largest one, + 10%)."""
     dist.init_process_group("gloo")
     base = rss_bytes(peak=False)
     dist.barrier()
@@ -137,7 +131,7 @@ def measure(args):
 
 if __name__ == "__main__":
     p = harness.parser(__doc__, launch="python3", quick="smoke run: TP 2, one repeat")
-    p.add_argument("--tps", type=lambda text: [int(v) for v in text.split(",")], default="2,4")
+    p.add_argument("--tps", type=harness.numbers(int), default="2,4")
     p.add_argument("--repeats", type=int, default=3, help="loads per implementation and degree (default: 3)")
     p.add_argument("--dir", help="a save_pretrained directory to load (default: save one to a temporary directory)")
     p.add_argument("--worker", help="internal: run one rank of one load of this implementation")

@@ -1,12 +1,7 @@
 #!/usr/bin/env python3
-"""torch_tp's own CPU kernels against torch's ops at one intra-op thread and at several, in one process.
-
-A process group of world size 1, so the ops do no communication: what is measured is each kernel against the
-op it stands in for, at ``torch.set_num_threads(1)`` and at ``--threads`` (default: the CPUs this process may
-use). The kernels split their rows over the intra-op threads with at::parallel_for, which does so only in code
-built with OpenMP (docs/architecture.md, "Build"); ``torch_tp 1 thread / torch_tp`` is what the threads gain.
-The cases, a decode step's GEMV (torch_tp's few-row kernel), RMSNorm and cross entropy, are described with their
-shapes in measure()'s ``about``.
+"""torch_tp's own CPU kernels against torch's ops at one intra-op thread and at several, in one process (world
+size 1: no communication). The kernels split their rows over the threads with at::parallel_for, which does so
+only in code built with OpenMP (docs/architecture.md, "Build").
 """
 
 import os
@@ -65,7 +60,6 @@ def measure(args):
     gen = torch.Generator().manual_seed(0)
     repeats = 5 if args.quick else 30
     table = harness.Table("ms", ["torch_tp", "torch"], ratios=[("torch", "torch_tp")])
-    notes = []
     for name in CASES:
         steps = case_steps(name, dist.group.WORLD.group_name, gen)
         one_thread = None
@@ -79,7 +73,6 @@ def measure(args):
             one_thread = one_thread or tp
             table.add({"case": name, "threads": threads}, samples,
                       extra={"torch_tp 1 thread / torch_tp": one_thread / tp})
-        notes.append(f"- {name}: torch_tp {one_thread / tp:.2f}x faster at {args.threads} threads than at 1.")
     return {
         "tag": "bench_threads", "stem": "threads",
         "title": "torch_tp's CPU kernels at 1 and several intra-op threads, against torch's ops",
@@ -89,7 +82,6 @@ def measure(args):
         "float32, forward and backward; cross_entropy: [512, 32000] float32 logits, forward and backward "
         "(vocab_parallel_cross_entropy on one rank against F.cross_entropy).",
         "tables": [table],
-        "notes": ["\n".join(notes)],
     }
 
 
