@@ -395,7 +395,8 @@ at::Tensor moe_combine_autograd(const at::Tensor& local_out, const at::Tensor& r
 // for its counts anyway).
 at::Tensor expert_ids_kernel(const at::Tensor& top_k_index, int64_t num_experts) {
   constexpr const char* op = "torch_tp::moe_token_dispatch";
-  const at::Tensor flat = top_k_index.reshape({-1}).to(at::kLong);
+  // A copy even when top_k_index is already flat int64: an op's output must not alias its input.
+  const at::Tensor flat = top_k_index.reshape({-1}).to(at::kLong, /*non_blocking=*/false, /*copy=*/true);
   if (flat.numel() > 0) {
     const auto [lo, hi] = at::aminmax(flat);
     const int64_t low = lo.item<int64_t>();
