@@ -14,7 +14,6 @@
 
 import os
 import sys
-import time
 
 # DeepSpeed sets up shared memory only when these are set before it is imported (torchrun sets neither).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -51,10 +50,9 @@ def repeats(nbytes: int, args) -> int:
 
 
 def steps(op: str, nbytes: int, group: dist.ProcessGroup, dim: int):
-    """The three implementations of one op (size: the per-rank input; all_gather: the input shard), the
-    untimed reset, and the full tensor's bytes for bus bandwidth. The raw call writes into buffers made
-    here, so it is the communication alone; the others allocate their outputs. ``dim``: the all-gather's
-    and reduce-scatter's dim of a [4, n] input (0: a flat one) for torch_tp and the functional ones."""
+    """The three implementations of one op, the untimed reset and the full tensor's bytes for bus bandwidth.
+    The raw call writes into buffers made here (the communication alone); the others allocate their outputs.
+    ``dim``: torch_tp's and the functional all-gather's and reduce-scatter's dim of a [4, n] input."""
     world, name = group.size(), group.group_name
     x = torch.rand(nbytes // 4)
     shaped = x.view(4, -1) if dim else x
@@ -146,13 +144,8 @@ def memcpy_GBps() -> float:
     if dist.get_rank() == 0:
         src = torch.randn(4 * MiB)
         dst = torch.empty_like(src)
-        times = []
-        for i in range(25):
-            start = time.perf_counter()
-            dst.copy_(src)
-            if i >= 5:
-                times.append(time.perf_counter() - start)
-        value[0] = 16 * MiB / harness.quantile(times, 0.5) / 1e9
+        times = [harness.wall_time(lambda: dst.copy_(src), 1)[0] for _ in range(25)]
+        value[0] = 16 * MiB / harness.quantile(times[5:], 0.5) / 1e9
     dist.broadcast(value, src=0)
     return value.item()
 
@@ -244,10 +237,9 @@ def latency_steps(dtype: torch.dtype, size: int, tp, ds_call, ds_raw):
 
 
 def breakdown(tp, rounds: int, ds_raw) -> harness.Table:
-    """A 4 KiB float32 all-reduce by layer, in the same rounds: torch's Python c10d wrapper, dispatcher and
-    Work alone (no-op group), one transport step without data (barrier), the call handed to the worker
-    thread (async + wait), the inline call, the ops (direct calls into the backend), and what any
-    functional op called through torch.ops pays before it communicates (aten.clone)."""
+    """A 4 KiB float32 all-reduce by layer, in the same rounds: c10d's wrapper, dispatcher and Work alone
+    (no-op group), a transport step without data (barrier), the call handed to the worker thread (async +
+    wait), the inline call, the ops, and what a functional op pays before it communicates (aten.clone)."""
     fake = harness.noop_group()
     t = {k: torch.zeros(1024) for k in ("fake", "sync", "async", "ds raw", "clone")}
     parts = {

@@ -173,7 +173,7 @@ def measure(args):
         "tag": "bench_decode" + mode, "stem": "decode" + mode.replace(" ", "_"),
         "title": (f"Prefill of a {PROMPT}-token prompt" if args.prefill else "Decode with a KV cache")
         + ": torch_tp vs DTensor TP vs unsharded" + (f" ({', '.join(suffix.split())})" if suffix else ""),
-        "about": about + "Before timing, the TP logits are checked against the unsharded model's (1e-4 fp32, 5e-2 "
+        "about": about + " Before timing, the TP logits are checked against the unsharded model's (1e-4 fp32, 5e-2 "
         "bf16 and fp16 of the largest logit).",
         "tables": [table],
     }

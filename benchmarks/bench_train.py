@@ -184,8 +184,6 @@ def measure(args):
     keep = ("; glibc's malloc keeps freed memory for reuse (`--keep-freed-memory`: no trimming, mmap threshold 32 "
             "MiB), as a caching allocator does") if args.keep_freed_memory else ""
     mode = (" compile" if args.compile else " amp" if args.amp else "") + (" keep" if args.keep_freed_memory else "")
-    sample = (f"A sample: the mean of {STEADY_STEPS} steps back to back after {WARM_STEPS} untimed one(s) of the "
-              "same implementation, a training loop's steady state; the laps are its last step's. ")
     return {
         "tag": "bench_train" + mode,
         "stem": "train" + mode.replace(" ", "_"),
@@ -193,15 +191,14 @@ def measure(args):
         + (", blocks compiled" if args.compile else ", bfloat16 autocast" if args.amp else "")
         + (", freed memory kept by malloc" if args.keep_freed_memory else ""),
         "about": f"CPU, {'compiled blocks' if args.compile else 'eager'}{compiled}{amp}{keep}, {args.backend} backend, "
-        f"{p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` "
-        "(sequence parallel, loss_parallel) applied to copies of one model by **torch_tp** and **dtensor**; "
-        "**unsharded**: the model on rank 0 alone with 1 intra-op thread, and with 2 (**unsharded 2 threads**, "
-        "the other rank idle, timed in a phase of its own beside the 1-thread step). A step: forward, cross "
-        "entropy (inside `loss_parallel()` for TP), backward, fused "
-        "AdamW (lr 1e-5) and zero_grad; DTensor's Partial norm-weight gradients redistributed before the "
-        f"optimizer. {sample}Scaling = unsharded / ({p} x TP step). Per phase (notes): each step's laps when the "
-        "loss is computed and when the gradients are complete split it into forward + loss, backward and "
-        "optimizer (with zero_grad). " + harness.split_about("gemm", "aten::mm/addmm/bmm", 3),
+        f"{p} ranks. `examples/llama_model.py`'s model and `tp_plan(api)` (sequence parallel, loss_parallel) "
+        "applied to copies of one model by **torch_tp** and **dtensor**; **unsharded**: the model on rank 0 alone "
+        "with 1 intra-op thread, and with 2 (**unsharded 2 threads**, timed in a phase of its own beside the "
+        "1-thread step). A step: forward, cross entropy (inside `loss_parallel()` for TP), backward, fused AdamW "
+        "(lr 1e-5) and zero_grad; DTensor's Partial norm-weight gradients redistributed before the optimizer. "
+        f"A sample: the mean of {STEADY_STEPS} steps back to back after {WARM_STEPS} untimed one(s) of the same "
+        f"implementation. Scaling = unsharded / ({p} x TP step). Per phase (notes): from each sample's last step's "
+        "laps at the loss and at complete gradients. " + harness.split_about("gemm", "aten::mm/addmm/bmm", 3),
         "tables": [table],
         "notes": ["\n".join(notes)],
     }

@@ -251,7 +251,7 @@ def split_columns(parts: Dict[str, float], step_ms: float, mm: str) -> Dict[str,
 def split_about(mm: str, events: str, calls: int) -> str:
     """What :func:`split_columns` are, for a section's ``about``."""
     return (f"`torch_tp: {mm}/collectives/rest`: rank 0's torch.profiler self times per step over {calls} untimed "
-            f"steps ({mm}: {events}; collectives include waiting for the peer; rest = the step's median minus both). ")
+            f"steps ({mm}: {events}; collectives include waiting for the peer; rest = the step's median minus both).")
 
 
 def steady(steps: Dict[str, Callable[[], Any]], calls: int) -> Dict[str, Callable[[], None]]:

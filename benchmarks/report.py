@@ -1,12 +1,8 @@
 #!/usr/bin/env python3
-"""Turns a benchmark's JSON (benchmarks/harness.py) into a table, a plot and its RESULTS.md section.
-
-Every script calls :func:`write` on rank 0; run it by hand to redo the outputs of a kept JSON::
-
-    python benchmarks/report.py benchmarks/collectives.json [--results-md benchmarks/RESULTS.md]
-
-As torch.utils.benchmark's Compare does, the table is built from the data: a row per case, a column per
-implementation (median, p10-p90), then the ratios of medians, the paired differences and the extra figures.
+"""Turns a benchmark's JSON (benchmarks/harness.py) into a table, a plot and its RESULTS.md section; every
+script calls :func:`write` on rank 0, and ``python benchmarks/report.py <stem>.json [--results-md ...]`` redoes
+a kept JSON's. As torch.utils.benchmark's Compare, a row per case, a column per implementation (median,
+p10-p90), then the ratios of medians, the paired differences and the extra figures.
 """
 
 import argparse
