@@ -57,8 +57,10 @@ def load(impl: str, path: str):
 
 
 def worker(impl: str, path: str, out: str) -> None:
-    """One rank of one load; writes to ``out``.<rank> its time from a barrier to the model loaded, its peak
-    RSS, its RSS before loading and issue 52's bound (shard + replicated tensors + the largest one, + 10%)."""
+    """One rank of one load; writes to ``out``.<rank> its time from a barrier to the model loaded and to its
+    first logits (one token: a load that leaves parameters as views of the file's memory map, as HF's
+    tp_plan does, reads them then), its peak RSS, its RSS before loading and issue 52's bound (shard +
+    replicated tensors + the largest one, + 10%)."""
     dist.init_process_group("gloo")
     base = rss_bytes(peak=False)
     dist.barrier()
@@ -66,14 +68,18 @@ def worker(impl: str, path: str, out: str) -> None:
     try:
         model = load(impl, path)
         seconds = time.perf_counter() - start
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long))
+        first = time.perf_counter() - start
         tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         bound = 1.1 * (sum(t.numel() * t.element_size() for t in local)
                        + max(t.numel() * t.element_size() for t in tensors))
     except Exception as e:  # every rank says why, the driver records it
-        seconds, bound, error = float("nan"), float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        seconds = first = bound = float("nan")
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     with open(f"{out}.{dist.get_rank()}", "w") as f:
-        json.dump({"s": seconds, "base": base, "peak": rss_bytes(peak=True), "bound": bound, "error": error}, f)
+        json.dump({"s": seconds, "first": first, "base": base, "peak": rss_bytes(peak=True), "bound": bound, "error": error}, f)
     dist.destroy_process_group()
 
 
@@ -95,7 +101,9 @@ def measure(args):
             path = os.path.join(tmp, "llama")
             LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
         ckpt_gib = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / GiB
-        table = harness.Table("s", IMPLS, ratios=[("whole", "torch_tp"), ("hf tp_plan", "torch_tp")])
+        ratios = [("whole", "torch_tp"), ("hf tp_plan", "torch_tp")]
+        table = harness.Table("s", IMPLS, ratios=ratios, title="Time to a loaded model")
+        to_logits = harness.Table("s", IMPLS, ratios=ratios, title="Time to the first logits (load, then one token)")
         notes = []
         for tp in args.tps:
             runs = {impl: [] for impl in IMPLS}
@@ -105,8 +113,8 @@ def measure(args):
             errors = {i: runs[i][0][0]["error"] for i in IMPLS if runs[i][0][0]["error"]}
             notes += [f"TP {tp}, {i}: failed on CPU: `{e}`" for i, e in errors.items()]
             ok = [i for i in IMPLS if i not in errors]
-            samples = harness.Samples({i: torch.tensor([[x[k]["s"] for x in runs[i]] for k in range(tp)])
-                                       for i in ok}, 1)
+            samples, first = (harness.Samples({i: torch.tensor([[x[k][key] for x in runs[i]] for k in range(tp)])
+                                               for i in ok}, 1) for key in ("s", "first"))
             extra = {"checkpoint GiB": ckpt_gib}
             for i in ok:
                 last = runs[i][-1]
@@ -115,17 +123,19 @@ def measure(args):
             bound = max(x["bound"] for x in runs[ok[0]][-1]) / GiB if ok else float("nan")
             extra["bound GiB"] = bound
             table.add({"tp": tp}, samples, extra=extra)
+            to_logits.add({"tp": tp}, first)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "tag": "bench_pretrained", "stem": "pretrained",
         "title": "Loading a Hugging Face checkpoint into TP shards: torch_tp vs whole-model vs transformers' tp_plan",
         "about": f"CPU, gloo, float32, one intra-op thread per rank; a {ckpt_gib:.2f} GiB Llama ({CONFIG}) saved with "
-        "`save_pretrained` to local disk. Time: each rank's wall time to a loaded model, fresh processes per "
+        "`save_pretrained` to local disk. Time: each rank's wall time to a loaded model and to its first logits "
+        "(HF's tp_plan leaves its parameters views of the file's memory map, read at first use), fresh processes per "
         f"load, medians over {args.repeats} repeats of the slowest rank, implementations rotating. Memory: the "
         "largest rank's peak RSS (ru_maxrss) and that peak less its RSS before loading, in the last repeat; "
         "bound: the largest rank's shard + replicated tensors + the largest single tensor, + 10% (issue 52).",
-        "tables": [table], "notes": notes,
+        "tables": [table, to_logits], "notes": notes,
     }
 
 
