@@ -21,6 +21,7 @@ import torch_tp.parallel
 PARALLEL = [
     "ColwiseParallel",
     "ExpertParallel",
+    "ExpertTensorParallel",
     "ExpertsTensorParallel",
     "KVHeadColwiseParallel",
     "PackedColwiseParallel",

@@ -64,6 +64,11 @@ def _placements(placement: Union[Placement, Tuple[Placement, ...]]) -> Tuple[Pla
     return placement if isinstance(placement, tuple) else (placement,)
 
 
+def _described(placements: Tuple[Placement, ...]):
+    """Placements for a message: one as itself (a 1-D mesh's), several as the tuple."""
+    return placements[0] if len(placements) == 1 else placements
+
+
 def check_parameter(module: nn.Module, name: str, mesh: DeviceMesh,
                     placement: Union[Placement, Tuple[Placement, ...]], style: str) -> bool:
     """Whether ``module``'s parameter ``name`` still has to be distributed: False when it
@@ -83,7 +88,8 @@ def check_parameter(module: nn.Module, name: str, mesh: DeviceMesh,
     if param.placements != placement:
         raise ValueError(
             f"torch_tp.{style}: parameter '{_qualified(name)}' of global shape {tuple(param.shape)} is already "
-            f"{param.placements} on {mesh}; the plan shards it a second time, as {placement}. "
+            f"{_described(param.placements)!r} on {mesh}; the plan shards it a second time, as "
+            f"{_described(placement)!r}. "
             "Give each parameter one style.")
     return False
 
