@@ -127,11 +127,17 @@ def experts_sizes(module: nn.Module, style: str) -> Tuple[int, int, int]:
     if rows % 2 or tuple(down.shape) != (experts, hidden, rows // 2):
         raise ValueError(f"{where}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
                          "[E, 2I, H] and [E, H, I]")
-    for name, param in (("gate_up_proj", gate_up), ("down_proj", down)):
-        if isinstance(param, DTensor):
-            raise ValueError(f"{where}: parameter '{name}' is already a DTensor ({param.placements} on "
-                             f"{param.device_mesh}); {style} distributes the plain one")
+    _refuse_distributed(module, style, _EXPERT_PARAMETERS)
     return experts, rows // 2, hidden
+
+
+def _refuse_distributed(module: nn.Module, style: str, names) -> None:
+    """The experts' parameters ``names`` must still be plain tensors: the styles distribute them."""
+    for name in names:
+        param = module._parameters[name]
+        if isinstance(param, DTensor):
+            raise ValueError(f"torch_tp.{style}: {_where(module)}: parameter '{name}' is already a DTensor "
+                             f"({param.placements} on {param.device_mesh}); {style} distributes the plain one")
 
 
 @dataclass(eq=False)
@@ -150,6 +156,15 @@ def _local_input(value, name: str, style: str):
             raise ValueError(f"torch_tp.{style}: {name} must be replicated, got {value.placements}")
         return value.to_local()
     return value
+
+
+def _tp_region_inputs(module: nn.Module, hidden_states, top_k_weights, group: str):
+    """The replicated inputs of a module split over TP, as local tensors whose gradients are all-reduced
+    (``copy_to_tp_region``): each rank's are partial sums (NOTE [experts under tensor parallelism])."""
+    hidden_states = _local_input(hidden_states, "hidden_states", module._tp_kind)
+    top_k_weights = _local_input(top_k_weights, "top_k_weights", module._tp_kind)
+    return (torch.ops.torch_tp.copy_to_tp_region(hidden_states, group),
+            torch.ops.torch_tp.copy_to_tp_region(top_k_weights, group))
 
 
 def _rank_major_gate_up(module: nn.Module, ranks: int) -> PackedLayout:
@@ -186,10 +201,7 @@ class _ExpertsTPModule(_PackedModule, ParallelModule):
         parallelism]): replicated [T, H] and routing in, the whole [T, H] out."""
         state = self._tp_state
         group = state.group.name
-        hidden_states = _local_input(hidden_states, "hidden_states", self._tp_kind)
-        top_k_weights = _local_input(top_k_weights, "top_k_weights", self._tp_kind)
-        hidden_states = torch.ops.torch_tp.copy_to_tp_region(hidden_states, group)
-        top_k_weights = torch.ops.torch_tp.copy_to_tp_region(top_k_weights, group)
+        hidden_states, top_k_weights = _tp_region_inputs(self, hidden_states, top_k_weights, group)
         set_aside = swap_in_local_parameters(self, state.parameter_names, False)
         try:
             partial = super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -362,10 +374,7 @@ def _grouped_experts_count(module: nn.Module, style: str) -> int:
     if len(counts) != 1 or None in counts:
         raise ValueError(f"torch_tp.{style}: {_where(module)} holds {shapes}; grouped experts are 3-D "
                          "[E, ..] parameters with one E")
-    for name, param in module._parameters.items():
-        if isinstance(param, DTensor):
-            raise ValueError(f"torch_tp.{style}: {_where(module)}: parameter '{name}' is already a DTensor "
-                             f"({param.placements} on {param.device_mesh}); {style} distributes the plain one")
+    _refuse_distributed(module, style, shapes)
     return counts.pop()
 
 
@@ -377,10 +386,7 @@ class _ExpertTensorParallelModule(_PackedModule, _ExpertParallelModule):
         """The tokens of this rank's TP group [T, H] -> their weighted expert outputs [T, H] (NOTE [experts
         under expert and tensor parallelism]): copy (tp), dispatch (ep), experts, combine (ep), reduce (tp)."""
         tp = self._tp_state.group.name
-        hidden_states = _local_input(hidden_states, "hidden_states", self._tp_kind)
-        top_k_weights = _local_input(top_k_weights, "top_k_weights", self._tp_kind)
-        hidden_states = torch.ops.torch_tp.copy_to_tp_region(hidden_states, tp)
-        top_k_weights = torch.ops.torch_tp.copy_to_tp_region(top_k_weights, tp)
+        hidden_states, top_k_weights = _tp_region_inputs(self, hidden_states, top_k_weights, tp)
         partial = self._exchange_and_run(hidden_states, top_k_index, top_k_weights, args, kwargs)
         return torch.ops.torch_tp.reduce_from_tp_region(partial, tp)
 
