@@ -24,24 +24,41 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 import harness  # noqa: E402
-from harness import ALL_GATHER, KiB, MiB, REDUCE_SCATTER  # noqa: E402
 
+KiB, MiB = 1024, 1024 * 1024
+# torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor (a warning every call): the new names.
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+FC_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+FC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 OPS = ["all_reduce", "all_gather", "reduce_scatter"]
 IMPLS = ["torch_tp", "functional", "raw"]
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 NOOP_SIZES = [64, 4 * KiB, 64 * KiB]
 FEW_SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB]  # --latency's, and --vs-gloo --quick's
-# Timed repeats by size: many where a call is short and noisy, few where one takes tens of ms (full run
-# about 4 minutes on 2 cores); --quick takes about a tenth.
+# Timed repeats by size: many where a call is short and noisy, few where one takes tens of ms; --quick: a tenth.
 REPEATS = {4 * KiB: 400, 16 * KiB: 400, 64 * KiB: 300, 256 * KiB: 200, MiB: 120, 4 * MiB: 60, 16 * MiB: 30,
            64 * MiB: 15}
-# The functional collectives' new names where they exist, as harness.ALL_GATHER takes c10d's.
-FC_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-FC_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NOOP_CALLS = 5000  # --noop-group: timed calls per size, op and implementation
 BACKENDS = ["gloo", "torch_tp"]
 LATENCY_IMPLS = ["tp dist", "tp op", "tp op_", "ds", "ds raw", "gloo", "all_gather tp dist", "all_gather tp op",
                  "reduce_scatter tp dist", "reduce_scatter tp op"]
+
+
+def fmt_size(n: int) -> str:
+    return next((f"{n // u} {name}" for u, name in ((MiB, "MiB"), (KiB, "KiB")) if n >= u and n % u == 0), f"{n} B")
+
+
+def sizes(text: str):
+    """Comma-separated sizes, each ``4K``, ``1M`` or a byte count."""
+    return [int(v[:-1]) * {"K": KiB, "M": MiB}[v[-1].upper()] if v[-1] in "KkMm" else int(v) for v in text.split(",")]
+
+
+def busbw_GBps(op: str, nbytes: int, seconds: float, p: int) -> float:
+    """nccl-tests' bus bandwidth, GB/s: ``S / t`` times 2(p-1)/p for all_reduce, (p-1)/p for all_gather and
+    reduce_scatter (S: the all_reduce tensor, the all_gather output, the reduce_scatter input)."""
+    return nbytes / seconds / 1e9 * (2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p)
 
 
 def repeats(nbytes: int, args) -> int:
@@ -85,26 +102,24 @@ def overhead(args):
         all_steps, resets, full = {}, {}, {}
         for op in args.ops:
             calls, reset, full[op] = steps(op, nbytes, group, args.dim)
-            for impl, fn in calls.items():
-                all_steps[f"{op} {impl}"] = fn
-                if reset:
-                    resets[f"{op} {impl}"] = reset
+            all_steps.update({f"{op} {impl}": fn for impl, fn in calls.items()})
+            resets.update({f"{op} {impl}": reset for impl in calls if reset})
         rotate = harness.rotations(IMPLS)
         order = lambda r: [f"{op} {impl}" for op in args.ops for impl in rotate(r)]  # noqa: E731
         if args.noop_group:  # batches of calls, one world barrier per round (the fake one does not wait)
-            samples = harness.time_interleaved(all_steps, max(3, args.calls // args.batch), order=order,
+            samples = harness.time_interleaved(all_steps, max(3, NOOP_CALLS // args.batch), order=order,
                                                calls=args.batch, warmup=2, barrier="round")
         else:  # GC stays on, as when the figures in RESULTS.md were taken
             samples = harness.time_interleaved(all_steps, repeats(nbytes, args), order=order, reset=resets,
                                                warmup=2 if args.quick else 5, gc_off=False)
         for op in args.ops:
             keys = {impl: f"{op} {impl}" for impl in IMPLS}
-            bw = {f"busbw {i} GB/s": harness.busbw_GBps(op, full[op], samples.median(keys[i], "s"), p)
+            bw = {f"busbw {i} GB/s": busbw_GBps(op, full[op], samples.median(keys[i], "s"), p)
                   for i in ("torch_tp", "raw")}
-            table.add({"size": harness.fmt_size(nbytes), "op": op}, samples, keys, x=nbytes, panel=op,
+            table.add({"size": fmt_size(nbytes), "op": op}, samples, keys, x=nbytes, panel=op,
                       extra={} if args.noop_group else bw)
         if dist.get_rank() == 0:
-            print(f"[bench_collectives] {harness.fmt_size(nbytes)} done", flush=True)
+            print(f"[bench_collectives] {fmt_size(nbytes)} done", flush=True)
     where = "" if (args.backend, args.dim) == ("gloo", 0) else f", {args.backend} backend, along dim {args.dim}"
     return {
         "tag": "bench_collectives" + (f" {args.backend} dim{args.dim}" if where else ""),
@@ -157,20 +172,20 @@ def against_gloo(args):
     table = harness.Table("us", BACKENDS, ratios=[("gloo", "torch_tp")])
     for size in args.sizes or (FEW_SIZES if args.quick else SIZES):
         for op in args.ops:
-            for dtype_name in args.dtypes:
+            for dtype_name in DTYPES:
                 calls = {name: dist_calls(DTYPES[dtype_name], size, g)[op] for name, g in groups.items()}
                 # batches long enough for the clock at small S; a barrier on the group being timed
                 samples = harness.time_interleaved(
                     calls, 3 if args.quick else 30 if size <= MiB else 15 if size <= 16 * MiB else 7,
                     calls=20 if size <= 64 * KiB else 5 if size <= MiB else 1, warmup=1,
                     barrier=lambda name: dist.barrier(group=groups[name]))
-                bw = {name: harness.busbw_GBps(op, size, samples.median(name, "s"), p) for name in BACKENDS}
-                table.add({"op": op, "dtype": dtype_name, "size": harness.fmt_size(size)}, samples,
+                bw = {name: busbw_GBps(op, size, samples.median(name, "s"), p) for name in BACKENDS}
+                table.add({"op": op, "dtype": dtype_name, "size": fmt_size(size)}, samples,
                           x=size, panel=f"{op} {dtype_name}",
                           extra={"gloo busbw GB/s": bw["gloo"], "torch_tp busbw GB/s": bw["torch_tp"],
                                  "torch_tp busbw / memcpy": bw["torch_tp"] / memcpy})
         if dist.get_rank() == 0:
-            print(f"[bench_collectives --vs-gloo] {harness.fmt_size(size)} done", flush=True)
+            print(f"[bench_collectives --vs-gloo] {fmt_size(size)} done", flush=True)
     return {
         "tag": f"bench_backend ws={p}", "stem": f"backend_ws{p}",
         "title": f"The torch_tp backend against gloo, {p} ranks on one machine",
@@ -266,17 +281,17 @@ def latency(args):
     tp = dist.new_group(backend="torch_tp")
     ds_call, ds_raw, peer = deepspeed_ops(p)
     rounds = lambda size: 5 if args.quick else 15 if size <= MiB else 7  # noqa: E731
-    tables = [] if args.no_breakdown else [breakdown(tp, rounds(4 * KiB), ds_raw)]
+    tables = [breakdown(tp, rounds(4 * KiB), ds_raw)]
     table = harness.Table("us", LATENCY_IMPLS, ratios=[("ds", "tp dist"), ("ds raw", "tp op"), ("ds raw", "tp op_")],
                           title="us per call")
     for size in args.sizes or FEW_SIZES:
-        for dtype_name in args.dtypes:
+        for dtype_name in DTYPES:
             samples = harness.time_interleaved(latency_steps(DTYPES[dtype_name], size, tp, ds_call, ds_raw),
                                                rounds(size), calls=calls_per_sample(size), warmup=1,
                                                barrier=lambda key: dist.barrier(group=tp))
-            table.add({"dtype": dtype_name, "size": harness.fmt_size(size)}, samples, x=size, panel=dtype_name)
+            table.add({"dtype": dtype_name, "size": fmt_size(size)}, samples, x=size, panel=dtype_name)
             if dist.get_rank() == 0:
-                print(f"[bench_collectives --latency] {dtype_name} {harness.fmt_size(size)} done", flush=True)
+                print(f"[bench_collectives --latency] {dtype_name} {fmt_size(size)} done", flush=True)
     return {
         "tag": f"bench_backend_latency ws={p}", "stem": f"backend_latency_ws{p}",
         "title": f"The torch_tp backend against DeepSpeed's shm all-reduce and gloo, {p} ranks",
@@ -294,23 +309,17 @@ def latency(args):
 
 
 if __name__ == "__main__":
-    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats (--noop-group: see --calls; --vs-gloo: "
-                       "four sizes, three repeats; --latency: five rounds per row)", noop_batch=100, backend="gloo")
+    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats (--noop-group: none fewer; --vs-gloo: four "
+                       "sizes, three repeats; --latency: five rounds per row)", noop_batch=100, backend="gloo")
     p.add_argument("--vs-gloo", action="store_true", help="the torch_tp backend against gloo; writes backend_ws<p>.*")
     p.add_argument("--latency", action="store_true",
                    help="the torch_tp backend against DeepSpeed and gloo; writes backend_latency_ws<p>.*")
-    p.add_argument("--sizes", type=harness.sizes, help="comma-separated sizes, e.g. 4K,1M (default: 4 KiB .. 64 "
-                   "MiB, x4 steps; --noop-group: 64,4K,64K; --latency and --vs-gloo --quick: 4K,64K,1M,16M)")
+    p.add_argument("--sizes", type=sizes, help="comma-separated sizes, e.g. 4K,1M (default: 4 KiB .. 64 MiB, x4 "
+                   "steps; --noop-group: 64,4K,64K; --latency and --vs-gloo --quick: 4K,64K,1M,16M)")
     p.add_argument("--ops", type=harness.names(OPS), default=",".join(OPS),
                    help="comma-separated subset of %(default)s (not --latency)")
     p.add_argument("--dim", type=int, default=0, choices=[0, 1],
                    help="1: all_gather and reduce_scatter along dim 1 of a [4, n] input (raw c10d: dim 0)")
-    p.add_argument("--calls", type=int, default=5000,
-                   help="with --noop-group: timed calls per size, op and implementation (default: %(default)s)")
-    p.add_argument("--dtypes", type=harness.names(DTYPES), default="float32,bfloat16",
-                   help=f"--vs-gloo, --latency: comma-separated, of {', '.join(DTYPES)} (default: %(default)s)")
-    p.add_argument("--no-breakdown", action="store_true",
-                   help="--latency: skip the 4 KiB by-layer table (its no-op group row needs torch's fake backend)")
     args = p.parse_args()
     if (args.vs_gloo or args.latency) and (args.backend != "gloo" or args.noop_group or args.dim):
         p.error("--vs-gloo and --latency make their own torch_tp group beside the gloo world group")

@@ -2,6 +2,7 @@
 """Data-parallel training steps: torch_tp.DistributedDataParallel against torch's DDP, same backend, over a
 sweep of bucket caps (CPU, float32, one thread per rank)."""
 
+import contextlib
 import copy
 import sys
 
@@ -13,6 +14,7 @@ import harness
 import torch_tp
 
 IMPLS = ["torch_tp", "torch"]
+BUCKET_MB = [1.0, 5.0, 25.0, 100.0]
 
 
 def measure(args):
@@ -22,7 +24,7 @@ def measure(args):
     numel = sum(p.numel() for p in model.parameters())
     x = torch.randn(32, dim, generator=torch.Generator().manual_seed(dist.get_rank()))
     table = harness.Table("ms", IMPLS + [f"{i} compute" for i in IMPLS] + ["comm"], ratios=[("torch", "torch_tp")])
-    for cap in args.bucket_mb:
+    for cap in BUCKET_MB:
         wrapped = {"torch_tp": torch_tp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap),
                    "torch": torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap)}
 
@@ -30,11 +32,8 @@ def measure(args):
             # ends when every .grad holds the average: both reducers wait for their buckets inside backward
             for p in ddp.parameters():
                 p.grad = None
-            if sync:
+            with contextlib.nullcontext() if sync else ddp.no_sync():  # no_sync: the compute alone
                 ddp(x).square().mean().backward()
-            else:
-                with ddp.no_sync():  # the compute alone
-                    ddp(x).square().mean().backward()
 
         for ddp in wrapped.values():  # warm-up; the buckets are rebuilt after the first step
             step(ddp)
@@ -76,8 +75,6 @@ def measure(args):
 
 if __name__ == "__main__":
     p = harness.parser(__doc__, quick="smoke run: 4 x 512 layers, 3 repeats", backend="gloo")
-    p.add_argument("--bucket-mb", type=harness.numbers(float), default="1,5,25,100",
-                   help="comma-separated bucket caps, MiB (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=9, help="timed repeats per bucket cap (default: %(default)s)")
     args = p.parse_args()
     args.repeats = 3 if args.quick else args.repeats

@@ -20,14 +20,11 @@ IMPLS = ["torch_tp", "dtensor", "floor"]
 
 
 def measure(args):
-    p = dist.get_world_size()
+    p, placement, (batch, repeats) = dist.get_world_size(), Shard(1), (200, 5) if args.quick else (2000, 30)
     mesh = init_device_mesh("cpu", (p,))
     tp = tp_group(mesh)
-    placement = Shard(1)
     table = harness.Table("us", IMPLS, ratios=[("dtensor", "torch_tp")],
                           paired=[("torch_tp", "floor"), ("dtensor", "floor")])
-    batch = 200 if args.quick else 2000
-    repeats = 5 if args.quick else 30
     for requires_grad in (True, False):
         local = torch.randn(4, 32, 256, requires_grad=requires_grad)
         global_shape = torch.Size((4, 32 * p, 256))

@@ -15,10 +15,9 @@ import harness
 import torch_tp
 
 IMPLS = ["torch_tp", "torch_tp_fused", "dtensor", "floor"]
-# (batch, hidden): framework cost and latency (tiny GEMMs), the crossover, then GEMM-bound sizes.
-SIZES = [(8, 256), (128, 512), (512, 1024), (1024, 2048)]
-# Timed repeats and untimed warm-up steps per size, fewer where a step is longer; otherwise 30 and 2.
 NOOP_STEPS = 2000  # --noop-group: timed steps per implementation
+# (batch, hidden): framework cost and latency (tiny GEMMs), the crossover, then GEMM-bound sizes; timed repeats
+# and untimed warm-up steps of each, fewer where a step is longer.
 REPEATS = {(8, 256): (400, 10), (128, 512): (120, 5), (512, 1024): (30, 2), (1024, 2048): (12, 1)}
 
 
@@ -91,9 +90,10 @@ def measure(args):
     table = harness.Table("ms", IMPLS, ratios=[("dtensor", "torch_tp"), ("torch_tp", "floor"),
                                                ("torch_tp_fused", "floor")],
                           paired=[("torch_tp", "floor"), ("dtensor", "torch_tp")])
-    for batch, hidden in args.sizes:
+    sizes = list(REPEATS)[:1] if args.noop_group else list(REPEATS)[:-1] if args.quick else list(REPEATS)
+    for batch, hidden in sizes:
         steps, resets = mlp_steps(batch, hidden, group, mesh)
-        repeats, warmup = REPEATS.get((batch, hidden), (30, 2))
+        repeats, warmup = REPEATS[batch, hidden]
         if args.noop_group:  # batches of steps, the reset inside (a few attribute stores for every impl)
             batched = {k: (lambda s=s, r=resets.get(k, lambda: None): (r(), s())) for k, s in steps.items()}
             samples = harness.time_interleaved(batched, max(3, NOOP_STEPS // args.batch),
@@ -123,11 +123,5 @@ def measure(args):
 
 
 if __name__ == "__main__":
-    p = harness.parser(__doc__, quick="smoke run: a tenth of the repeats, without the largest size",
-                       noop_batch=50)
-    p.add_argument("--sizes", type=lambda text: [tuple(int(v) for v in s.split("x")) for s in text.split(",")],
-                   help="comma-separated batch x hidden, e.g. 8x256,512x1024 (default: "
-                   + ",".join(f"{b}x{h}" for b, h in SIZES) + "; with --noop-group: 8x256)")
-    args = p.parse_args()
-    args.sizes = args.sizes or (SIZES[:1] if args.noop_group else SIZES[:-1] if args.quick else SIZES)
-    sys.exit(harness.run(args, measure))
+    sys.exit(harness.run(harness.parser(__doc__, quick="smoke run: a tenth of the repeats, without the largest "
+                                        "size", noop_batch=50).parse_args(), measure))

@@ -20,7 +20,7 @@ import torch_tp
 
 IMPLS = ["unsharded", "torch_tp", "dtensor"]
 VOCABS = [256, 32000, 128256]  # the example model's bytes (the loss is per-call cost there), Llama 2's, Llama 3's
-TOKENS = 512
+TOKENS, DTYPES = 512, ["float32", "bfloat16"]
 
 
 def _step(loss_context, logits, target):
@@ -43,8 +43,8 @@ def measure(args):
     mesh = init_device_mesh("cpu", (p,))
     table = harness.Table("ms", IMPLS, ratios=[("unsharded", "torch_tp"), ("dtensor", "torch_tp")])
     repeats = 3 if args.quick else 12
-    for vocab in args.vocabs:
-        for dtype_name in args.dtypes:
+    for vocab in VOCABS:
+        for dtype_name in DTYPES:
             dtype = getattr(torch, dtype_name)
             gen = torch.Generator().manual_seed(vocab)
             full = torch.randn(TOKENS, vocab, generator=gen).mul_(3).to(dtype)
@@ -81,9 +81,5 @@ def measure(args):
 
 
 if __name__ == "__main__":
-    p = harness.parser(__doc__, quick="smoke run: 3 repeats per case", backend="torch_tp")
-    p.add_argument("--vocabs", type=harness.numbers(int), default=",".join(map(str, VOCABS)),
-                   help="comma-separated vocabulary sizes")
-    p.add_argument("--dtypes", type=harness.names(["float32", "bfloat16"]), default="float32,bfloat16",
-                   help="comma-separated subset of %(default)s")
-    sys.exit(harness.run(p.parse_args(), measure))
+    sys.exit(harness.run(harness.parser(__doc__, quick="smoke run: 3 repeats per case", backend="torch_tp")
+                         .parse_args(), measure))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Loading a Hugging Face checkpoint into tensor-parallel shards: peak resident memory and wall time per rank
-(CPU, gloo, float32). A Llama of over 2 GiB is saved once with ``save_pretrained`` (or ``--dir``: one already
-saved); each repeat loads it in fresh torchrun processes per implementation, rotating:
+(CPU, gloo, float32). A Llama of over 2 GiB is saved once with ``save_pretrained``; each repeat loads it in
+fresh torchrun processes per implementation, rotating:
 
 - **torch_tp**: the model on the meta device, ``torch_tp.parallelize_module(model, mesh, model.tp_plan)``,
   ``torch_tp.parallel.load_pretrained(model, dir)``: each rank reads only its slices;
@@ -31,13 +31,6 @@ CONFIG = dict(hidden_size=2048, num_hidden_layers=10, intermediate_size=5632, vo
 GiB = 1024 ** 3
 
 
-def rss_bytes(peak: bool) -> int:
-    if peak:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def load(impl: str, path: str):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -62,7 +55,8 @@ def worker(impl: str, path: str, out: str) -> None:
     tp_plan does, reads them then), its peak RSS, its RSS before loading and issue 52's bound (shard +
     replicated tensors + the largest one, + 10%)."""
     dist.init_process_group("gloo")
-    base = rss_bytes(peak=False)
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now
     dist.barrier()
     start, error = time.perf_counter(), ""
     try:
@@ -79,7 +73,8 @@ def worker(impl: str, path: str, out: str) -> None:
         seconds = first = bound = float("nan")
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     with open(f"{out}.{dist.get_rank()}", "w") as f:
-        json.dump({"s": seconds, "first": first, "base": base, "peak": rss_bytes(peak=True), "bound": bound, "error": error}, f)
+        json.dump({"s": seconds, "first": first, "base": base, "bound": bound, "error": error,
+                   "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
     dist.destroy_process_group()
 
 
@@ -92,14 +87,13 @@ def launch(impl: str, tp: int, path: str, tmp: str):
 
 
 def measure(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     tmp = tempfile.mkdtemp(prefix="bench_pretrained_")
-    path = args.dir
     try:
-        if not path:
-            from transformers import LlamaConfig, LlamaForCausalLM
-            torch.manual_seed(0)
-            path = os.path.join(tmp, "llama")
-            LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
+        torch.manual_seed(0)
+        path = os.path.join(tmp, "llama")
+        LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
         ckpt_gib = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / GiB
         ratios = [("whole", "torch_tp"), ("hf tp_plan", "torch_tp")]
         table = harness.Table("s", IMPLS, ratios=ratios, title="Time to a loaded model")
@@ -120,8 +114,7 @@ def measure(args):
                 last = runs[i][-1]
                 extra[f"{i}: peak RSS GiB"] = max(x["peak"] for x in last) / GiB
                 extra[f"{i}: peak - before GiB"] = max(x["peak"] - x["base"] for x in last) / GiB
-            bound = max(x["bound"] for x in runs[ok[0]][-1]) / GiB if ok else float("nan")
-            extra["bound GiB"] = bound
+            extra["bound GiB"] = max(x["bound"] for x in runs[ok[0]][-1]) / GiB if ok else float("nan")
             table.add({"tp": tp}, samples, extra=extra)
             to_logits.add({"tp": tp}, first)
     finally:
@@ -141,9 +134,9 @@ def measure(args):
 
 if __name__ == "__main__":
     p = harness.parser(__doc__, launch="python3", quick="smoke run: TP 2, one repeat")
-    p.add_argument("--tps", type=harness.numbers(int), default="2,4")
+    p.add_argument("--tps", type=lambda text: [int(v) for v in text.split(",")], default="2,4")
     p.add_argument("--repeats", type=int, default=3, help="loads per implementation and degree (default: 3)")
-    p.add_argument("--dir", help="a save_pretrained directory to load (default: save one to a temporary directory)")
+    p.add_argument("--dir", help="internal: the worker's save_pretrained directory")
     p.add_argument("--worker", help="internal: run one rank of one load of this implementation")
     p.add_argument("--result", help="internal: where the worker writes its figures")
     args = p.parse_args()

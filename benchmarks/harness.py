@@ -1,14 +1,10 @@
 """What every benchmark here shares: interleaved timing, cross-rank medians and the JSON a run writes.
 
-The method, as torch.utils.benchmark's and nccl-tests': the implementations compared run side by side in one
-job, one timed sample of each per repeat, in an order that changes between repeats, so drift hits them alike
-and none always runs first or after the same one. Before each sample an untimed reset, then a barrier; a
-repeat's time is the slowest rank's (a distributed step is done when it is done everywhere). A sample is one
-call or a batch of back-to-back calls (per-call time: batch time / length). Reported: medians over repeats with
-p10/p90, ratios of medians, paired differences (medians of per-repeat differences). GC is off while timing.
-
-``--noop-group`` binds the steps to a group on torch's "fake" backend, whose collectives return at once: what
-is left is each layer's own cost. examples/ goes on ``sys.path`` here for examples/llama_model.py.
+As torch.utils.benchmark's and nccl-tests': the implementations compared run side by side in one job, one timed
+sample (a call or a batch of calls) of each per repeat, in an order that changes between repeats, so drift hits
+them alike; before each an untimed reset, then a barrier; a repeat's time is the slowest rank's; GC off. Reported:
+medians over repeats with p10/p90, ratios of medians, medians of per-repeat differences. ``--noop-group``: a group
+on torch's "fake" backend, whose collectives return at once, leaves each layer's own cost.
 """
 
 import argparse
@@ -21,11 +17,9 @@ import os
 import platform
 import random
 import shlex
-import shutil
 import sys
-import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,38 +28,13 @@ import torch.distributed._functional_collectives as funcol
 import report
 import torch_tp  # registers the "torch_tp" backend and torch.ops.torch_tp.* for every script
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-
-KiB = 1024
-MiB = 1024 * KiB
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # llama_model
 UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6}
-# torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor (a warning every call): the new names.
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
-def fmt_size(nbytes: int) -> str:
-    for unit, name in ((MiB, "MiB"), (KiB, "KiB")):
-        if nbytes >= unit and nbytes % unit == 0:
-            return f"{nbytes // unit} {name}"
-    return f"{nbytes} B"
-
-
-def busbw_GBps(op: str, nbytes: int, seconds: float, p: int) -> float:
-    """nccl-tests' bus bandwidth, GB/s: ``S / t`` times 2(p-1)/p for all_reduce, (p-1)/p for all_gather and
-    reduce_scatter, S being the all_reduce tensor, the all_gather output, the reduce_scatter input."""
-    return nbytes / seconds / 1e9 * (2 * (p - 1) / p if op == "all_reduce" else (p - 1) / p)
 
 
 def materialize(t):
-    """Wait for an eager functional collective's result, also inside a DTensor (DTensor hands back outputs
-    before their collectives have finished)."""
+    """Wait for an eager functional collective's result, also inside a DTensor (which hands back outputs before
+    their collectives have finished)."""
     from torch.distributed.tensor import DTensor
 
     inner = t._local_tensor if isinstance(t, DTensor) else t
@@ -74,39 +43,25 @@ def materialize(t):
     return t
 
 
-def wall_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
-    """Seconds per call of ``calls`` back-to-back calls. A step that returns a dict of ``perf_counter()``
-    stamps ("laps") gets the last call's back as seconds since that call's start."""
+def wall_time(fn: Callable[[], Any], calls: int):
+    """``(seconds per call, laps)`` of ``calls`` back-to-back calls; a step returning a dict of ``perf_counter()``
+    stamps gets the last call's back as seconds since that call's start."""
     t0 = last = time.perf_counter()
     for _ in range(calls):
         last = time.perf_counter()
         out = fn()
     t1 = time.perf_counter()
-    laps = {k: v - last for k, v in out.items()} if isinstance(out, dict) else {}
-    return (t1 - t0) / calls, laps
-
-
-def cuda_time(fn: Callable[[], Any], calls: int) -> Tuple[float, Dict[str, float]]:
-    """:func:`wall_time` on a GPU: CUDA events on the current stream (no laps)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / calls, {}
+    return (t1 - t0) / calls, {k: v - last for k, v in out.items()} if isinstance(out, dict) else {}
 
 
 def rotations(keys: Sequence[str]) -> Callable[[int], List[str]]:
-    """Repeat r runs ``keys`` rotated by r (two keys: the order alternates)."""
-    keys = list(keys)
-    return lambda r: keys[r % len(keys):] + keys[: r % len(keys)]
+    """Repeat r runs ``keys`` rotated by r."""
+    return lambda r, keys=list(keys): keys[r % len(keys):] + keys[: r % len(keys)]
 
 
 def permutations(keys: Sequence[str]) -> Callable[[int], List[str]]:
-    """Repeat r runs the r-th of all orders of ``keys`` in a fixed shuffled sequence, so each key runs in
-    each position and after each other key equally often, spread over few repeats (itertools' own sequence
-    keeps the same first keys for ``(len(keys) - 1)!`` orders)."""
+    """Repeat r runs the r-th of all orders of ``keys`` in a fixed shuffled sequence: each key in each position
+    and after each other key equally often, spread over few repeats."""
     orders = [list(o) for o in itertools.permutations(keys)]
     random.Random(0).shuffle(orders)
     return lambda r: orders[r % len(orders)]
@@ -117,46 +72,35 @@ def quantile(values: Sequence[float], q: float) -> float:
     return torch.tensor(values, dtype=torch.float64).quantile(q).item()
 
 
-def stats(times_s: Sequence[float], unit: str) -> Dict[str, Any]:
-    v = [t * UNITS[unit] for t in times_s]
-    return {"median": quantile(v, 0.5), "p10": quantile(v, 0.1), "p90": quantile(v, 0.9), "times": v}
-
-
 class Samples:
-    """What :func:`time_interleaved` measured: ``per_rank[key]`` is ``[ranks, repeats]`` in seconds."""
+    """What :func:`time_interleaved` measured: ``per_rank[key]`` is ``[ranks, repeats]`` in seconds; per repeat,
+    the slowest rank's time counts."""
 
     def __init__(self, per_rank: Dict[str, torch.Tensor], calls: int) -> None:
         self.per_rank, self.calls = per_rank, calls
 
     def max(self, key: str) -> List[float]:
-        """Per repeat, the slowest rank's time."""
         return self.per_rank[key].max(dim=0).values.tolist()
 
-    def stats(self, key: str, unit: str) -> Dict[str, Any]:
-        return stats(self.max(key), unit)
+    def stats(self, key: str, unit: str, times: Optional[List[float]] = None) -> Dict[str, Any]:
+        v = [t * UNITS[unit] for t in (self.max(key) if times is None else times)]
+        return {"median": quantile(v, 0.5), "p10": quantile(v, 0.1), "p90": quantile(v, 0.9), "times": v}
 
     def median(self, key: str, unit: str) -> float:
         return quantile(self.max(key), 0.5) * UNITS[unit]
 
     def paired(self, a: str, b: str, unit: str) -> Dict[str, Any]:
         """Over repeats, ``a - b``: both ran in every repeat, so the difference cancels drift."""
-        return stats([x - y for x, y in zip(self.max(a), self.max(b))], unit)
+        return self.stats("", unit, [x - y for x, y in zip(self.max(a), self.max(b))])
 
 
-def time_interleaved(steps: Dict[str, Callable[[], Any]], repeats: int, *,
-                     order: Optional[Callable[[int], Sequence[str]]] = None,
-                     reset: Optional[Dict[str, Callable[[], None]]] = None, calls: int = 1, warmup: int = 0,
-                     barrier: Union[str, Callable[[str], None]] = "step",
-                     timer: Callable[[Callable[[], Any], int], Tuple[float, Dict[str, float]]] = wall_time,
-                     gc_off: bool = True) -> Samples:
-    """Time ``steps`` side by side: ``warmup`` untimed rounds, then ``repeats`` rounds of ``order(r)``
-    (default: :func:`rotations`), every rank of the world group; ``barrier``: a world barrier ``"step"``
-    before every sample or ``"round"`` before each round, or ``barrier(key)`` before every sample.
-    A step returning laps adds the samples ``"<key>/<lap>"``."""
-    order = order or rotations(list(steps))
-    reset = reset or {}
-    local: Dict[str, List[float]] = {}
-    gc_was_enabled = gc.isenabled()
+def time_interleaved(steps: Dict[str, Callable[[], Any]], repeats: int, *, order=None, reset=None, calls: int = 1,
+                     warmup: int = 0, barrier="step", timer=wall_time, gc_off: bool = True) -> Samples:
+    """Time ``steps`` side by side: ``warmup`` untimed rounds, then ``repeats`` rounds of ``order(r)`` (default:
+    :func:`rotations`) after ``reset[key]()``, on every rank; ``barrier``: a world barrier ``"step"`` before every
+    sample or ``"round"`` before each round, or ``barrier(key)`` before every sample; ``timer``: as
+    :func:`wall_time`. A step returning laps adds the samples ``"<key>/<lap>"``."""
+    order, reset, local, gc_was_enabled = order or rotations(list(steps)), reset or {}, {}, gc.isenabled()
     if gc_off:
         gc.collect()
         gc.disable()
@@ -179,18 +123,17 @@ def time_interleaved(steps: Dict[str, Callable[[], Any]], repeats: int, *,
     finally:
         if gc_off and gc_was_enabled:
             gc.enable()
-    keys = list(local)
-    mine = torch.tensor([local[k] for k in keys], dtype=torch.float64).reshape(len(keys), repeats)
+    mine = torch.tensor(list(local.values()), dtype=torch.float64).reshape(len(local), repeats)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     per_rank = torch.stack(gathered)  # [rank, key, repeat]
-    return Samples({k: per_rank[:, i] for i, k in enumerate(keys)}, calls)
+    return Samples({k: per_rank[:, i] for i, k in enumerate(local)}, calls)
 
 
 def complete_grads(params) -> None:
-    """Finish a step's gradients: DTensor TP leaves the SequenceParallel norm weights' gradients Partial(sum)
-    for an optimizer to reduce, so they are redistributed here (torch_tp completes them in backward); then
-    wait for any collective still in flight."""
+    """Finish a step's gradients: DTensor TP leaves the SequenceParallel norm weights' gradients Partial(sum) for
+    an optimizer to reduce, so they are redistributed here (torch_tp completes them in backward); then wait for
+    any collective still in flight."""
     from torch.distributed.tensor import DTensor
 
     for p in params:
@@ -200,56 +143,45 @@ def complete_grads(params) -> None:
         materialize(g)
 
 
-def profile(fn: Callable[[], Any], calls: int):
-    """torch.profiler's CPU view of ``calls`` calls of ``fn``, with Kineto's lines on fd 2 hidden."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str]) -> Dict[str, float]:
+    """Rank 0's torch.profiler view of ``calls`` untimed calls of ``step`` (every rank runs them), per call in ms:
+    ``mm``, the self time of ``mm_events``; ``collectives``, that of the ``c10d::*`` and ``torch_tp_backend::*``
+    events but barriers (waiting for the peer included); ``per <op>``, each collective op's time per call of it."""
+    from torch.profiler import ProfilerActivity, profile
 
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = os.dup(2)  # Kineto's lines on fd 2 hidden
     try:
         with open(os.devnull, "w") as devnull:
             os.dup2(devnull.fileno(), 2)
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(calls):
-                fn()
+                step()
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-    return prof
-
-
-def collective_op(event: str) -> str:
-    """The op of a collective's profiler event (``c10d::*``, ``torch_tp_backend::*``); "" for any other event
-    and for barriers."""
-    kind, _, op = event.partition("::")
-    return op if kind in ("c10d", "torch_tp_backend") and "barrier" not in op else ""
-
-
-def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str]) -> Dict[str, float]:
-    """Rank 0's torch.profiler view of ``calls`` untimed calls of ``step`` (every rank runs them), per call in
-    ms: ``mm``, the self time of ``mm_events``; ``collectives``, that of :func:`collective_op`'s events
-    (waiting for the peer included); ``per <op>``, each collective op's time per call of it."""
     mm = collectives = 0.0
     per: Dict[str, float] = {}
-    for e in profile(step, calls).key_averages():
+    for e in prof.key_averages():
+        kind, _, op = e.key.partition("::")
         if e.key in mm_events:
             mm += e.self_cpu_time_total
-        elif collective_op(e.key):
+        elif kind in ("c10d", "torch_tp_backend") and "barrier" not in op:
             collectives += e.self_cpu_time_total
-            per[f"per {collective_op(e.key)}"] = e.self_cpu_time_total / e.count / 1e3
+            per[f"per {op}"] = e.self_cpu_time_total / e.count / 1e3
     out = [{"mm": mm / calls / 1e3, "collectives": collectives / calls / 1e3, **per}]
     dist.broadcast_object_list(out, src=0)
     return out[0]
 
 
 def split_columns(parts: Dict[str, float], step_ms: float, mm: str) -> Dict[str, float]:
-    """:func:`profile_split`'s figures as a table's extra columns of torch_tp's step, the rest included."""
+    """:func:`profile_split`'s figures as a table's extra columns of torch_tp's step, the rest included;
+    :func:`split_about` says what they are."""
     return {f"torch_tp: {mm} ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
             "torch_tp: rest ms": step_ms - parts["mm"] - parts["collectives"]}
 
 
 def split_about(mm: str, events: str, calls: int) -> str:
-    """What :func:`split_columns` are, for a section's ``about``."""
     return (f"`torch_tp: {mm}/collectives/rest`: rank 0's torch.profiler self times per step over {calls} untimed "
             f"steps ({mm}: {events}; collectives include waiting for the peer; rest = the step's median minus both).")
 
@@ -274,35 +206,31 @@ class Table:
     """Rows of one comparison for :mod:`report`: a row is a case's labels, each implementation's stats, the
     paired differences and ``extra`` figures; ratios are taken at report time."""
 
-    def __init__(self, unit: str, impls: Sequence[str], ratios: Sequence[Tuple[str, str]] = (),
-                 paired: Sequence[Tuple[str, str]] = (), title: str = "") -> None:
+    def __init__(self, unit: str, impls: Sequence[str], ratios=(), paired=(), title: str = "") -> None:
         self.unit, self.impls, self.title = unit, list(impls), title
         self.ratios, self.paired = [list(r) for r in ratios], [list(p) for p in paired]
         self.rows: List[Dict[str, Any]] = []
 
     def add(self, case: Dict[str, Any], samples: Samples, keys: Optional[Dict[str, str]] = None,
             extra: Optional[Dict[str, Any]] = None, x: Optional[float] = None, panel: str = "") -> Dict[str, Any]:
-        """``keys[impl]``: the sample key of ``impl`` (default: itself); ``x``, ``panel``: the plot's lines over
-        a numeric x, a panel per ``panel`` (no x: bars)."""
-        keys = keys or {}
-        key = lambda impl: keys.get(impl, impl)  # noqa: E731
-        row = {
+        """``keys[impl]``: the sample key of ``impl`` (default: itself); ``x``, ``panel``: the plot's lines over a
+        numeric x, a panel per ``panel`` (no x: bars)."""
+        key, have = (lambda impl: (keys or {}).get(impl, impl)), samples.per_rank
+        self.rows.append({
             "case": case, "x": x, "panel": panel, "calls_per_sample": samples.calls,
-            "stats": {i: samples.stats(key(i), self.unit) for i in self.impls if key(i) in samples.per_rank},
+            "stats": {i: samples.stats(key(i), self.unit) for i in self.impls if key(i) in have},
             "paired": {f"{a} - {b}": samples.paired(key(a), key(b), self.unit) for a, b in self.paired
-                       if key(a) in samples.per_rank and key(b) in samples.per_rank},
+                       if key(a) in have and key(b) in have},
             "extra": extra or {},
-        }
-        self.rows.append(row)
-        return row
+        })
+        return self.rows[-1]
 
 
 def noop_group() -> dist.ProcessGroup:
     """A group on torch's "fake" backend beside the world group; every rank must call this."""
     why = ""
     try:
-        # torch registers the backend's creator only when this module is imported.
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the backend)
 
         group = dist.new_group(backend="fake")
     except Exception as e:  # a torch without it: every rank says why below
@@ -316,9 +244,9 @@ def noop_group() -> dist.ProcessGroup:
 
 def parser(doc: str, *, launch: str = "torchrun --nproc-per-node 2", quick: str = "", noop_batch: int = 0,
            backend: str = "", configs: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The options scripts share, each left out where its argument is empty: ``quick``, the help of
-    ``--quick``; ``noop_batch``, the default batch of ``--noop-group``; ``backend``, the default of
-    ``--backend`` (:func:`run`); ``configs``, what ``--configs`` chooses from."""
+    """The options scripts share, each left out where its argument is empty: ``quick``, the help of ``--quick``;
+    ``noop_batch``, the default batch of ``--noop-group``; ``backend``, the default of ``--backend``;
+    ``configs``, what ``--configs`` chooses from."""
     p = argparse.ArgumentParser(prog=f"{launch} {os.path.relpath(sys.argv[0])}", description=doc,
                                 epilog="Method and outputs: benchmarks/harness.py, benchmarks/report.py.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -328,9 +256,8 @@ def parser(doc: str, *, launch: str = "torchrun --nproc-per-node 2", quick: str 
     if quick:
         p.add_argument("--quick", action="store_true", help=quick)
     if noop_batch:
-        p.add_argument("--noop-group", action="store_true",
-                       help="bind the steps to a no-op group (torch's fake backend: collectives do not "
-                       "communicate), which leaves each layer's own per-call cost; its own section")
+        p.add_argument("--noop-group", action="store_true", help="bind the steps to a no-op group (torch's fake "
+                       "backend), which leaves each layer's own per-call cost; its own section")
         p.add_argument("--batch", type=int, default=noop_batch,
                        help="with --noop-group: calls per timed sample (default: %(default)s)")
     if backend:
@@ -345,64 +272,25 @@ def parser(doc: str, *, launch: str = "torchrun --nproc-per-node 2", quick: str 
 def names(allowed: Sequence[str]) -> Callable[[str], List[str]]:
     """An argparse type: a comma-separated list, each one of ``allowed`` (argparse converts a default too)."""
     def parse(text: str) -> List[str]:
-        values = text.split(",")
-        if set(values) - set(allowed):
+        if set(text.split(",")) - set(allowed):
             raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}")
-        return values
+        return text.split(",")
     return parse
-
-
-def numbers(kind: Callable[[str], Any]) -> Callable[[str], List[Any]]:
-    """An argparse type: a comma-separated list of ``kind(value)``."""
-    return lambda text: [kind(v) for v in text.split(",")]
-
-
-def sizes(text: str) -> List[int]:
-    """An argparse type: comma-separated sizes, each ``4K``, ``16KiB``, ``1M``, ``64MiB`` or a byte count."""
-    return [parse_size(s) for s in text.split(",")]
-
-
-def command_line(torchrun: bool) -> str:
-    """The command as typed (torchrun re-executes the script as plain python)."""
-    script = os.path.relpath(sys.argv[0])
-    if not torchrun:
-        return shlex.join(["python", script] + sys.argv[1:])
-    nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
-    return shlex.join(["torchrun", "--nproc-per-node", nproc, script] + sys.argv[1:])
-
-
-def machine() -> Dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {
-        "cpu_model": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "torch_version": torch.__version__,
-        "torch_tp_version": torch_tp.__version__, "python_version": platform.python_version(),
-        "backend": dist.get_backend(), "world_size": dist.get_world_size(), "threads_per_rank": torch.get_num_threads(),
-        # glibc malloc tunables change what fresh allocations cost
-        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
-    }
 
 
 def run(args: argparse.Namespace, measure: Callable[[argparse.Namespace], Dict[str, Any]], *,
         threads: Optional[int] = 1, torchrun: bool = True) -> int:
     """Set up the process group (``args.backend``, else gloo), ``measure(args)``, and on rank 0 write
     ``<stem>.json`` and :mod:`report`'s outputs. ``measure`` returns ``tag`` (the RESULTS.md markers), ``stem``,
-    ``title``, ``about``, ``tables`` (:class:`Table`) and optionally ``notes``. ``threads``: intra-op threads
-    per rank (one: no oversubscription). ``torchrun=False``: one process, world size 1."""
-    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    backend = getattr(args, "backend", "gloo")
+    ``title``, ``about``, ``tables`` (:class:`Table`) and optionally ``notes``. ``threads``: intra-op threads per
+    rank. ``torchrun=False``: one process, world size 1."""
+    name, backend = os.path.splitext(os.path.basename(sys.argv[0]))[0], getattr(args, "backend", "gloo")
     if torchrun and "RANK" not in os.environ:
-        print(f"{name}: launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/{name}.py",
-              file=sys.stderr)
+        print(f"{name}: launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/{name}.py", file=sys.stderr)
         return 2
     if threads is not None:
         torch.set_num_threads(threads)
-    if torchrun:
-        dist.init_process_group(backend)
-    else:
-        store = tempfile.mkdtemp(prefix=f"{name}_")
-        dist.init_process_group(backend, init_method=f"file://{store}/store", rank=0, world_size=1)
+    dist.init_process_group(backend, **({} if torchrun else dict(store=dist.HashStore(), rank=0, world_size=1)))
     start = time.perf_counter()
     try:
         out = measure(args)
@@ -411,10 +299,21 @@ def run(args: argparse.Namespace, measure: Callable[[argparse.Namespace], Dict[s
                        about=out["about"] + f" No-op group (torch's fake backend): samples of {args.batch} "
                        "back-to-back steps, one world barrier per round; values are not the collectives'.")
         if dist.get_rank() == 0:
+            nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+            launcher, cpu = ["torchrun", "--nproc-per-node", nproc] if torchrun else ["python"], platform.processor()
+            with open("/proc/cpuinfo") as f:
+                cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu or "unknown")
+            machine = {
+                "cpu_model": cpu, "cpus_usable": len(os.sched_getaffinity(0)), "torch_version": torch.__version__,
+                "torch_tp_version": torch_tp.__version__, "python_version": platform.python_version(),
+                "backend": dist.get_backend(), "world_size": dist.get_world_size(),
+                "threads_per_rank": torch.get_num_threads(),  # glibc malloc tunables change what allocations cost
+                "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
+            }
             data = {
-                "benchmark": name, "command": command_line(torchrun), "args": vars(args),
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "machine": machine(), "elapsed_s": time.perf_counter() - start,
+                "benchmark": name, "command": shlex.join(launcher + [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                "args": vars(args), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "machine": machine, "elapsed_s": time.perf_counter() - start,
                 **out, "tables": [vars(t) for t in out["tables"]],
             }
             os.makedirs(args.out_dir, exist_ok=True)
@@ -425,6 +324,4 @@ def run(args: argparse.Namespace, measure: Callable[[argparse.Namespace], Dict[s
         dist.barrier()
     finally:
         dist.destroy_process_group()
-        if not torchrun:
-            shutil.rmtree(store, ignore_errors=True)
     return 0

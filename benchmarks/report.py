@@ -12,62 +12,52 @@ import sys
 import textwrap
 from typing import Any, Dict, List
 
-# Plots are kept in git and shown in RESULTS.md: small, then quantized to 256 colours.
-PLOT_DPI = 90
+PLOT_DPI = 90  # plots are kept in git and shown in RESULTS.md: small, then quantized to 256 colours
 
 
 def num(v: Any, signed: bool = False) -> str:
-    if isinstance(v, str):
-        return v
-    if v is None:
-        return "-"
+    if isinstance(v, str) or v is None:
+        return "-" if v is None else v
     text = f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     return ("+" + text) if signed and v >= 0 else text
 
 
 def markdown(table: Dict[str, Any]) -> List[str]:
-    rows, unit, impls = table["rows"], table["unit"], table["impls"]
+    rows, unit, impls, ratios = table["rows"], table["unit"], table["impls"], table["ratios"]
     case_keys = list(dict.fromkeys(k for r in rows for k in r["case"]))
     paired = [f"{a} - {b}" for a, b in table["paired"]]
     extra = list(dict.fromkeys(k for r in rows for k in r["extra"]))
-    head = (case_keys + [f"{i} {unit}" for i in impls] + [f"{a} / {b}" for a, b in table["ratios"]]
+    head = (case_keys + [f"{i} {unit}" for i in impls] + [f"{a} / {b}" for a, b in ratios]
             + [f"{p} {unit} (paired)" for p in paired] + extra)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(":---" if i < len(case_keys) else "---:"
-                                                         for i in range(len(head))) + "|"]
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join(":---" if i < len(case_keys) else "---:" for i in range(len(head))) + "|"]
     for r in rows:
         st = r["stats"]
         cells = [str(r["case"].get(k, "")) for k in case_keys]
         cells += [f"{num(st[i]['median'])} ({num(st[i]['p10'])}-{num(st[i]['p90'])})" if i in st else "-"
                   for i in impls]
-        cells += [f"{st[a]['median'] / st[b]['median']:.3g}" if a in st and b in st else "-"
-                  for a, b in table["ratios"]]
+        cells += [f"{st[a]['median'] / st[b]['median']:.3g}" if a in st and b in st else "-" for a, b in ratios]
         cells += [num(r["paired"][p]["median"], signed=True) if p in r["paired"] else "-" for p in paired]
-        cells += [num(r["extra"].get(k)) for k in extra]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + [num(r["extra"].get(k)) for k in extra]) + " |")
     return lines
 
 
 def tables_text(data: Dict[str, Any]) -> List[str]:
-    out: List[str] = []
-    for t in data["tables"]:
-        out += ([f"### {t['title']}", ""] if t["title"] else []) + markdown(t) + [""]
-    return out
+    return [line for t in data["tables"]
+            for line in ([f"### {t['title']}", ""] if t["title"] else []) + markdown(t) + [""]]
 
 
 def section(data: Dict[str, Any], png: bool) -> List[str]:
     m, stem = data["machine"], data["stem"]
     return [
-        f"## {data['title']}", "",
-        f"Command: `{data['command']}`", "",
+        f"## {data['title']}", "", f"Command: `{data['command']}`", "",
         f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable cores, torch {m['torch_version']}, "
         f"Python {m['python_version']}, backend {m['backend']}, world size {m['world_size']}, "
-        f"{m['threads_per_rank']} intra-op thread(s) per rank. Date: {data['date']}", "",
-        data["about"], "",
+        f"{m['threads_per_rank']} intra-op thread(s) per rank. Date: {data['date']}", "", data["about"], "",
         "Method: benchmarks/harness.py (implementations interleaved per repeat, the slowest rank's time per "
         "repeat). Cells: median (p10-p90) over repeats; `a / b`: ratio of medians; `a - b (paired)`: median of "
         "the per-repeat differences.", "",
-        *tables_text(data),
-        *[line for note in data.get("notes", []) for line in (note, "")],
+        *tables_text(data), *[line for note in data.get("notes", []) for line in (note, "")],
         *([f"![{data['title']}]({stem}.png)", ""] if png else []),
         f"Raw figures and per-repeat times: [{stem}.json]({stem}.json).",
     ]
@@ -87,35 +77,35 @@ def plot(data: Dict[str, Any], path: str) -> bool:
     panels = []
     for t in data["tables"]:
         if all(r["x"] is not None for r in t["rows"]):
-            for name in dict.fromkeys(r["panel"] for r in t["rows"]):
-                panels.append((t, name, [r for r in t["rows"] if r["panel"] == name]))
+            panels += [(t, n, [r for r in t["rows"] if r["panel"] == n]) for n in dict.fromkeys(r["panel"]
+                                                                                             for r in t["rows"])]
         else:
             panels.append((t, t["title"], t["rows"]))
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), squeeze=False)
     for ax, (t, name, rows) in zip(axes.flat, panels):
-        impls = [i for i in t["impls"] if any(i in r["stats"] for r in rows)]
+        impls, lines = [i for i in t["impls"] if any(i in r["stats"] for r in rows)], rows[0]["x"] is not None
         for k, impl in enumerate(impls):
             have = [r for r in rows if impl in r["stats"]]
             med = [r["stats"][impl]["median"] for r in have]
             err = [[m - r["stats"][impl]["p10"] for m, r in zip(med, have)],
                    [r["stats"][impl]["p90"] - m for m, r in zip(med, have)]]
-            if rows[0]["x"] is not None:
+            if lines:
                 ax.errorbar([r["x"] for r in have], med, yerr=err, marker="o", ms=3, capsize=2, label=impl)
             else:
                 width = 0.8 / len(impls)
                 xs = [rows.index(r) + (k - (len(impls) - 1) / 2) * width for r in have]
                 ax.bar(xs, med, width, yerr=err, capsize=2, label=impl)
-        if rows[0]["x"] is not None:
+        if lines:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("size, bytes", fontsize=8)
         else:
             labels = [" ".join(map(str, r["case"].values())) for r in rows]
-            long_labels = max(map(len, labels)) * len(labels) > 60  # more than a panel's width holds flat
+            tilt = max(map(len, labels)) * len(labels) > 60  # more than a panel's width holds flat
             ax.set_xticks(range(len(rows)), [textwrap.fill(label, 24) for label in labels], fontsize=7,
-                          rotation=30 if long_labels else 0, ha="right" if long_labels else "center")
+                          rotation=30 if tilt else 0, ha="right" if tilt else "center")
         ax.set_title(name, fontsize=9)
         ax.set_ylabel(f"{t['unit']}, median (p10-p90)", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
@@ -142,8 +132,7 @@ def update_results_md(path: str, tag: str, lines: List[str]) -> None:
     """Replace the text between the tag's markers, or append it; everything else is kept."""
     begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
     text = open(path).read() if os.path.exists(path) else "# torch_tp benchmark results\n"
-    block = "\n".join([begin, *lines, end])
-    i = text.find(begin)
+    block, i = "\n".join([begin, *lines, end]), text.find(begin)
     j = text.find(end, i) if i >= 0 else -1
     if i >= 0 and j < 0:  # a begin marker with no end: refuse to guess what to cut
         raise RuntimeError(f"{path}: {begin} without {end}; fix the file by hand")
