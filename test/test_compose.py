@@ -310,68 +310,6 @@ def test_torch_optimizers_on_dtensor_parameters(ranks, world_size):
     ranks(world_size).run(_check_optimizers, timeout=600)
 
 
-def _check_fused_adam_on_local_tensors():
-    """NOTE [fused Adam on torch_tp's parameters]: the rule runs a fused AdamW call on torch_tp's
-    parameters on their local tensors, and returns NotImplemented, so that DTensor's dispatch runs the
-    call, for parameters torch_tp did not distribute and for a Partial gradient; every way, the update
-    is bitwise DTensor's own (the same call on copies that are not torch_tp's parameters)."""
-    from torch._library.simple_registry import find_torch_dispatch_rule
-    from torch.distributed.tensor import Partial, Replicate
-    from torch_tp.parallel import _params
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for op in (torch.ops.aten._fused_adamw_.default, torch.ops.aten._fused_adamw_.tensor_lr,
-               torch.ops.aten._fused_adam_.default, torch.ops.aten._fused_adam_.tensor_lr):
-        assert find_torch_dispatch_rule(op, DTensor) is _params._fused_adam_on_local_tensors, op
-    model = _parallelize(_llama(0), "torch_tp", mesh)
-    params = list(model.parameters())
-    gen = torch.Generator().manual_seed(dist.get_rank())
-
-    def like(p, placements=None):  # a DTensor of p's layout (or placements) and random local values
-        local = torch.randn(p.to_local().shape, generator=gen, dtype=p.dtype)
-        return DTensor.from_local(local, p.device_mesh, placements or p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
-
-    def args(partial_grad=False):
-        grads = [like(p) for p in params]
-        if partial_grad:  # a norm weight's gradient as sequence-parallel partial sums
-            i = next(i for i, p in enumerate(params) if p.placements == (Replicate(),))
-            grads[i] = like(params[i], [Partial()])
-        states = [[like(p).abs() for p in params] for _ in range(2)]
-        steps = [torch.tensor(float(step)) for step in range(1, len(params) + 1)]
-        return grads, states, steps
-
-    kwargs = dict(beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-    for partial_grad in (False, True):
-        for lr in (1e-3, torch.tensor(1e-3, dtype=torch.float64)):
-            grads, (exp_avgs, exp_avg_sqs), steps = args(partial_grad)
-            copies = [[t.detach().clone() for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-            call = (params, grads, exp_avgs, exp_avg_sqs, [], steps)
-            op = torch.ops.aten._fused_adamw_.tensor_lr if isinstance(lr, torch.Tensor) \
-                else torch.ops.aten._fused_adamw_.default
-            with torch.no_grad():
-                # What torch._fused_adamw_ on DTensors runs first; DTensor's dispatch when it refuses.
-                taken = _params._fused_adam_on_local_tensors(DTensor, op, (), call, {**kwargs, "lr": lr})
-                assert (taken is NotImplemented) == partial_grad, \
-                    f"partial_grad={partial_grad}: the rule returned {taken}"
-                if taken is NotImplemented:
-                    torch._fused_adamw_(*call, **{**kwargs, "lr": lr})
-                torch._fused_adamw_(*copies, [], [s.clone() for s in steps], **{**kwargs, "lr": lr})
-            # The copies are not torch_tp's parameters: DTensor's own dispatch updated them.
-            assert _params._fused_adam_on_local_tensors(
-                DTensor, op, (), (*copies, [], steps), {**kwargs, "lr": lr}) is NotImplemented
-            for what, ours, theirs in zip(("param", "exp_avg", "exp_avg_sq"), (params, exp_avgs, exp_avg_sqs),
-                                           (copies[0], copies[2], copies[3])):
-                for i, (a, b) in enumerate(zip(ours, theirs)):
-                    assert torch.equal(a.to_local(), b.to_local()), \
-                        f"{what} {i} (partial_grad={partial_grad}, lr {type(lr).__name__}) differs from DTensor's"
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_fused_adam_on_local_tensors_is_dtensors_update(ranks, world_size):
-    ranks(world_size).run(_check_fused_adam_on_local_tensors, timeout=300)
-
-
 # ---------------------------------------------------------------- mixed precision
 
 

@@ -298,7 +298,7 @@ def test_sequence_parallel_rms_norm_matches_torch(ranks, world_size):
 
 class _ProjectedNorm(nn.Module):
     """A projection into the residual stream, a residual add and a norm: torchtitan's block in miniature,
-    whose norm reads a plain sequence shard (NOTE [the sequence-parallel norm of a plain shard])."""
+    whose norm reads a plain sequence shard, the global length of which the projection recorded."""
 
     def __init__(self):
         super().__init__()
@@ -312,78 +312,59 @@ class _ProjectedNorm(nn.Module):
 
 def _check_norm_of_plain_shards():
     from torch.distributed.tensor import Replicate
-    from torch_tp.parallel import style
 
     world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
-    original = style._SequenceParallelModule._tp_norm_of_recorded_shard
-    taken = []
-
-    def spy(module, x):
-        out = original(module, x)
-        taken.append(out is not None)
-        return out
-
-    style._SequenceParallelModule._tp_norm_of_recorded_shard = spy
-    try:
-        # (sequence length, use_local_output): even and uneven (torch.chunk) pieces, a DTensor and a plain output
-        for seq, use_local_output in ((4 * world_size, False), (4 * world_size + 1, False), (4 * world_size, True)):
-            what = f"seq {seq}, use_local_output={use_local_output}"
-            torch.manual_seed(seq)
-            reference = _ProjectedNorm().double()
-            with torch.no_grad():
-                reference.norm.weight.uniform_(0.5, 1.5)
-            ours = torch_tp.parallelize_module(copy.deepcopy(reference), mesh, {
-                "proj": torch_tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                "norm": torch_tp.SequenceParallel(use_local_output=use_local_output),
-            })
-            x = _randn((2, seq, 16), seq, torch.float64)
-            grad = _randn((2, seq, 32), seq + 1, torch.float64)
-            x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
-            expected = reference(x_ref)
-            expected.backward(grad)
-            taken.clear()
-            with _OpsSeen() as seen:
-                out = ours(x_tp)
-                if use_local_output:
-                    assert type(out) is torch.Tensor, what
-                    local = out
-                else:
-                    assert isinstance(out, DTensor) and out.placements == (Shard(1),), what
-                    assert out.shape == expected.shape, (what, out.shape)
-                    local = out.to_local()
-                local.backward(torch_tp.shard(grad, 1))
-            assert taken == [True], (what, taken)  # the plain shard's path, and it ran the fused kernels
-            assert {"_rms_norm_forward", "_rms_norm_backward"} <= seen.names, (what, seen.names)
-            tol = TOL[torch.float64]
-            assert_close(local, torch_tp.shard(expected.detach(), 1), f"{what}: output", tol)
-            if not use_local_output:
-                assert_close(out.full_tensor(), expected.detach(), f"{what}: full output", tol)
-            assert_close(x_tp.grad, x_ref.grad, f"{what}: grad input", tol)
-            assert_close(ours.norm.weight.grad.full_tensor(), reference.norm.weight.grad, f"{what}: grad norm weight",
-                         tol)
-            assert_close(ours.proj.weight.grad.full_tensor(), reference.proj.weight.grad, f"{what}: grad proj weight",
-                         tol)
-        # A plain shard whose length no module recorded takes the general path (which exchanges the pieces'
-        # lengths), and so does a DTensor (without asking).
-        lone = torch_tp.parallelize_module(copy.deepcopy(reference.norm), mesh, torch_tp.SequenceParallel())
-        h = _randn((2, 4 * world_size + 1, 32), 7, torch.float64)
-        taken.clear()
-        out = lone(torch_tp.shard(h, 1))
-        assert taken == [False], taken
-        assert_close(out.full_tensor(), reference.norm(h).detach(), "unrecorded length: full output",
-                     TOL[torch.float64])
-        taken.clear()
-        lone(DTensor.from_local(torch_tp.shard(h, 1), mesh, [Shard(1)], run_check=False))
-        assert taken == [], taken
-    finally:
-        style._SequenceParallelModule._tp_norm_of_recorded_shard = original
+    # (sequence length, use_local_output): even and uneven (torch.chunk) pieces, a DTensor and a plain output
+    for seq, use_local_output in ((4 * world_size, False), (4 * world_size + 1, False), (4 * world_size, True)):
+        what = f"seq {seq}, use_local_output={use_local_output}"
+        torch.manual_seed(seq)
+        reference = _ProjectedNorm().double()
+        with torch.no_grad():
+            reference.norm.weight.uniform_(0.5, 1.5)
+        ours = torch_tp.parallelize_module(copy.deepcopy(reference), mesh, {
+            "proj": torch_tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": torch_tp.SequenceParallel(use_local_output=use_local_output),
+        })
+        x = _randn((2, seq, 16), seq, torch.float64)
+        grad = _randn((2, seq, 32), seq + 1, torch.float64)
+        x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected = reference(x_ref)
+        expected.backward(grad)
+        with _OpsSeen() as seen:
+            out = ours(x_tp)
+            if use_local_output:
+                assert type(out) is torch.Tensor, what
+                local = out
+            else:
+                assert isinstance(out, DTensor) and out.placements == (Shard(1),), what
+                assert out.shape == expected.shape, (what, out.shape)
+                local = out.to_local()
+            local.backward(torch_tp.shard(grad, 1))
+        assert {"_rms_norm_forward", "_rms_norm_backward"} <= seen.names, (what, seen.names)
+        tol = TOL[torch.float64]
+        assert_close(local, torch_tp.shard(expected.detach(), 1), f"{what}: output", tol)
+        if not use_local_output:
+            assert_close(out.full_tensor(), expected.detach(), f"{what}: full output", tol)
+        assert_close(x_tp.grad, x_ref.grad, f"{what}: grad input", tol)
+        assert_close(ours.norm.weight.grad.full_tensor(), reference.norm.weight.grad, f"{what}: grad norm weight",
+                     tol)
+        assert_close(ours.proj.weight.grad.full_tensor(), reference.proj.weight.grad, f"{what}: grad proj weight",
+                     tol)
+    # A plain shard whose length no module recorded (the pieces' lengths are exchanged), and a DTensor.
+    lone = torch_tp.parallelize_module(copy.deepcopy(reference.norm), mesh, torch_tp.SequenceParallel())
+    h = _randn((2, 4 * world_size + 1, 32), 7, torch.float64)
+    out = lone(torch_tp.shard(h, 1))
+    assert_close(out.full_tensor(), reference.norm(h).detach(), "unrecorded length: full output",
+                 TOL[torch.float64])
+    out = lone(DTensor.from_local(torch_tp.shard(h, 1), mesh, [Shard(1)], run_check=False, shape=h.shape,
+                                  stride=h.stride()))
+    assert_close(out.full_tensor(), reference.norm(h).detach(), "DTensor input: full output", TOL[torch.float64])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_sequence_parallel_norm_of_plain_shards(ranks, world_size):
     """The norm of a plain sequence shard whose global length the forward recorded (the residual stream of
-    torchtitan's plan) takes the short path (NOTE [the sequence-parallel norm of a plain shard]) and gives
-    the unsharded module's output and gradients: even and uneven pieces, DTensor and plain outputs, float64
-    (tolerance: the projection's partial sums reordered, TOL above)."""
+    torchtitan's plan) runs the fused kernels and gives the unsharded module's output and gradients: even and
+    uneven pieces, DTensor and plain outputs, float64 (tolerance: the projection's partial sums reordered, TOL above)."""
     ranks(world_size).run(_check_norm_of_plain_shards, timeout=300)

@@ -184,39 +184,6 @@ MODELS = {
 }
 
 
-# The calls of one torch_tp forward that take the styles' short paths (NOTE [gathering a handed shard],
-# NOTE [the sequence-parallel norm of a plain shard] in style.py), by model, under the sequence-parallel
-# plan: each block gathers its two norms' handed outputs; the Llama's RMSNorms (the others are LayerNorms,
-# which run their own forward) read plain, recorded shards of the residual stream.
-SHORT_PATHS = {"transformer": {"gather": 4, "norm": 0}, "transformer_tied": {"gather": 4, "norm": 0},
-               "transformer_uneven": {"gather": 4, "norm": 0}, "llama": {"gather": 4, "norm": 5}}
-
-
-@contextlib.contextmanager
-def _short_paths_taken():
-    """Counts the calls that took the styles' short paths while it is on."""
-    from torch_tp.parallel import style
-
-    counts = {"gather": 0, "norm": 0}
-    gather, norm = style._gather_handed, style._SequenceParallelModule._tp_norm_of_recorded_shard
-
-    def counted_gather(*args):
-        out = gather(*args)
-        counts["gather"] += out is not None
-        return out
-
-    def counted_norm(module, x):
-        out = norm(module, x)
-        counts["norm"] += out is not None
-        return out
-
-    style._gather_handed, style._SequenceParallelModule._tp_norm_of_recorded_shard = counted_gather, counted_norm
-    try:
-        yield counts
-    finally:
-        style._gather_handed, style._SequenceParallelModule._tp_norm_of_recorded_shard = gather, norm
-
-
 def _check_against_torch(model_name, sequence_parallel, steps=3):
     world_size = dist.get_world_size()
     make_model, make_plan, make_input = MODELS[model_name]
@@ -242,10 +209,7 @@ def _check_against_torch(model_name, sequence_parallel, steps=3):
         else:
             x = make_input(gen)
             inputs = {name: x for name in models}
-        with _short_paths_taken() as taken:
-            outputs = {name: models[name](inputs[name]) for name in models}
-        want = SHORT_PATHS.get(model_name, {}) if sequence_parallel else {}
-        assert taken == {"gather": want.get("gather", 0), "norm": want.get("norm", 0)}, (model_name, taken)
+        outputs = {name: models[name](inputs[name]) for name in models}
         full_numel = outputs["reference"].numel()
         if model_name == "mlp_sp":
             # Sequence-sharded outputs (local tensors in both libraries): compare
@@ -470,19 +434,6 @@ def _count_all_reduces(fn):
                if e.name.startswith("c10d::allreduce") or e.name == "torch_tp_backend::all_reduce")
 
 
-class _DTensorDetaches(TorchDispatchMode):
-    """Counts the detaches of DTensors dispatched while it is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default and isinstance(args[0], DTensor):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _check_replicated_grad_reduction():
     """NOTE [partial gradients of sequence-parallel parameters]: the norms' gradients
     equal torch's (summed), and after a backward they are Replicate DTensors, all
@@ -531,16 +482,6 @@ def _check_replicated_grad_reduction():
         (out.to_local() if isinstance(out, DTensor) else out).square().sum().backward()
     for name, p in ours.named_parameters():
         assert_close(_grad_as_param(p), expected[name], f"reentrant checkpoint grad {name}", RTOL, floor=SCALE_FLOOR)
-
-    # A plain backward: the parameter unwrap's node sets each norm parameter's Partial
-    # .grad itself and records it (NOTE [the gradient straight to .grad] in
-    # csrc/python/parameters.cpp), so no AccumulateGrad detaches a gradient DTensor
-    # through DTensor's dispatch; the end of the backward completes them.
-    ours.zero_grad(set_to_none=True)
-    with _DTensorDetaches() as detaches:
-        loss(ours, xs[0]).backward()
-    assert detaches.count == 0, f"{detaches.count} gradient DTensors detached by AccumulateGrad"
-    assert all(p.grad.placements == p.placements for p in ours.parameters())
 
     # A backward that raises part-way never reaches its end: what it recorded
     # stays recorded (Partial, still correct as DTensors), and the next backward
@@ -765,8 +706,7 @@ def test_module_backward_hooks(ranks, world_size):
 
 def _check_parameter_gradient_paths():
     """Every way a backward delivers a parameter's gradient gives torch's TP gradients: a plain
-    backward (where the unwrap's node sets .grad itself, NOTE [the gradient straight to .grad] in
-    csrc/python/parameters.cpp), accumulation into an existing .grad, tensor and
+    backward, accumulation into an existing .grad, tensor and
     post-accumulate-grad hooks, backward(inputs=) and autograd.grad (which fill only the inputs'
     .grad, or none)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -796,27 +736,6 @@ def _check_parameter_gradient_paths():
     loss(ours).backward()
     for name, p in ours.named_parameters():
         check(p.grad, name, 2, "accumulated over two backwards")
-
-    # A plain backward makes every gradient DTensor at its first parameter node, before any
-    # .grad is set (NOTE [gradient DTensors made together] in csrc/python/parameters.cpp).
-    from torch_tp.parallel import _params
-
-    ours.zero_grad(set_to_none=True)
-    grads_set_before_each = []
-    new_gradient = _params._new_gradient
-
-    def recording_new_gradient(local, spec):
-        grads_set_before_each.append(sum(p.grad is not None for p in ours.parameters()))
-        return new_gradient(local, spec)
-
-    _params._new_gradient = recording_new_gradient
-    try:
-        loss(ours).backward()
-    finally:
-        _params._new_gradient = new_gradient
-    assert grads_set_before_each == [0] * len(list(ours.parameters())), grads_set_before_each
-    for name, p in ours.named_parameters():
-        check(p.grad, name, 1, "made together")
 
     # Two forwards before their backwards (a pipeline's micro-batches): each backward makes
     # its own forward's gradients; and a module run twice in one forward, whose parameters'
@@ -920,25 +839,12 @@ class _RecordDispatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _TaggedTensor(torch.Tensor):
-    """A subclass with a __torch_function__ of its own, which records the calls it sees."""
-    seen = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(str(func))
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _check_linear_entries():
-    """The modules' plain-tensor path calls the ops through torch_tp._C's entries (NOTE [calling
-    the sharded linears from the modules] in csrc/python/linear_entry.cpp). They must be the ops:
-    the unsharded model's values and gradients, dispatch modes and the profiler see the ops,
-    __torch_function__ (a mode, a subclass) and errors are torch.ops', and torch.compile traces
-    the ops with no graph break."""
+def _check_modules_call_the_ops():
+    """The linears' forwards are the ops: the unsharded model's values and gradients, dispatch modes,
+    the profiler and __torch_function__ modes see the ops, and torch.compile traces them with no
+    graph break."""
     world_size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
-    group = mesh.get_group().group_name
     torch.manual_seed(0)
     reference = MLP()
     model = torch_tp.parallelize_module(copy.deepcopy(reference), mesh,
@@ -969,43 +875,14 @@ def _check_linear_entries():
     assert "torch_tp.column_parallel_linear" in functions.seen, functions.seen
     assert "torch_tp.row_parallel_linear" in functions.seen, functions.seen
 
-    weight = model.w1.weight.to_local().detach()
-    _TaggedTensor.seen.clear()
-    tagged = torch_tp._C._column_parallel_linear(x, weight.as_subclass(_TaggedTensor), None, group)
-    assert _TaggedTensor.seen == ["torch_tp.column_parallel_linear"], _TaggedTensor.seen
-    assert torch.equal(tagged.as_subclass(torch.Tensor), torch_tp._C._column_parallel_linear(x, weight, None, group))
-
-    # Arguments beyond the entry's (gather_dim) are handed to torch.ops as they are.
-    assert torch.equal(torch_tp._C._column_parallel_linear(x, weight, None, group, 1),
-                       torch.ops.torch_tp.column_parallel_linear(x, weight, None, group, 1))
-    # partial_grad_input, the one keyword the entry takes itself: the op's output, and its input
-    # gradient left unreduced (each rank's partial sum) as the op leaves it.
-    for partial in (True, False):
-        grads = []
-        for call in (torch_tp._C._column_parallel_linear, torch.ops.torch_tp.column_parallel_linear):
-            leaf = x.clone().requires_grad_()
-            out = call(leaf, weight, None, group, partial_grad_input=partial)
-            out.square().sum().backward()
-            grads.append((out.detach(), leaf.grad))
-        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), partial
-    # Bad input: the error torch.ops gives, from the entry's own call or its hand-over.
-    for args, kwargs in (((x[..., :5], weight, None, group), {}), ((x, weight, None, "no such group"), {}),
-                         ((x, "weight", None, group), {}), ((x, weight, None, group), {"no_such_argument": True})):
-        with pytest.raises(Exception) as from_ops:
-            torch.ops.torch_tp.column_parallel_linear(*args, **kwargs)
-        with pytest.raises(Exception) as from_entry:
-            torch_tp._C._column_parallel_linear(*args, **kwargs)
-        assert type(from_entry.value) is type(from_ops.value), (args[1:], from_entry.value, from_ops.value)
-        assert str(from_entry.value) == str(from_ops.value), (args[1:], from_entry.value, from_ops.value)
-
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     assert_close(compiled(x), expected, "compiled output", RTOL, floor=SCALE_FLOOR)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_linear_entries(ranks, world_size):
-    ranks(world_size).run(_check_linear_entries)
+def test_linear_modules_call_the_ops(ranks, world_size):
+    ranks(world_size).run(_check_modules_call_the_ops)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -166,16 +166,6 @@ assert_async = _lookup("torch", "_assert_async")
 with no host synchronisation on CUDA (a device-side assert); for loss_parallel's
 target range check."""
 
-fused_adam_ops = {
-    _lookup("torch", "ops.aten._fused_adam_"): _lookup("torch", "_fused_adam_"),
-    _lookup("torch", "ops.aten._fused_adamw_"): _lookup("torch", "_fused_adamw_"),
-}
-"""``{aten._fused_adam(w)_ overload packet: torch._fused_adam(w)_}``: the fused Adam/AdamW update
-torch.optim runs with ``fused=True``, one call per (device, dtype) group of parameters. torch_tp
-runs it on the local tensors of its DTensor parameters (NOTE [fused Adam on torch_tp's parameters]
-in parallel/_params.py) through torch's Python binding, which parses the tensor lists far faster
-than the OpOverload's boxed call."""
-
 # ---------------------------------------------------------------- nn.Module and optimizer helpers
 
 global_backward_hooks = _lookup("torch.nn.modules.module", "_global_backward_hooks")

@@ -25,7 +25,7 @@ parameters before every forward; both are read the same way.
 import contextlib
 import contextvars
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -33,8 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, distribute_tensor
 
 from .._C import _local_parameter as local_parameter
-from .._torch_private import DTensorSpec, dtensor_constructor, dtensor_local, dtensor_spec, fused_adam_ops
-from ._replicated_grad import take_partial_grad
+from .._torch_private import DTensorSpec, dtensor_constructor, dtensor_local, dtensor_spec
 
 # The qualified name (from the module parallelize_module was given) of the
 # module a style is being applied to, for error messages.
@@ -105,7 +104,6 @@ def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh,
         value = distribute_tensor(param.detach(), mesh, _placements(placement), src_data_rank=src_data_rank)
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     module._parameters[name] = new
-    register_parameter(new)
     return new
 
 
@@ -164,7 +162,7 @@ def local_tensor(param: Optional[torch.Tensor], partial_grad: bool = False) -> O
     # parameter does not require grad.
     if partial_grad:
         return local_parameter(param, dtensor_local(param), _partial_twin(param), _new_gradient,
-                               _differentiable_gradient, take_partial_grad)
+                               _differentiable_gradient)
     return local_parameter(param, dtensor_local(param), dtensor_spec(param), _new_gradient, _differentiable_gradient)
 
 
@@ -181,95 +179,3 @@ def _partial_twin(param: DTensor) -> DTensorSpec:
     if twin is None:
         twin = _partial_twins[spec] = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
     return twin
-
-
-# NOTE [fused Adam on torch_tp's parameters]
-# torch.optim.Adam and AdamW with fused=True (torchtitan's default, and the
-# example's) update all parameters of a (device, dtype) group in one call,
-# aten._fused_adam(w)_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-# state_steps, *, lr, ...). On DTensor parameters DTensor's dispatch builds an
-# op schema over every one of those tensors and turns each plain step counter
-# into a replicated spec, Python work per parameter and step, for an
-# update that is elementwise within each parameter. Where a parameter, its
-# gradient and its states share one layout, DTensor runs the kernel on their
-# local tensors unchanged, so the rule below does that directly. It is
-# registered with torch.library.register_torch_dispatch (torch's open
-# registration of an op's behaviour for a tensor subclass), and takes a call
-# only when every parameter is one a torch_tp style distributed, every
-# gradient and state has its parameter's mesh, placements and global shape
-# (none Partial), and the step counters and scalars are plain tensors. Any
-# other call returns NotImplemented and DTensor's own dispatch runs it as
-# before: DTensors torch_tp did not make (torch's styles, FSDP2's shards) are
-# untouched, and so are torch_tp's when a gradient needs a redistribution.
-
-# The ids of the parameters torch_tp styles distributed. nn.Module._apply
-# (to_empty, .to(), .double()) swaps a DTensor parameter's contents into the
-# same object, so the id lasts as long as the parameter; torch.utils.swap_tensors
-# refuses tensors with weak references, so none are kept, and an id is never
-# removed. A tensor that reuses a dead parameter's id is taken as torch_tp's,
-# which only means its update runs on its local tensors: exactly DTensor's
-# result for any DTensor whose tensors share a layout.
-_distributed: Set[int] = set()
-
-
-def register_parameter(param: nn.Parameter) -> None:
-    """Mark a DTensor parameter as torch_tp's, for NOTE [fused Adam on torch_tp's parameters]."""
-    _distributed.add(id(param))
-
-
-# Checks made once per spec object rather than per step, by id; an entry holds
-# its specs, so their ids cannot be reused while it exists, and both tables are
-# cleared when one outgrows _SAME_LAYOUT_KEPT. _complete_specs: the parameters'
-# specs without a Partial placement. _same_layout_pairs: pairs of distinct specs
-# of one layout (the optimizer states' against their parameters').
-_complete_specs: Dict[int, DTensorSpec] = {}
-_same_layout_pairs: Dict[Tuple[int, int], Tuple[Any, Any]] = {}
-_SAME_LAYOUT_KEPT = 4096
-
-
-def _same_layout(s: DTensorSpec, spec: DTensorSpec) -> bool:
-    """Whether ``s`` has ``spec``'s mesh, placements and global shape: the local tensors of the
-    two hold the same elements."""
-    if s is spec or (id(s), id(spec)) in _same_layout_pairs:
-        return True
-    if s.mesh is not spec.mesh or s.placements != spec.placements or s.shape != spec.shape:
-        return False
-    if len(_same_layout_pairs) >= _SAME_LAYOUT_KEPT:
-        _same_layout_pairs.clear()
-    _same_layout_pairs[(id(s), id(spec))] = (s, spec)
-    return True
-
-
-def _fused_adam_on_local_tensors(cls, func, types, args, kwargs) -> Any:
-    """NOTE [fused Adam on torch_tp's parameters]: ``func(params, grads, exp_avgs, exp_avg_sqs,
-    max_exp_avg_sqs, state_steps, **kwargs)`` on the local tensors, or NotImplemented."""
-    params, steps = args[0], args[5]
-    if any(isinstance(v, DTensor) for v in kwargs.values()) or any(type(t) is not torch.Tensor for t in steps):
-        return NotImplemented
-    locals_ = ([], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
-    for i, param in enumerate(params):
-        if type(param) is not DTensor or id(param) not in _distributed:
-            return NotImplemented
-        spec = dtensor_spec(param)
-        if id(spec) not in _complete_specs:
-            if any(placement.is_partial() for placement in spec.placements):
-                return NotImplemented
-            if len(_complete_specs) >= _SAME_LAYOUT_KEPT:
-                _complete_specs.clear()
-            _complete_specs[id(spec)] = spec
-        locals_[0].append(dtensor_local(param))
-        for tensors, out in zip(args[1:5], locals_[1:]):
-            if not tensors:  # max_exp_avg_sqs without amsgrad
-                continue
-            t = tensors[i]
-            if type(t) is not DTensor:
-                return NotImplemented
-            if not _same_layout(dtensor_spec(t), spec):
-                return NotImplemented
-            out.append(dtensor_local(t))
-    return fused_adam_ops[func.overloadpacket](*locals_, steps, **kwargs)
-
-
-for _op in ("aten::_fused_adam_", "aten::_fused_adam_.tensor_lr", "aten::_fused_adamw_",
-            "aten::_fused_adamw_.tensor_lr"):
-    torch.library.register_torch_dispatch(_op, DTensor, _fused_adam_on_local_tensors)

@@ -21,12 +21,6 @@ one per norm (nine in the example model). A ``.grad`` that is already complete
 when a new partial gradient arrives (gradient accumulation) is first turned
 into partial sums without communication (rank 0 keeps it, the others hold
 zeros), so AccumulateGrad adds locally and the one all-reduce covers it too.
-Where the gradient comes from torch_tp's parameter unwrap and nothing but
-this hook watches the parameter, the unwrap's backward node records it and
-sets ``.grad`` itself (``take_partial_grad``; NOTE [the gradient straight to
-.grad] in csrc/python/parameters.cpp): AccumulateGrad's detach of a DTensor
-goes through DTensor's Python dispatch, which with the hook's own call would
-run once per norm parameter and step.
 
 The cases:
   * ``torch.autograd.grad``: nothing accumulates, the caller gets the
@@ -129,23 +123,6 @@ def _mark_pending(param: nn.Parameter, number: int) -> None:
     """``param``'s ``.grad`` holds Partial sums: complete it at the end of this backward."""
     _pending[id(param)] = (number, param)
     queue_autograd_callback(_complete_pending)
-
-
-def take_partial_grad(param: nn.Parameter) -> bool:
-    """What ``_record`` does with a fresh ``Partial`` gradient of ``param`` (whose ``.grad`` is None),
-    when ``_record`` is the parameter's only hook; says whether it is. The parameter unwrap's backward
-    node calls this when it may set ``.grad`` itself (NOTE [the gradient straight to .grad] in
-    csrc/python/parameters.cpp), which spares AccumulateGrad's detach of the gradient DTensor, a
-    round trip through DTensor's dispatch, and the hook's own call."""
-    with disable_torch_function_subclass():  # loss_parallel() has DTensor's on; reading the hooks needs none
-        hooks = param._backward_hooks
-    if not hooks or len(hooks) != 1:
-        return False
-    (hook,) = hooks.values()
-    if not (isinstance(hook, functools.partial) and hook.func is _record and hook.args[0] is param):
-        return False
-    _mark_pending(param, hook.args[1])
-    return True
 
 
 def complete_partial_grads_after_backward(params: List[nn.Parameter]) -> None:

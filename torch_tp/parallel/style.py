@@ -35,7 +35,7 @@ modules around it. SequenceParallel's mixin wraps the class's own forward
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -44,10 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import style as _torch_style
 
-from .._C import _column_parallel_linear, _row_parallel_linear
 from ._layout import (
     ForwardRecords,
-    HandedDTensor,
     TPGroup,
     convert,
     from_dtensor,
@@ -55,17 +53,13 @@ from ._layout import (
     global_shape_of,
     gather_replicated,
     gather_to_replicated_dtensor,
-    hand_local,
     hand_out,
-    layout_spec,
     normalize,
     partial_grad_local,
     split_replicated,
     to_dtensor,
     tp_group,
 )
-from .._torch_private import dtensor_spec
-from ..ops import chunk_range
 from ._install import ParallelModule, TPState, install, module_state, refuse_second_style
 from ._params import local_tensor
 
@@ -90,15 +84,6 @@ class ShardedState(TPState):
     input_layout: Placement
     output_layout: Placement
     use_local_output: bool
-    # NOTE [plain tensors in the layouts the plan declares]: the layouts a plain input and a
-    # local output pass through unchanged (set from the three above).
-    replicated_in_local_out: bool = field(init=False, default=False)  # colwise: Replicate -> Shard(-1)
-    features_in_local_out: bool = field(init=False, default=False)  # rowwise: Shard(-1) -> Replicate/Shard(d)
-
-    def __post_init__(self) -> None:
-        self.replicated_in_local_out = (isinstance(self.input_layout, Replicate) and self.use_local_output
-                                        and self.output_layout == Shard(-1))
-        self.features_in_local_out = self.input_layout == Shard(-1) and self.use_local_output
 
 
 @dataclass(eq=False)
@@ -110,9 +95,6 @@ class SequenceState(TPState):
     sequence_sharding: Shard
     use_local_output: bool
     fused_rms_norm: bool  # an nn.RMSNorm, run through torch_tp::rms_norm (NOTE [the fused sequence-parallel norm])
-    # ((output shape, global length, dtype), spec) of the output it handed last
-    # (NOTE [the sequence-parallel norm of a plain shard])
-    handed_spec: Optional[Tuple[Tuple[Any, ...], Any]] = field(init=False, default=None)
 
 
 # ---------------------------------------------------------------- the classes a style swaps in
@@ -151,6 +133,8 @@ class ColwiseModule(ShardedModule):
         (None, None) for a replicated input, d for Shard(d) (sequence parallel). ``added_dims``:
         how many dims the op's output has beyond the input's (an embedding adds its features)."""
         state = self._tp_state
+        if type(x) is torch.Tensor and type(state.input_layout) is Replicate:
+            return x, None, None  # the plan's usual input (every decode step): nothing to read or gather
         declared = generation_layout(state.input_layout, x.dim() + added_dims, state.records)
         local, layout, global_shape = from_dtensor(x, declared, state.group)
         if isinstance(layout, Replicate):
@@ -178,63 +162,8 @@ class ColwiseModule(ShardedModule):
                                   "(use Shard(-1) or Replicate())")
 
 
-# NOTE [plain tensors in the layouts the plan declares]
-# Most calls of a column- or row-parallel linear take a plain tensor in the
-# layout the plan declares and hand back the local result: every call of
-# torchtitan's plan without sequence parallelism, every decode step. Those
-# calls skip the layout machinery (DTensor checks, generation layouts,
-# placement normalization, the records' bookkeeping of outputs that need
-# none): a 1-token decode step is bound by memory bandwidth and by per-call
-# cost, and the general path runs Python per linear on top of the op.
-# Nothing else changes: the same op with the same arguments, the same record
-# of a sequence shard's global size. Two per-call costs are cut further there:
-# the op is called through an entry of torch_tp._C instead of torch.ops'
-# Python call (NOTE [calling the sharded linears from the modules] in
-# csrc/python/linear_entry.cpp), and weight and bias are read from
-# _parameters, not through nn.Module.__getattr__, which on Python 3.11 is
-# reached only after a failed attribute lookup has formatted an
-# AttributeError, on every read.
-
-
-@torch.compiler.substitute_in_graph(_column_parallel_linear)
-def _column_parallel_linear_traced(x, weight, bias, group_name, partial_grad_input=False):
-    # What dynamo traces in place of the C entry (it does not trace C functions).
-    return torch.ops.torch_tp.column_parallel_linear(x, weight, bias, group_name,
-                                                     partial_grad_input=partial_grad_input)
-
-
-@torch.compiler.substitute_in_graph(_row_parallel_linear)
-def _row_parallel_linear_traced(x, weight, bias, group_name, scatter_dim):
-    return torch.ops.torch_tp.row_parallel_linear(x, weight, bias, group_name, scatter_dim)
-
-
-def _weight_and_bias(module: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``module.weight, module.bias``, read from ``_parameters``; a parametrized one is a property."""
-    params = module._parameters
-    try:
-        return params["weight"], params["bias"]
-    except KeyError:
-        return module.weight, module.bias
-
-
 class ColwiseLinear(ColwiseModule):
     def forward(self, x):
-        state = self._tp_state
-        if state.replicated_in_local_out:
-            weight, bias = _weight_and_bias(self)
-            if type(x) is torch.Tensor:
-                # NOTE [plain tensors in the layouts the plan declares]: [.., in] -> [.., out/p]
-                out = _column_parallel_linear(x, local_tensor(weight), local_tensor(bias), state.group.name)
-                state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
-                return out
-            if type(x) is HandedDTensor and x._tp_partial is not None:
-                # The same for the Replicate DTensor a PrepareModuleInput gather handed on (torchtitan's
-                # plan): what _tp_replicated_input and _tp_output_sharded_on_last do, without the layout
-                # machinery.
-                out = _column_parallel_linear(x._tp_partial, local_tensor(weight), local_tensor(bias), state.group.name,
-                                              partial_grad_input=True)
-                state.records.shard_sizes[(state.group.name, out.dim(), out.dim() - 1)] = self.out_features
-                return out
         out = self._tp_linear(x, local_tensor(self.weight), local_tensor(self.bias))
         return self._tp_output_sharded_on_last(out, self.out_features)
 
@@ -275,21 +204,6 @@ class RowwiseLinear(RowwiseModule):
     def forward(self, x):
         state = self._tp_state
         group = state.group
-        if state.features_in_local_out and type(x) is torch.Tensor:
-            # NOTE [plain tensors in the layouts the plan declares]: [.., in/p] -> sum over the
-            # ranks (Replicate) or its reduce-scatter along a non-feature dim d (Shard(d)).
-            layout = state.output_layout
-            dim = None
-            if isinstance(layout, Shard):
-                dim = layout.dim + x.dim() if layout.dim < 0 else layout.dim
-            if isinstance(layout, Replicate) or dim is not None and 0 <= dim < x.dim() - 1:
-                if state.records.replicate_sequence:  # generation_layouts(): the whole sequence
-                    dim = None
-                weight, bias = _weight_and_bias(self)
-                out = _row_parallel_linear(x, local_tensor(weight), local_tensor(bias), group.name, dim)
-                if dim is not None:
-                    state.records.shard_sizes[(group.name, out.dim(), dim)] = x.size(dim)
-                return out
         local, layout, _ = from_dtensor(x, state.input_layout, group)
         last = Shard(local.dim() - 1)
         if layout != last:
@@ -367,18 +281,6 @@ def restore_parameters(module: nn.Module, set_aside: Dict[str, DTensor]) -> None
 # the local tensor whose gradient arrives as a Partial() sum, as when the
 # module's own forward runs. Under torch.compile the module's own forward runs
 # instead, which the compiler fuses itself and with its neighbours.
-#
-# NOTE [the sequence-parallel norm of a plain shard]
-# In torchtitan's plan the norms read the residual stream, which RowwiseParallel
-# (use_local_output) and the residual adds leave as plain sequence shards whose
-# global length this forward's records hold. For such an input the norm needs
-# none of the layout machinery: the input is the local tensor, the recorded
-# length is the global one, and the output's spec (same shape as the input) is
-# the one the module handed last time, kept on its state. In the example's
-# training step the general path cost more a call than the op itself; this
-# one runs the op and hands its output. Anything else (a DTensor input, an
-# unrecorded or unequal length,
-# generation_layouts(), torch.compile) takes the general path.
 class _SequenceParallelModule(ParallelModule):
     _tp_kind = "SequenceParallel"
     _tp_state: SequenceState
@@ -389,10 +291,6 @@ class _SequenceParallelModule(ParallelModule):
         nn.RMSNorm torch_tp's fused one (NOTE [the fused sequence-parallel norm]); the output is a
         ``Shard(sequence_dim)`` DTensor unless ``use_local_output``."""
         state = self._tp_state
-        if state.fused_rms_norm and len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
-            output = self._tp_norm_of_recorded_shard(args[0])
-            if output is not None:
-                return output
         group, records = state.group, state.records
         # Replicate() inside generation_layouts() (NOTE [generating under a sequence-parallel or
         # loss_parallel plan] in generation.py): the whole sequence, as a plain module would run it.
@@ -441,33 +339,6 @@ class _SequenceParallelModule(ParallelModule):
         if state.use_local_output:
             return output
         return hand_out(self, to_dtensor(output, state.mesh, wanted, global_shape))
-
-    def _tp_norm_of_recorded_shard(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The fused norm of a plain sequence shard [.., s_r, .., features] whose global length s this
-        forward recorded (NOTE [the sequence-parallel norm of a plain shard]); None where the general
-        path must run."""
-        state = self._tp_state
-        group, records = state.group, state.records
-        if records.replicate_sequence or torch.compiler.is_compiling():
-            return None
-        ndim = x.dim()
-        dim = normalize(state.sequence_sharding, ndim).dim
-        if not 0 <= dim < ndim - len(self.normalized_shape):  # the sequence dim is not a normalized one
-            return None
-        size = records.shard_sizes.get((group.name, ndim, dim))
-        if size is None or chunk_range(size, group.size, group.rank)[1] != x.size(dim):
-            return None
-        weight = local_tensor(_parameter_slot(self, "weight"), state.partial_grad)
-        output = torch.ops.torch_tp.rms_norm(x, self.normalized_shape, weight, self.eps)
-        if state.use_local_output:
-            return output
-        key = (output.shape, size, output.dtype)
-        handed = state.handed_spec
-        if handed is None or handed[0] != key:
-            global_shape = output.shape[:dim] + (size,) + output.shape[dim + 1:]
-            handed = state.handed_spec = (key, layout_spec(state.mesh, Shard(dim), global_shape, output.dtype))
-        return hand_out(self, hand_local(output, handed[1]))
-
 
 # ---------------------------------------------------------------- the styles
 
@@ -666,37 +537,11 @@ class SequenceParallel(ParallelStyle):
 # ---------------------------------------------------------------- layout preparation
 
 
-# NOTE [gathering a handed shard]
-# Under torchtitan's plan each block's attention and feed-forward gather the
-# SequenceParallel norm's output, a DTensor torch_tp handed on, to Replicate.
-# Its spec holds the placement and global shape, so the gather needs none of
-# the generation layouts, placement normalization and global-size lookup of
-# the general path, which cost a good part of the gather's own time a call
-# in the example's training step. Inside
-# generation_layouts(), with use_local_output, and for any other input or
-# desired layout, _prepare takes the general path.
-def _gather_handed(value: HandedDTensor, mesh: DeviceMesh, group: TPGroup,
-                   records: ForwardRecords) -> Optional[DTensor]:
-    """A handed ``Shard(d)`` DTensor gathered to a Replicate one (NOTE [gathering a handed shard]);
-    None for any other placement."""
-    spec = dtensor_spec(value)
-    placement = spec.placements[0]
-    if type(placement) is not Shard:
-        return None
-    dim = normalize(placement, len(spec.shape)).dim
-    return gather_to_replicated_dtensor(value.local(), dim, mesh, group, spec.shape[dim], records)
-
-
 def _prepare(value, mesh: DeviceMesh, group: TPGroup, records: ForwardRecords, layout: Optional[Placement],
              desired: Optional[Placement], use_local_output: bool):
     """One input or output: annotate it with ``layout``, move it to ``desired``."""
     if layout is None:
         return value
-    if (type(value) is HandedDTensor and type(desired) is Replicate and not use_local_output
-            and not records.replicate_sequence):
-        gathered = _gather_handed(value, mesh, group, records)
-        if gathered is not None:
-            return gathered
     if isinstance(value, torch.Tensor):  # NOTE [generating under a sequence-parallel or loss_parallel plan]
         layout = generation_layout(layout, value.dim(), records)
         desired = None if desired is None else generation_layout(desired, value.dim(), records)
