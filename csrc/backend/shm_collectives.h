@@ -44,11 +44,14 @@
 namespace torch_tp::backend {
 
 // The largest all-reduce done in one step (NOTE [all-reduce algorithms]).
-// With a CPU per rank a synchronisation is a spin on a cache line, cheaper
-// than every rank folding every rank's whole tensor above 4 KiB, so one step
-// only below 4 KiB; when the ranks outnumber the CPUs a synchronisation may
-// cost a context switch, and one step is worth it up to 128 KiB.
-constexpr size_t kOneShotBytes = 4 * 1024 - 1;
+// One step costs every rank a fold of all W tensors, two steps a second
+// synchronisation: which is cheaper depends on what a cache line crossing
+// cores costs on the CPU, and the crossover lies between 4 KiB and 128 KiB
+// on the CPUs measured (benchmarks/RESULTS.md). Up to 64 KiB, so that a
+// decode token's activations (a few KiB to tens of KiB) synchronise once;
+// when the ranks outnumber the CPUs a synchronisation may cost a context
+// switch, and one step is worth it up to 128 KiB.
+constexpr size_t kOneShotBytes = 64 * 1024;
 constexpr size_t kOneShotBytesOversubscribed = 128 * 1024;
 // The granularity of the reduced portion's two writes (NOTE [all-reduce traffic]).
 constexpr size_t kReduceSubBlockBytes = 32 * 1024;
