@@ -15,15 +15,11 @@
 import os
 import sys
 
-# DeepSpeed sets up shared memory only when these are set before it is imported (torchrun sets neither).
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed._functional_collectives as funcol  # noqa: E402
-
-import harness  # noqa: E402
+import harness
 
 KiB, MiB = 1024, 1024 * 1024
 # torch 2.13 deprecated all_gather_into_tensor / reduce_scatter_tensor (a warning every call): the new names.
@@ -204,29 +200,6 @@ def calls_per_sample(size: int) -> int:
     return 100 if size <= 64 * KiB else 10 if size <= MiB else 1
 
 
-def deepspeed_ops(p: int):
-    """``(inference_all_reduce, its raw op, what)``, or ``(None, None, why not)``, the same on every rank."""
-    try:
-        import deepspeed
-        import deepspeed.comm as ds_comm
-
-        if os.environ["LOCAL_SIZE"] != str(p):
-            raise RuntimeError(f"LOCAL_SIZE={os.environ['LOCAL_SIZE']} is not the world size {p}: no shared memory")
-        deepspeed.init_distributed(dist_backend="gloo")
-        backend = ds_comm.comm.cdb
-        if getattr(backend, "shm_comm_op", None) is None:
-            raise RuntimeError("DeepSpeed's deepspeed_shm_comm op did not build")
-        if getattr(backend, "shm_vector_kernel_level", 0) < 2:
-            raise RuntimeError("the CPU lacks avx512bw, which DeepSpeed's bf16 shm kernel needs")
-        ds = (ds_comm.inference_all_reduce, torch.ops.deepspeed.inference_all_reduce_,
-              f"DeepSpeed {deepspeed.__version__}")
-    except Exception as e:  # not installed, or unusable here
-        ds = (None, None, f"DeepSpeed skipped ({type(e).__name__}: {e})")
-    ok = torch.tensor([0 if ds[0] is None else 1], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return ds if ok.item() else (None, None, ds[2] if ds[0] is None else "DeepSpeed skipped (unusable on another rank)")
-
-
 def latency_steps(dtype: torch.dtype, size: int, tp, ds_call, ds_raw):
     """Every implementation of one (dtype, size), each on buffers of its own. ``tp dist``: `dist.*` on the
     torch_tp group; ``tp op``: the functional torch_tp op (a fresh output); ``tp op_``: the in-place one,
@@ -279,7 +252,8 @@ def latency(args):
     p = dist.get_world_size()
     load_start = os.getloadavg()
     tp = dist.new_group(backend="torch_tp")
-    ds_call, ds_raw, peer = deepspeed_ops(p)
+    ds, peer = harness.deepspeed_peer()
+    ds_call, ds_raw = (ds.comm.inference_all_reduce, torch.ops.deepspeed.inference_all_reduce_) if ds else (None, None)
     rounds = lambda size: 5 if args.quick else 15 if size <= MiB else 7  # noqa: E731
     tables = [breakdown(tp, rounds(4 * KiB), ds_raw)]
     table = harness.Table("us", LATENCY_IMPLS, ratios=[("ds", "tp dist"), ("ds raw", "tp op"), ("ds raw", "tp op_")],

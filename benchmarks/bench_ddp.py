@@ -28,8 +28,7 @@ def measure(args):
         wrapped = {"torch_tp": torch_tp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap),
                    "torch": torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap)}
 
-        def step(ddp, sync=True):
-            # ends when every .grad holds the average: both reducers wait for their buckets inside backward
+        def step(ddp, sync=True):  # ends when every .grad holds the average: both reducers wait inside backward
             for p in ddp.parameters():
                 p.grad = None
             with contextlib.nullcontext() if sync else ddp.no_sync():  # no_sync: the compute alone
@@ -38,8 +37,7 @@ def measure(args):
         for ddp in wrapped.values():  # warm-up; the buckets are rebuilt after the first step
             step(ddp)
             step(ddp)
-        # the communication alone: a flat gradient of the model's size all-reduced in buckets of the cap,
-        # started back to back, then waited
+        # the communication alone: the model's gradient size all-reduced in buckets of the cap, all started, then waited
         buckets = list(torch.zeros(numel).split(max(1, int(cap * 1024 * 1024) // 4)))
 
         def comm():
@@ -54,8 +52,7 @@ def measure(args):
         samples = harness.time_interleaved(steps, args.repeats, order=lambda r: rotate(r) + [
             f"{i} compute" for i in rotate(r)] + ["comm"])
         med = {k: samples.median(k, "ms") for k in steps}
-        # the share of the all-reduce time the step hides behind backward (1: all; negative: the step costs
-        # more than compute and communication one after the other)
+        # the share of the all-reduce time hidden behind backward (1: all; < 0: the step costs more than both in turn)
         hidden = {f"{i} hidden": f"{(med[f'{i} compute'] + med['comm'] - med[i]) / med['comm']:.0%}" for i in IMPLS}
         table.add({"bucket cap": f"{cap:g} MiB", "buckets": len(wrapped["torch_tp"].reducer.bucket_indices())},
                   samples, extra=hidden)
@@ -69,8 +66,7 @@ def measure(args):
         "loss, backward until every gradient is averaged; `compute`: the same under `no_sync()`; `comm`: the "
         "model's gradient size all-reduced in buckets of the cap; hidden = (compute + comm - step) / comm. Per "
         "repeat both steps (order alternating), both compute-only steps, then comm.",
-        "tables": [table],
-    }
+        "tables": [table]}
 
 
 if __name__ == "__main__":

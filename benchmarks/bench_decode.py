@@ -9,7 +9,14 @@ column-parallel op (what the TP linears run). A sample is a decode loop's steady
 same implementation first); --cold times each token right after another implementation's, when a rank's
 weight shard may still be in the last-level cache where the whole model's is not. --prefill times the prompt's
 forward instead (GEMMs, not GEMVs). float16 (outside issue 26's goals) and --cold write sections of their own.
+
+--hf: Hugging Face's greedy ``generate()`` of a LlamaForCausalLM built from config, with over 1 GiB of float32
+linear weights (twice the last-level cache of the machine in RESULTS.md), parallelized by its own ``tp_plan``
+through torch_tp, torch's DTensor TP, transformers' own TP and DeepSpeed's AutoTP; each must give the unsharded
+model's tokens.
 """
+
+import copy
 
 import sys
 from typing import Callable, Dict, List
@@ -21,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import harness
+import torch_tp
 import llama_model as lm  # examples/llama_model.py, on sys.path through harness
 
 # name: LlamaConfig overrides. Heads of 128 dims, as Llama's; vocab 8192.
@@ -36,6 +44,11 @@ PREFILL_IMPLS = IMPLS[:3]
 WARM_TOKENS, STEADY_TOKENS = 2, 4  # a decode sample: untimed, then timed tokens of one implementation
 # The GEMVs' profiler events: ATen's, and torch_tp's own small-batch kernel (NOTE [few-row GEMV on the CPU]).
 GEMV_EVENTS = ("aten::mm", "aten::addmm", "torch_tp::small_batch_linear_cpu")
+# --hf: 16 layers x dim 1024 (16 heads, 8 KV heads), ffn 4096, vocab 32000: 1.06 GiB of linear weights in float32.
+HF_CONFIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, vocab_size=32000,
+                 num_attention_heads=16, num_key_value_heads=8)
+HF_IMPLS = ["unsharded", "torch_tp", "dtensor", "hf tp_plan", "deepspeed"]
+HF_PROMPT, HF_NEW = 32, 16  # prompt tokens, and tokens each generate() call adds
 
 
 def _linears(model: nn.Module) -> List[torch.Tensor]:
@@ -120,6 +133,76 @@ class Case:
                    for impl in ("torch_tp", "dtensor"))
 
 
+class HFCase:
+    """``steps[impl]()``: greedy ``generate()`` of HF_NEW tokens after a HF_PROMPT-token prompt, by copies of one
+    HF Llama: unsharded (rank 0), ``torch_tp.parallelize_module(model, mesh, model.tp_plan)``, torch's
+    ``parallelize_module`` with the torch styles of the plan's strings, transformers' own TP (what
+    ``from_pretrained(tp_plan="auto")`` applies) and DeepSpeed AutoTP (``init_inference``)."""
+
+    def __init__(self, mesh) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        torch.manual_seed(1234)
+        reference = LlamaForCausalLM(LlamaConfig(**HF_CONFIG)).eval()
+        self.weight_mib = sum(w.numel() * w.element_size() for w in _linears(reference)) / 2**20
+        torch_styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+                        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+                        "colwise_gather_output": ColwiseParallel(output_layouts=Replicate())}
+        hf_tp = copy.deepcopy(reference)
+        models = {"unsharded": reference,
+                  "torch_tp": torch_tp.parallelize_module(copy.deepcopy(reference), mesh, reference.tp_plan),
+                  "dtensor": parallelize_module(copy.deepcopy(reference), mesh,
+                                                {k: torch_styles[v] for k, v in reference.tp_plan.items()}),
+                  "hf tp_plan": apply_tensor_parallelism(hf_tp, mesh, hf_tp._expand_parallel_plan(hf_tp.tp_plan))}
+        deepspeed, self.peer = harness.deepspeed_peer()
+        if deepspeed is not None:
+            models["deepspeed"] = deepspeed.init_inference(
+                copy.deepcopy(reference), tensor_parallel={"tp_size": dist.get_world_size()}, dtype=torch.float32,
+                replace_with_kernel_inject=False).module
+        prompt = torch.randint(0, HF_CONFIG["vocab_size"], (1, HF_PROMPT), generator=torch.Generator().manual_seed(4321))
+        self.steps: Dict[str, Callable[[], torch.Tensor]] = {}
+        for impl, model in models.items():
+            generate = torch.no_grad()(lambda model=model: model.generate(
+                prompt, max_new_tokens=HF_NEW, min_new_tokens=HF_NEW, do_sample=False))
+            self.steps[impl] = (lambda: None) if impl == "unsharded" and dist.get_rank() != 0 else generate
+        tokens = {impl: step() for impl, step in self.steps.items()}
+        if dist.get_rank() == 0:
+            wrong = [impl for impl in models if not torch.equal(tokens[impl], tokens["unsharded"])]
+            if wrong:
+                raise AssertionError(f"--hf: {', '.join(wrong)} generated other tokens than the unsharded model")
+
+
+def measure_hf(args):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    case = HFCase(mesh)
+    impls = [impl for impl in HF_IMPLS if impl in case.steps]
+    samples = harness.time_interleaved(case.steps, 5 if args.quick else 15, order=harness.permutations(impls),
+                                       warmup=1)
+    parts = harness.profile_split(case.steps["torch_tp"], 2, GEMV_EVENTS)
+    table = harness.Table("ms", impls, ratios=[(impl, "torch_tp") for impl in impls if impl != "torch_tp"],
+                          paired=[("deepspeed", "torch_tp")])
+    table.add({"config": "hf1g", "dtype": "float32"}, samples, extra={
+        "weights MiB": case.weight_mib, **harness.split_columns(parts, samples.median("torch_tp", "ms"), "gemv")})
+    shape = ", ".join(f"{k} {v}" for k, v in HF_CONFIG.items())
+    return {
+        "tag": "bench_decode hf", "stem": "decode_hf",
+        "title": "HF generate() of a 1 GiB Llama: torch_tp vs DTensor TP vs transformers' TP vs DeepSpeed AutoTP",
+        "about": f"CPU, eager, float32, {args.backend} backend (DeepSpeed: its own shared-memory all-reduce; peer: "
+        f"{case.peer}). transformers' LlamaForCausalLM from config ({shape}; {case.weight_mib:.0f} MiB of linear "
+        f"weights), greedy `generate()` of {HF_NEW} tokens after a {HF_PROMPT}-token prompt, the prefill included. "
+        "**torch_tp**: `torch_tp.parallelize_module(model, mesh, model.tp_plan)`; **dtensor**: torch's "
+        "`parallelize_module` with `ColwiseParallel`/`RowwiseParallel` for the plan's strings; **hf tp_plan**: "
+        "transformers' `apply_tensor_parallelism` (what `from_pretrained(tp_plan=\"auto\")` applies); "
+        "**deepspeed**: `deepspeed.init_inference(model, tensor_parallel={\"tp_size\": 2})` (AutoTP); "
+        "**unsharded**: the model on rank 0 alone. Every implementation's tokens equal the unsharded model's. "
+        + harness.split_about("gemv", "aten::mm/addmm and the torch_tp kernel", 2),
+        "tables": [table],
+    }
+
+
 def measure(args):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     impls = PREFILL_IMPLS if args.prefill else IMPLS
@@ -189,9 +272,13 @@ if __name__ == "__main__":
                    "state (see above)")
     p.add_argument("--prefill", action="store_true",
                    help=f"time the {PROMPT}-token prompt's forward instead of one token; writes decode_prefill.*")
+    p.add_argument("--hf", action="store_true", help="HF generate() of a 1 GiB Llama, against DTensor TP, "
+                   "transformers' TP and DeepSpeed AutoTP (see above; needs transformers); writes decode_hf.*")
     args = p.parse_args()
+    if args.hf and (args.cold or args.prefill):
+        p.error("--hf times whole generate() calls, the prefill included")
     if args.cold and args.prefill:
         p.error("--cold times decode tokens; a prompt's forward (--prefill) is timed once per sample already")
     if "float16" in args.dtypes and len(args.dtypes) > 1:
         p.error(f"--dtypes {','.join(args.dtypes)}: float16 runs alone (its own section and files)")
-    sys.exit(harness.run(args, measure))
+    sys.exit(harness.run(args, measure_hf if args.hf else measure))

@@ -1,10 +1,8 @@
 #!/usr/bin/env python3
-"""What handing a DTensor from one tensor-parallel module to the next costs, per call (CPU, eager): where a
-plan asks for DTensors between modules (SequenceParallel's output, PrepareModuleInput's with
-``use_local_output=False``), one module wraps its local result and the next takes the local tensor back. No
-data moves. The forward only: torch's handoff also adds two autograd nodes to the backward, torch_tp's none
-(NOTE [DTensors handed between torch_tp modules]).
-"""
+"""What handing a DTensor from one tensor-parallel module to the next costs, per call (CPU, eager): where a plan asks
+for DTensors between modules (SequenceParallel's output, PrepareModuleInput's with ``use_local_output=False``), one
+module wraps its local result and the next takes the local tensor back. No data moves. The forward only: torch's handoff
+also adds two autograd nodes to the backward, torch_tp's none (NOTE [DTensors handed between torch_tp modules])."""
 
 import sys
 
@@ -21,14 +19,12 @@ IMPLS = ["torch_tp", "dtensor", "floor"]
 
 def measure(args):
     p, placement, (batch, repeats) = dist.get_world_size(), Shard(1), (200, 5) if args.quick else (2000, 30)
-    mesh = init_device_mesh("cpu", (p,))
-    tp = tp_group(mesh)
+    mesh, global_shape = init_device_mesh("cpu", (p,)), torch.Size((4, 32 * p, 256))
+    tp, stride = tp_group(mesh), contiguous_stride(global_shape)
     table = harness.Table("us", IMPLS, ratios=[("dtensor", "torch_tp")],
                           paired=[("torch_tp", "floor"), ("dtensor", "floor")])
     for requires_grad in (True, False):
         local = torch.randn(4, 32, 256, requires_grad=requires_grad)
-        global_shape = torch.Size((4, 32 * p, 256))
-        stride = contiguous_stride(global_shape)
 
         def torch_tp_handoff():
             handed = to_dtensor(local, mesh, placement, global_shape)
@@ -38,9 +34,8 @@ def measure(args):
             dt = DTensor.from_local(local, mesh, (placement,), run_check=False, shape=global_shape, stride=stride)
             return dt.to_local()
 
-        for check in (torch_tp_handoff, dtensor_handoff):
-            out = check()
-            assert out.shape == local.shape and out.data_ptr() == local.data_ptr()
+        assert all(out.shape == local.shape and out.data_ptr() == local.data_ptr()
+                   for out in (torch_tp_handoff(), dtensor_handoff()))
         samples = harness.time_interleaved({"torch_tp": torch_tp_handoff, "dtensor": dtensor_handoff,
                                             "floor": lambda: local}, repeats, calls=batch, warmup=2, barrier="round",
                                            order=harness.permutations(IMPLS))
@@ -53,8 +48,7 @@ def measure(args):
         "PrepareModuleInput does. **torch_tp**: `to_dtensor` then `from_dtensor` (torch_tp/parallel/_layout.py); "
         "**dtensor**: `DTensor.from_local(run_check=False, shape=, stride=)` then `to_local()`, as torch's styles; "
         f"**floor**: the tensor handed on as it is. Samples of {batch} back-to-back calls (the forward only).",
-        "tables": [table],
-    }
+        "tables": [table]}
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ import torch_tp
 
 IMPLS = ["torch_tp", "torch_tp_fused", "dtensor", "floor"]
 NOOP_STEPS = 2000  # --noop-group: timed steps per implementation
-# (batch, hidden): framework cost and latency (tiny GEMMs), the crossover, then GEMM-bound sizes; timed repeats
-# and untimed warm-up steps of each, fewer where a step is longer.
+# (batch, hidden): framework cost and latency (tiny GEMMs), the crossover, GEMM-bound: (timed repeats, warm-up steps)
 REPEATS = {(8, 256): (400, 10), (128, 512): (120, 5), (512, 1024): (30, 2), (1024, 2048): (12, 1)}
 
 
@@ -32,9 +31,7 @@ def mlp_steps(batch: int, hidden: int, group: dist.ProcessGroup, mesh: DeviceMes
     shards = [torch_tp.ops.shard(w1, 0, group), torch_tp.ops.shard(b1, 0, group),
               torch_tp.ops.shard(w2, 1, group), b2.clone()]
     col, row = torch.ops.torch_tp.column_parallel_linear, torch.ops.torch_tp.row_parallel_linear
-
-    tp = [t.clone().requires_grad_() for t in shards]
-    x_tp = x.clone().requires_grad_()
+    tp, x_tp = [t.clone().requires_grad_() for t in shards], x.clone().requires_grad_()
 
     def step_tp():
         row(F.gelu(col(x_tp, tp[0], tp[1], name)), tp[2], tp[3], name).backward(grad_y)
@@ -90,23 +87,20 @@ def measure(args):
     table = harness.Table("ms", IMPLS, ratios=[("dtensor", "torch_tp"), ("torch_tp", "floor"),
                                                ("torch_tp_fused", "floor")],
                           paired=[("torch_tp", "floor"), ("dtensor", "torch_tp")])
-    sizes = list(REPEATS)[:1] if args.noop_group else list(REPEATS)[:-1] if args.quick else list(REPEATS)
-    for batch, hidden in sizes:
+    sizes = list(REPEATS.items())
+    for (batch, hidden), (repeats, warmup) in sizes[:1] if args.noop_group else sizes[:-1] if args.quick else sizes:
         steps, resets = mlp_steps(batch, hidden, group, mesh)
-        repeats, warmup = REPEATS[batch, hidden]
         if args.noop_group:  # batches of steps, the reset inside (a few attribute stores for every impl)
             batched = {k: (lambda s=s, r=resets.get(k, lambda: None): (r(), s())) for k, s in steps.items()}
-            samples = harness.time_interleaved(batched, max(3, NOOP_STEPS // args.batch),
-                                               order=harness.permutations(IMPLS), calls=args.batch, warmup=2,
-                                               barrier="round")
+            samples = harness.time_interleaved(batched, max(3, NOOP_STEPS // args.batch), calls=args.batch, warmup=2,
+                                               order=harness.permutations(IMPLS), barrier="round")
         else:
             samples = harness.time_interleaved(steps, max(3, repeats // 10 if args.quick else repeats),
                                                order=harness.permutations(IMPLS), reset=resets,
                                                warmup=1 + (warmup // 3 if args.quick else warmup))
         row = table.add({"batch x hidden": f"{batch}x{hidden}"}, samples)
-        # the target of the small size is per layer: a step is two layers
-        row["extra"]["torch_tp per layer ms"] = row["stats"]["torch_tp"]["median"] / 2
-        row["extra"]["dtensor per layer ms"] = row["stats"]["dtensor"]["median"] / 2
+        for impl in ("torch_tp", "dtensor"):  # the target of the small size is per layer: a step is two layers
+            row["extra"][f"{impl} per layer ms"] = row["stats"][impl]["median"] / 2
         del steps, resets
     return {
         "tag": "bench_linear", "stem": "linear",
@@ -118,8 +112,7 @@ def measure(args):
         "under `parallelize_module` with ColwiseParallel / RowwiseParallel; **floor**: the same GEMMs by hand "
         "plus the two in-place all-reduces, no autograd. The order of the four cycles through all "
         "permutations; gradients reset untimed (on a no-op group: inside the batch).",
-        "tables": [table],
-    }
+        "tables": [table]}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 #!/usr/bin/env python3
 """The linear ops on one GPU against nn.Linear, and the fused bias+GELU epilogue against the unfused ops, in one
-process (world size 1: no communication), beside the device's ceilings and the FLOP rate of each side.
-"""
+process (world size 1: no communication), beside the device's ceilings and the FLOP rate of each side."""
 
 import sys
 
@@ -26,13 +25,10 @@ def cuda_time(fn, calls: int):
 
 
 def limits(device, dtype, gen, repeats=20):
-    """The ceilings a linear layer is judged against, timed as the rows are (median of ``repeats`` single calls
-    after a warm-up): a [8192, 8192] @ [8192, 8192] matmul in ``dtype`` (TFLOP/s), and a 1 GiB device-to-device
-    copy (GB/s, bytes read plus bytes written). Random data: zeros run faster."""
-    a = torch.randn(8192, 8192, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(8192, 8192, device=device, dtype=dtype, generator=gen)
-    src = torch.randn(2**28, device=device, generator=gen)  # 1 GiB of float32
-    dst = torch.empty_like(src)
+    """The ceilings a linear layer is judged against, medians of ``repeats`` single calls after a warm-up: an 8192^3
+    matmul in ``dtype`` (TFLOP/s), a 1 GiB device-to-device copy (GB/s, read + written); random data (zeros: faster)."""
+    a, b = (torch.randn(8192, 8192, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    src, dst = torch.randn(2**28, device=device, generator=gen), torch.empty(2**28, device=device)  # 1 GiB each
 
     def median_s(fn):
         fn()
@@ -57,19 +53,13 @@ def measure(args):
             forward().backward(grad)
         return step
 
-    def fwd(forward):
-        def step():
-            with torch.no_grad():
-                forward()
-        return step
-
+    fwd = torch.no_grad()  # fwd(forward): forward without autograd, as a decorator
     variants = {
         "nn.Linear": lambda: F.linear(x, w, b),
         "column_parallel_linear": lambda: torch.ops.torch_tp.column_parallel_linear(x, w, b, group),
         "row_parallel_linear": lambda: torch.ops.torch_tp.row_parallel_linear(x, w, b, group),
         "unfused linear+gelu": lambda: F.gelu(F.linear(x, w, b), approximate="tanh"),
-        "fused epilogue": lambda: torch.ops.torch_tp.column_parallel_linear(x, w, b, group, activation="gelu_tanh"),
-    }
+        "fused epilogue": lambda: torch.ops.torch_tp.column_parallel_linear(x, w, b, group, activation="gelu_tanh")}
     table = harness.Table("us", ["torch_tp", "reference"], ratios=[("torch_tp", "reference")])
     for label, ours, theirs, mode in [("column fwd+bwd", "column_parallel_linear", "nn.Linear", fwd_bwd),
                                       ("row fwd+bwd", "row_parallel_linear", "nn.Linear", fwd_bwd),
@@ -94,8 +84,7 @@ def measure(args):
         "notes": [f"Ceilings on this device: an 8192^3 {args.dtype} matmul ran at {tflops:.0f} TFLOP/s; a 1 GiB "
                   f"device-to-device copy moved {copy_gbs:.0f} GB/s (read plus written). The unfused GELU reads "
                   f"and writes the [{M}, {N}] output once more than the fused epilogue: {extra_bytes / 2**20:.0f} "
-                  f"MiB, {extra_bytes / copy_gbs / 1e3:.0f} us at that copy rate."],
-    }
+                  f"MiB, {extra_bytes / copy_gbs / 1e3:.0f} us at that copy rate."]}
 
 
 if __name__ == "__main__":

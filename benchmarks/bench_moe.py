@@ -11,8 +11,7 @@ transformers' ``apply_expert_parallelism`` (``from_pretrained``'s EP), Qwen3-MoE
 
 torch_tp's parts: **gemm**, this rank's experts alone on the rows it receives; **d+c**, ``moe_token_dispatch``
 and ``moe_token_combine`` around identity experts; **a2a**, ``torch.distributed.all_to_all_single`` of the
-same rows, twice in the forward and twice in the backward.
-"""
+same rows, twice in the forward and twice in the backward."""
 
 import copy
 import sys
@@ -43,14 +42,13 @@ def experts_module(a, num_experts):
 def build(impl, ref, mesh, a):
     """impl's forward: (x, top_k_index, top_k_weights) -> [T, H]."""
     p, r, E = mesh.size(), mesh.get_local_rank(), a.experts
+    holder = torch.nn.ModuleDict({"experts": copy.deepcopy(ref)})
     if impl == "unsharded":
-        return copy.deepcopy(ref)
+        return holder.experts
     if impl == "torch_tp":
-        holder = torch.nn.ModuleDict({"experts": copy.deepcopy(ref)})
         return torch_tp.parallelize_module(holder, mesh, {"experts": torch_tp.ExpertParallel()}).experts
     if impl == "hf ep":
         from transformers.distributed.expert_parallel import apply_expert_parallelism
-        holder = torch.nn.ModuleDict({"experts": copy.deepcopy(ref)})
         tp_mesh = init_device_mesh("cpu", (p, 1), mesh_dim_names=("ep", "tp"))["tp"]  # no TP: size 1
         plan = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm",
                 "experts": "ep_dispatch_experts"}  # Qwen3MoeConfig.base_model_ep_plan's entries
@@ -144,15 +142,13 @@ def measure(a):
                                        reset={k: reset for k in steps}, warmup=a.warmup)
     for k in ("exchange", "a2a"):
         samples.per_rank[f"{k}/bwd"] = samples.per_rank[k] - samples.per_rank[f"{k}/fwd"]
-    table = harness.Table("ms", IMPLS, ratios=[(i, "torch_tp") for i in IMPLS[1:]],
-                          paired=[(i, "torch_tp") for i in IMPLS[1:]],
-                          title="Step (forward + backward)")
+    vs_tp = [(i, "torch_tp") for i in IMPLS[1:]]
+    table = harness.Table("ms", IMPLS, ratios=vs_tp, paired=vs_tp, title="Step (forward + backward)")
     case = {"shape": f"E {E}, top-{a.top_k}, H {H}, I {a.intermediate}, {T} tokens/rank, EP {p}"}
     table.add(case, samples, extra={"experts' weights MiB": 3 * E * H * a.intermediate * 4 / 2 ** 20,
                                     "rows/rank": rows.size(0)})
     goal = [("d+c fwd", "a2a fwd"), ("d+c bwd", "a2a bwd")]
-    parts = harness.Table("ms", list(PARTS), ratios=goal, paired=goal,
-                          title="torch_tp's step in parts")
+    parts = harness.Table("ms", list(PARTS), ratios=goal, paired=goal, title="torch_tp's step in parts")
     parts.add(case, samples, keys=PARTS)
     med = lambda k: samples.median(k, "ms")  # noqa: E731
     fwd, bwd = med("exchange/fwd") / med("a2a/fwd"), med("exchange/bwd") / med("a2a/bwd")
@@ -168,8 +164,7 @@ def measure(a):
         + (f", on the {a.backend} backend" if backend else ""),
         "about": __doc__.split("\n\n", 1)[1].strip() + f" Outputs and input gradients agree with the unsharded "
         f"layer's within {TOL:g} (max abs error / max abs value) before timing; steps in shuffled orders.",
-        "tables": [table, parts], "notes": notes,
-    }
+        "tables": [table, parts], "notes": notes}
 
 
 if __name__ == "__main__":

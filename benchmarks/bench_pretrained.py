@@ -6,8 +6,7 @@ fresh torchrun processes per implementation, rotating:
 - **torch_tp**: the model on the meta device, ``torch_tp.parallelize_module(model, mesh, model.tp_plan)``,
   ``torch_tp.parallel.load_pretrained(model, dir)``: each rank reads only its slices;
 - **whole**: ``from_pretrained(dir)`` on every rank, then ``torch_tp.parallelize_module``;
-- **hf tp_plan**: transformers' own ``from_pretrained(dir, tp_plan="auto")`` (its DTensor TP).
-"""
+- **hf tp_plan**: transformers' own ``from_pretrained(dir, tp_plan="auto")`` (its DTensor TP)."""
 
 import json
 import os
@@ -34,7 +33,6 @@ GiB = 1024 ** 3
 def load(impl: str, path: str):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
-
     if impl == "hf tp_plan":
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -50,10 +48,9 @@ def load(impl: str, path: str):
 
 
 def worker(impl: str, path: str, out: str) -> None:
-    """One rank of one load; writes to ``out``.<rank> its time from a barrier to the model loaded and to its
-    first logits (one token: a load that leaves parameters as views of the file's memory map, as HF's
-    tp_plan does, reads them then), its peak RSS, its RSS before loading and issue 52's bound (shard +
-    replicated tensors + the largest one, + 10%)."""
+    """One rank of one load; writes to ``out``.<rank> its times from a barrier to the model loaded and to its first
+    logits (one token: HF's tp_plan leaves parameters views of the file's memory map, read at first use), its peak
+    RSS, its RSS before loading and issue 52's bound (shard + replicated tensors + the largest one, + 10%)."""
     dist.init_process_group("gloo")
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now
@@ -78,21 +75,12 @@ def worker(impl: str, path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def launch(impl: str, tp: int, path: str, tmp: str):
-    out = os.path.join(tmp, "rank")
-    subprocess.run(["torchrun", "--nproc-per-node", str(tp), "--master-port", "29633", sys.argv[0], "--worker",
-                    impl, "--dir", path, "--result", out], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return [json.load(open(f"{out}.{r}")) for r in range(tp)]
-
-
 def measure(args):
     from transformers import LlamaConfig, LlamaForCausalLM
-
     tmp = tempfile.mkdtemp(prefix="bench_pretrained_")
     try:
         torch.manual_seed(0)
-        path = os.path.join(tmp, "llama")
+        path, out = os.path.join(tmp, "llama"), os.path.join(tmp, "rank")  # the checkpoint, the workers' figures
         LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
         ckpt_gib = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / GiB
         ratios = [("whole", "torch_tp"), ("hf tp_plan", "torch_tp")]
@@ -102,8 +90,12 @@ def measure(args):
         for tp in args.tps:
             runs = {impl: [] for impl in IMPLS}
             for r in range(args.repeats):
-                for impl in harness.rotations(IMPLS)(r):
-                    runs[impl].append(launch(impl, tp, path, tmp))
+                for impl in harness.rotations(IMPLS)(r):  # one load: fresh processes, one per rank
+                    subprocess.run(["torchrun", "--nproc-per-node", str(tp), "--master-port", "29633", sys.argv[0],
+                                    "--worker", impl, "--dir", path, "--result", out], check=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+                    runs[impl].append([json.load(open(f"{out}.{k}")) for k in range(tp)])
             errors = {i: runs[i][0][0]["error"] for i in IMPLS if runs[i][0][0]["error"]}
             notes += [f"TP {tp}, {i}: failed on CPU: `{e}`" for i, e in errors.items()]
             ok = [i for i in IMPLS if i not in errors]
@@ -128,8 +120,7 @@ def measure(args):
         f"load, medians over {args.repeats} repeats of the slowest rank, implementations rotating. Memory: the "
         "largest rank's peak RSS (ru_maxrss) and that peak less its RSS before loading, in the last repeat; "
         "bound: the largest rank's shard + replicated tensors + the largest single tensor, + 10% (issue 52).",
-        "tables": [table, to_logits], "notes": notes,
-    }
+        "tables": [table, to_logits], "notes": notes}
 
 
 if __name__ == "__main__":

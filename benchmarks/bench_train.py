@@ -3,14 +3,12 @@
 perfect scaling: torch_tp and DTensor TP over the ranks, beside the unsharded model on rank 0 alone with one
 intra-op thread and with one per core (what a CPU user tries first) (CPU, eager).
 
-A sample is a training loop's steady state (untimed steps of the same implementation first): right after
-another implementation's step, a step starts with the other models' data in the caches and the other ranks'
-CPUs idle, which no training loop sees. --amp: bfloat16 autocast on every side, beside the unsharded float32
-step, the fair baseline on a CPU without a native bfloat16 GEMM (torch's falls back to scalar code, torch_tp's
-does not: NOTE [half-precision GEMMs through float32 panels]). Minor page faults per step are counted: glibc's
-malloc hands freed memory back to the kernel and the next step faults it in again, page by page, more or less
-often depending on tensor sizes; --keep-freed-memory stops that, as a caching allocator would.
-"""
+A sample is a training loop's steady state (untimed steps of the same implementation first): right after another
+implementation's step, a step starts with the other models' data in the caches and the other ranks' CPUs idle, which
+no training loop sees. --amp's unsharded float32 step is the fair baseline on a CPU without a native bfloat16 GEMM
+(torch's falls back to scalar code, torch_tp's does not: NOTE [half-precision GEMMs through float32 panels]). Minor
+page faults per step are counted: glibc's malloc hands freed memory back to the kernel and the next step faults it in
+again, page by page; --keep-freed-memory stops that, as a caching allocator would."""
 
 import contextlib
 import copy
@@ -30,8 +28,7 @@ import llama_model as lm  # examples/llama_model.py, on sys.path through harness
 # name: (LlamaConfig overrides, batch, seq, samples)
 CONFIGS = {
     "example": ({"dim": 256, "n_layers": 4, "n_heads": 4}, 4, 64, 20),
-    "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 2, 512, 5),  # far larger than the LLC (RESULTS.md)
-}
+    "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 2, 512, 5)}  # far larger than the LLC (RESULTS.md)
 WARM_STEPS, STEADY_STEPS = 1, 3  # a sample: untimed, then timed steps of one implementation
 VOCAB = 256  # the example's byte vocabulary
 IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp", "dtensor"]
@@ -52,26 +49,19 @@ class Case:
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         self.steps: Dict[str, Callable[[], Dict[str, float]]] = {}
         self.faults: Dict[str, List[int]] = {impl: [] for impl in impls}  # per step taken, this rank's
-        rank0 = dist.get_rank() == 0
         for impl in impls:
-            if impl.startswith("unsharded"):
-                threads = 2 if impl.endswith("2 threads") else 1
-                autocast = amp and not impl.endswith("float32")
-                model = copy.deepcopy(reference)
-                self.steps[impl] = (self._step(model, None, inputs, targets, threads, autocast, self.faults[impl])
-                                    if rank0 else self._idle)
-            else:
-                model, api = harness.parallelized(reference, mesh, impl)
-                self.steps[impl] = self._step(model, api, inputs, targets, 1, amp, self.faults[impl])
+            unsharded = impl.startswith("unsharded")
+            model, api = (copy.deepcopy(reference), None) if unsharded else harness.parallelized(reference, mesh, impl)
+            threads, autocast = 2 if impl.endswith("2 threads") else 1, amp and not impl.endswith("float32")
+            self.steps[impl] = (self._idle if unsharded and dist.get_rank() != 0
+                                else self._step(model, api, inputs, targets, threads, autocast, self.faults[impl]))
             if compile_blocks:  # torchtitan's recipe, on every side alike
                 for block in model.layers.values():
                     block.compile(fullgraph=True)
 
     @staticmethod
-    def _idle() -> Dict[str, float]:
-        """The unsharded steps on the other ranks: nothing, with the laps every rank must report."""
-        now = time.perf_counter()
-        return {"forward": now, "backward": now, "end": now}
+    def _idle() -> Dict[str, float]:  # the unsharded steps on ranks but 0: nothing, with the laps all ranks report
+        return dict.fromkeys(("forward", "backward", "end"), time.perf_counter())
 
     @staticmethod
     def _step(model, api, inputs, targets, threads: int, autocast: bool, faults_taken: List[int]):
@@ -102,46 +92,21 @@ class Case:
         return step
 
 
-def phases(samples: harness.Samples, impl: str) -> List[float]:
-    """``impl``'s forward + loss, backward and optimizer times (ms), from the laps of each sample's last step:
-    per repeat the slowest rank's, then the median over repeats."""
-    per_rank = samples.per_rank
-    forward, backward, end = (per_rank[f"{impl}/{lap}"] for lap in ("forward", "backward", "end"))
-    return [harness.quantile(t.max(dim=0).values.tolist(), 0.5) * 1e3
-            for t in (forward, backward - forward, end - backward)]
-
-
-def median_faults(case: Case, impl: str) -> float:
-    """This rank's median minor page faults per step of ``impl`` (nan where it ran none: the unsharded steps
-    on ranks other than 0)."""
-    return harness.quantile(case.faults[impl], 0.5) if case.faults[impl] else float("nan")
-
-
-def keep_freed_memory() -> None:
-    """glibc's malloc keeps freed memory for reuse: no trimming of the heap's top (M_TRIM_THRESHOLD -1), and
-    blocks up to 32 MiB (the largest mmap threshold glibc takes on 64-bit) from the heap, not mmap."""
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    if not (libc.mallopt(m_trim_threshold, -1) and libc.mallopt(m_mmap_threshold, 32 << 20)):
-        raise RuntimeError("bench_train: --keep-freed-memory: glibc's mallopt refused the thresholds")
-
-
 def measure(args):
     p = dist.get_world_size()
     mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("tp",))
-    if args.keep_freed_memory:
-        keep_freed_memory()
+    if args.keep_freed_memory:  # glibc's malloc keeps freed memory for reuse: no trimming of the heap's top
+        # (M_TRIM_THRESHOLD -1), blocks up to 32 MiB (the largest mmap threshold glibc takes on 64-bit) from the heap
+        libc, m_trim_threshold, m_mmap_threshold = ctypes.CDLL(None), -1, -3
+        if not (libc.mallopt(m_trim_threshold, -1) and libc.mallopt(m_mmap_threshold, 32 << 20)):
+            raise RuntimeError("bench_train: --keep-freed-memory: glibc's mallopt refused the thresholds")
     impls = COMPILED_IMPLS if args.compile else AMP_IMPLS if args.amp else IMPLS
-    ratios = [("unsharded", "torch_tp"), ("unsharded 2 threads", "torch_tp"), ("dtensor", "torch_tp")]
-    if args.amp:
-        ratios.append(("unsharded float32", "torch_tp"))
-    table = harness.Table("ms", impls, ratios=ratios)
-    notes = []
+    ratios = [(i, "torch_tp") for i in (AMP_IMPLS if args.amp else IMPLS) if i != "torch_tp"]
+    table, notes = harness.Table("ms", impls, ratios=ratios), []
     for name in args.configs:
         overrides, batch, seq, repeats = CONFIGS[name]
         case = Case(name, mesh, impls, args.compile, args.amp)
-        if args.amp:  # torch's bfloat16 steps take seconds where its GEMMs are the scalar fallback
-            repeats = max(2, repeats // 4)
+        repeats = max(2, repeats // 4) if args.amp else repeats  # torch's bfloat16 steps: seconds (scalar GEMMs)
         repeats = max(2, repeats // 5) if args.quick else repeats
         warm = harness.steady(case.steps, WARM_STEPS)
         # Two phases: the 2-thread run leaves an OpenMP worker spinning on the other core for a while (GOMP's
@@ -154,27 +119,28 @@ def measure(args):
         samples.per_rank["unsharded 2 threads"] = threads.per_rank["unsharded 2 threads"]
         parts = harness.profile_split(case.steps["torch_tp"], 3, ("aten::mm", "aten::addmm", "aten::bmm"))
         tp, unsharded = samples.median("torch_tp", "ms"), samples.median("unsharded", "ms")
-        extra = {"torch_tp scaling": unsharded / (p * tp)}
-        if "dtensor" in impls:
-            extra["dtensor scaling"] = unsharded / (p * samples.median("dtensor", "ms"))
+        extra = {f"{i} scaling": unsharded / (p * samples.median(i, "ms")) for i in ("torch_tp", "dtensor")
+                 if i in impls}
         if args.amp:
             extra["torch_tp scaling against float32"] = samples.median("unsharded float32", "ms") / (p * tp)
         extra |= harness.split_columns(parts, tp, "gemm")
         table.add({"config": name}, samples, extra=extra)
-        c = case.config
-        two = threads.median("unsharded", "ms") / threads.median("unsharded 2 threads", "ms")
-        split = {impl: phases(samples, impl) for impl in ("unsharded", "torch_tp")}
+        c, two = case.config, threads.median("unsharded", "ms") / threads.median("unsharded 2 threads", "ms")
+        split = {}  # forward + loss, backward, optimizer (ms): the last step's laps, the slowest rank's, median
+        for impl in ("unsharded", "torch_tp"):
+            forward, backward, end = (samples.per_rank[f"{impl}/{lap}"] for lap in ("forward", "backward", "end"))
+            split[impl] = [harness.quantile(t.max(dim=0).values.tolist(), 0.5) * 1e3
+                           for t in (forward, backward - forward, end - backward)]
+        faults = {impl: harness.quantile(f, 0.5) if f else float("nan") for impl, f in case.faults.items()}
         per_phase = "; ".join(
             f"{phase} {u:.2f} unsharded, {t:.2f} torch_tp (scaling {u / (p * t):.2f})"
             for phase, u, t in zip(("forward + loss", "backward", "optimizer"), split["unsharded"], split["torch_tp"]))
+        per_call = ", ".join(f"{k[4:]} {v:.3f} ms" for k, v in parts.items() if k.startswith("per "))
         notes.append(f"- {name}: {c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, ffn {c.ffn_hidden_dim}, vocab "
                      f"{VOCAB}; batch {batch} x seq {seq}. Rank 0's collectives per call (profiler self time, "
-                     "waiting included): " + ", ".join(f"{k[4:]} {v:.3f} ms" for k, v in parts.items()
-                                                      if k.startswith("per ")) +
-                     f". The 2-thread phase: 2 threads {two:.2f}x faster than 1 thread. Per phase (ms, medians of "
-                     f"the slowest rank's laps): {per_phase}. Minor page faults per step (rank 0, median): "
-                     f"{median_faults(case, 'unsharded'):.0f} unsharded, {median_faults(case, 'torch_tp'):.0f} "
-                     "torch_tp.")
+                     f"waiting included): {per_call}. The 2-thread phase: 2 threads {two:.2f}x faster than 1 thread. "
+                     f"Per phase (ms, medians of the slowest rank's laps): {per_phase}. Minor page faults per step "
+                     f"(rank 0, median): {faults['unsharded']:.0f} unsharded, {faults['torch_tp']:.0f} torch_tp.")
         del case
     compiled = ("; every side's blocks compiled (`block.compile(fullgraph=True)`, torchtitan's recipe; DTensor TP "
                 "left out: torch 2.14's own TP fails compiled in backward)") if args.compile else ""
@@ -185,8 +151,7 @@ def measure(args):
             "MiB), as a caching allocator does") if args.keep_freed_memory else ""
     mode = (" compile" if args.compile else " amp" if args.amp else "") + (" keep" if args.keep_freed_memory else "")
     return {
-        "tag": "bench_train" + mode,
-        "stem": "train" + mode.replace(" ", "_"),
+        "tag": "bench_train" + mode, "stem": "train" + mode.replace(" ", "_"),
         "title": "Training steps against perfect scaling: torch_tp vs DTensor TP vs unsharded"
         + (", blocks compiled" if args.compile else ", bfloat16 autocast" if args.amp else "")
         + (", freed memory kept by malloc" if args.keep_freed_memory else ""),
@@ -199,21 +164,17 @@ def measure(args):
         f"A sample: the mean of {STEADY_STEPS} steps back to back after {WARM_STEPS} untimed one(s) of the same "
         f"implementation. Scaling = unsharded / ({p} x TP step). Per phase (notes): from each sample's last step's "
         "laps at the loss and at complete gradients. " + harness.split_about("gemm", "aten::mm/addmm/bmm", 3),
-        "tables": [table],
-        "notes": ["\n".join(notes)],
-    }
+        "tables": [table], "notes": ["\n".join(notes)]}
 
 
 if __name__ == "__main__":
     p = harness.parser(__doc__, quick="smoke run: a fifth of the repeats", backend="torch_tp", configs=CONFIGS)
-    p.add_argument("--compile", action="store_true",
-                   help="compile every model's blocks (torch_tp and the unsharded model; not DTensor TP); writes "
-                   "train_compile.*")
+    p.add_argument("--compile", action="store_true", help="compile every model's blocks (torch_tp and the "
+                   "unsharded model; not DTensor TP); writes train_compile.*")
     p.add_argument("--amp", action="store_true",
                    help="bfloat16 autocast on every side, beside the unsharded float32 step; writes train_amp.*")
-    p.add_argument("--keep-freed-memory", action="store_true",
-                   help="glibc's malloc keeps freed memory for the next step instead of returning it to the kernel "
-                   "(see above); writes train[_compile|_amp]_keep.*")
+    p.add_argument("--keep-freed-memory", action="store_true", help="glibc's malloc keeps freed memory for the next "
+                   "step instead of returning it to the kernel (see above); writes train[_compile|_amp]_keep.*")
     args = p.parse_args()
     if args.amp and args.compile:
         p.error("--amp and --compile are separate runs")

@@ -3,9 +3,7 @@
 As torch.utils.benchmark's and nccl-tests': the implementations compared run side by side in one job, one timed
 sample (a call or a batch of calls) of each per repeat, in an order that changes between repeats, so drift hits
 them alike; before each an untimed reset, then a barrier; a repeat's time is the slowest rank's; GC off. Reported:
-medians over repeats with p10/p90, ratios of medians, medians of per-repeat differences. ``--noop-group``: a group
-on torch's "fake" backend, whose collectives return at once, leaves each layer's own cost.
-"""
+medians over repeats with p10/p90, ratios of medians, medians of per-repeat differences (:class:`Table`)."""
 
 import argparse
 import copy
@@ -24,19 +22,22 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 import report
 import torch_tp  # registers the "torch_tp" backend and torch.ops.torch_tp.* for every script
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))  # llama_model
+# DeepSpeed (a peer, never a dependency) sets up its shared-memory all-reduce only when these are set before it is
+# imported; torchrun sets neither.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6}
 
 
 def materialize(t):
-    """Wait for an eager functional collective's result, also inside a DTensor (which hands back outputs before
-    their collectives have finished)."""
-    from torch.distributed.tensor import DTensor
-
+    """Wait for an eager functional collective's result, also inside a DTensor (handed back before it finishes)."""
     inner = t._local_tensor if isinstance(t, DTensor) else t
     if isinstance(inner, funcol.AsyncCollectiveTensor):
         inner.wait()
@@ -50,8 +51,7 @@ def wall_time(fn: Callable[[], Any], calls: int):
     for _ in range(calls):
         last = time.perf_counter()
         out = fn()
-    t1 = time.perf_counter()
-    return (t1 - t0) / calls, {k: v - last for k, v in out.items()} if isinstance(out, dict) else {}
+    return (time.perf_counter() - t0) / calls, {k: v - last for k, v in out.items()} if isinstance(out, dict) else {}
 
 
 def rotations(keys: Sequence[str]) -> Callable[[int], List[str]]:
@@ -131,11 +131,8 @@ def time_interleaved(steps: Dict[str, Callable[[], Any]], repeats: int, *, order
 
 
 def complete_grads(params) -> None:
-    """Finish a step's gradients: DTensor TP leaves the SequenceParallel norm weights' gradients Partial(sum) for
-    an optimizer to reduce, so they are redistributed here (torch_tp completes them in backward); then wait for
-    any collective still in flight."""
-    from torch.distributed.tensor import DTensor
-
+    """Finish a step's gradients: redistribute the Partial(sum) ones DTensor TP leaves on the SequenceParallel norm
+    weights for an optimizer (torch_tp completes them in backward), then wait for collectives in flight."""
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
@@ -147,8 +144,6 @@ def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str])
     """Rank 0's torch.profiler view of ``calls`` untimed calls of ``step`` (every rank runs them), per call in ms:
     ``mm``, the self time of ``mm_events``; ``collectives``, that of the ``c10d::*`` and ``torch_tp_backend::*``
     events but barriers (waiting for the peer included); ``per <op>``, each collective op's time per call of it."""
-    from torch.profiler import ProfilerActivity, profile
-
     sys.stderr.flush()
     saved = os.dup(2)  # Kineto's lines on fd 2 hidden
     try:
@@ -160,8 +155,7 @@ def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str])
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-    mm = collectives = 0.0
-    per: Dict[str, float] = {}
+    mm, collectives, per = 0.0, 0.0, {}
     for e in prof.key_averages():
         kind, _, op = e.key.partition("::")
         if e.key in mm_events:
@@ -175,8 +169,7 @@ def profile_split(step: Callable[[], Any], calls: int, mm_events: Sequence[str])
 
 
 def split_columns(parts: Dict[str, float], step_ms: float, mm: str) -> Dict[str, float]:
-    """:func:`profile_split`'s figures as a table's extra columns of torch_tp's step, the rest included;
-    :func:`split_about` says what they are."""
+    """:func:`profile_split`'s figures and the rest of torch_tp's step as extra columns (:func:`split_about`)."""
     return {f"torch_tp: {mm} ms": parts["mm"], "torch_tp: collectives ms": parts["collectives"],
             "torch_tp: rest ms": step_ms - parts["mm"] - parts["collectives"]}
 
@@ -195,9 +188,7 @@ def parallelized(reference: torch.nn.Module, mesh, impl: str, plan: Optional[Cal
     """``(model, api)``: a deep copy of ``reference`` under examples/llama_model.py's ``tp_plan(api)`` (or
     ``plan(api)``), applied by torch's DTensor TP for ``impl`` "dtensor", else by torch_tp."""
     import llama_model as lm
-
-    api = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp")
-    model = copy.deepcopy(reference)
+    api, model = lm.load_tp_api("torch" if impl == "dtensor" else "torch_tp"), copy.deepcopy(reference)
     api.parallelize_module(model, mesh, (plan or lm.tp_plan)(api))
     return model, api
 
@@ -221,8 +212,7 @@ class Table:
             "stats": {i: samples.stats(key(i), self.unit) for i in self.impls if key(i) in have},
             "paired": {f"{a} - {b}": samples.paired(key(a), key(b), self.unit) for a, b in self.paired
                        if key(a) in have and key(b) in have},
-            "extra": extra or {},
-        })
+            "extra": extra or {}})
         return self.rows[-1]
 
 
@@ -231,7 +221,6 @@ def noop_group() -> dist.ProcessGroup:
     why = ""
     try:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the backend)
-
         group = dist.new_group(backend="fake")
     except Exception as e:  # a torch without it: every rank says why below
         why = f"{type(e).__name__}: {e}"
@@ -242,11 +231,32 @@ def noop_group() -> dist.ProcessGroup:
     return group
 
 
+def deepspeed_peer():
+    """``(deepspeed, "DeepSpeed <version>")`` with its communication on the world group and its shared-memory
+    all-reduce built, or ``(None, why not)``, the same on every rank."""
+    try:
+        import deepspeed
+
+        if os.environ["LOCAL_SIZE"] != str(dist.get_world_size()):
+            raise RuntimeError(f"LOCAL_SIZE={os.environ['LOCAL_SIZE']} is not the world size: no shared memory")
+        deepspeed.init_distributed(dist_backend="gloo")
+        backend = deepspeed.comm.comm.cdb
+        if getattr(backend, "shm_comm_op", None) is None:
+            raise RuntimeError("DeepSpeed's deepspeed_shm_comm op did not build")
+        if getattr(backend, "shm_vector_kernel_level", 0) < 2:
+            raise RuntimeError("the CPU lacks avx512bw, which DeepSpeed's bf16 shm kernel needs")
+        peer = (deepspeed, f"DeepSpeed {deepspeed.__version__}")
+    except Exception as e:  # not installed, or unusable here
+        peer = (None, f"DeepSpeed skipped ({type(e).__name__}: {e})")
+    ok = torch.tensor([0 if peer[0] is None else 1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return peer if ok.item() else (None, peer[1] if peer[0] is None else "DeepSpeed skipped (unusable on another rank)")
+
+
 def parser(doc: str, *, launch: str = "torchrun --nproc-per-node 2", quick: str = "", noop_batch: int = 0,
            backend: str = "", configs: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The options scripts share, each left out where its argument is empty: ``quick``, the help of ``--quick``;
-    ``noop_batch``, the default batch of ``--noop-group``; ``backend``, the default of ``--backend``;
-    ``configs``, what ``--configs`` chooses from."""
+    """The options scripts share, each left out where its argument is empty: ``quick``, --quick's help; ``noop_batch``,
+    --noop-group's default --batch; ``backend``, --backend's default; ``configs``, what --configs chooses from."""
     p = argparse.ArgumentParser(prog=f"{launch} {os.path.relpath(sys.argv[0])}", description=doc,
                                 epilog="Method and outputs: benchmarks/harness.py, benchmarks/report.py.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -280,10 +290,10 @@ def names(allowed: Sequence[str]) -> Callable[[str], List[str]]:
 
 def run(args: argparse.Namespace, measure: Callable[[argparse.Namespace], Dict[str, Any]], *,
         threads: Optional[int] = 1, torchrun: bool = True) -> int:
-    """Set up the process group (``args.backend``, else gloo), ``measure(args)``, and on rank 0 write
-    ``<stem>.json`` and :mod:`report`'s outputs. ``measure`` returns ``tag`` (the RESULTS.md markers), ``stem``,
-    ``title``, ``about``, ``tables`` (:class:`Table`) and optionally ``notes``. ``threads``: intra-op threads per
-    rank. ``torchrun=False``: one process, world size 1."""
+    """Set up the process group (``args.backend``, else gloo; ``torchrun=False``: one process, world size 1),
+    ``measure(args)``, and on rank 0 write ``<stem>.json`` and :mod:`report`'s outputs. ``measure`` returns ``tag``
+    (the RESULTS.md markers), ``stem``, ``title``, ``about``, ``tables`` (:class:`Table`) and optionally ``notes``.
+    ``threads``: intra-op threads per rank."""
     name, backend = os.path.splitext(os.path.basename(sys.argv[0]))[0], getattr(args, "backend", "gloo")
     if torchrun and "RANK" not in os.environ:
         print(f"{name}: launch with torchrun, e.g. torchrun --nproc-per-node 2 benchmarks/{name}.py", file=sys.stderr)
@@ -308,14 +318,12 @@ def run(args: argparse.Namespace, measure: Callable[[argparse.Namespace], Dict[s
                 "torch_tp_version": torch_tp.__version__, "python_version": platform.python_version(),
                 "backend": dist.get_backend(), "world_size": dist.get_world_size(),
                 "threads_per_rank": torch.get_num_threads(),  # glibc malloc tunables change what allocations cost
-                "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
-            }
+                "malloc_env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}}
             data = {
                 "benchmark": name, "command": shlex.join(launcher + [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                 "args": vars(args), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "machine": machine, "elapsed_s": time.perf_counter() - start,
-                **out, "tables": [vars(t) for t in out["tables"]],
-            }
+                **out, "tables": [vars(t) for t in out["tables"]]}
             os.makedirs(args.out_dir, exist_ok=True)
             path = os.path.join(args.out_dir, f"{out['stem']}.json")
             with open(path, "w") as f:

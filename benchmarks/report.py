@@ -2,8 +2,7 @@
 """Turns a benchmark's JSON (benchmarks/harness.py) into a table, a plot and its RESULTS.md section; every
 script calls :func:`write` on rank 0, and ``python benchmarks/report.py <stem>.json [--results-md ...]`` redoes
 a kept JSON's. As torch.utils.benchmark's Compare, a row per case, a column per implementation (median,
-p10-p90), then the ratios of medians, the paired differences and the extra figures.
-"""
+p10-p90), then the ratios of medians, the paired differences and the extra figures."""
 
 import argparse
 import json
@@ -11,8 +10,6 @@ import os
 import sys
 import textwrap
 from typing import Any, Dict, List
-
-PLOT_DPI = 90  # plots are kept in git and shown in RESULTS.md: small, then quantized to 256 colours
 
 
 def num(v: Any, signed: bool = False) -> str:
@@ -59,8 +56,7 @@ def section(data: Dict[str, Any], png: bool) -> List[str]:
         "the per-repeat differences.", "",
         *tables_text(data), *[line for note in data.get("notes", []) for line in (note, "")],
         *([f"![{data['title']}]({stem}.png)", ""] if png else []),
-        f"Raw figures and per-repeat times: [{stem}.json]({stem}.json).",
-    ]
+        f"Raw figures and per-repeat times: [{stem}.json]({stem}.json)."]
 
 
 def plot(data: Dict[str, Any], path: str) -> bool:
@@ -68,7 +64,6 @@ def plot(data: Dict[str, Any], path: str) -> bool:
     False when matplotlib is not installed."""
     try:
         import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -76,11 +71,9 @@ def plot(data: Dict[str, Any], path: str) -> bool:
         return False
     panels = []
     for t in data["tables"]:
-        if all(r["x"] is not None for r in t["rows"]):
-            panels += [(t, n, [r for r in t["rows"] if r["panel"] == n]) for n in dict.fromkeys(r["panel"]
-                                                                                             for r in t["rows"])]
-        else:
-            panels.append((t, t["title"], t["rows"]))
+        by_x = all(r["x"] is not None for r in t["rows"])
+        for name in dict.fromkeys(r["panel"] for r in t["rows"]) if by_x else [t["title"]]:
+            panels.append((t, name, [r for r in t["rows"] if not by_x or r["panel"] == name]))
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), squeeze=False)
@@ -117,11 +110,10 @@ def plot(data: Dict[str, Any], path: str) -> bool:
     fig.suptitle(f"{title}\n{m['backend']}, world size {m['world_size']}, {m['cpu_model']}, "
                  f"torch {m['torch_version']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=PLOT_DPI)
+    fig.savefig(path, dpi=90)  # small: plots are kept in git and shown in RESULTS.md, then quantized to 256 colours
     plt.close(fig)
     try:
         from PIL import Image
-
         Image.open(path).convert("RGB").quantize(colors=256).save(path, optimize=True)
     except ImportError:
         pass
