@@ -49,15 +49,14 @@ class RankTimeout(AssertionError):
 
 
 def _worker_main(rank: int, world_size: int, backend: str, env: Dict[str, str], init_method: str,
-                 scratch_dir: str, tasks: "mp.SimpleQueue", results: "mp.Queue") -> None:
+                 compile_cache_dir: str, tasks: "mp.SimpleQueue", results: "mp.Queue") -> None:
     # torch and torch_tp are already imported (the forkserver preloads them,
     # see rank_context), so an environment variable that torch reads once at import
     # must be applied by hand: c10d's debug level is the one the tests use.
     os.environ.update(env)
-    # torch.compile's caches start empty for every pool: a graph compiled
-    # against an op schema from an earlier build must not be replayed
-    # (inductor reads this variable when it compiles, not at import).
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch_dir, "inductor")
+    # torch.compile's caches (inductor reads this variable when it compiles,
+    # not at import): see _compile_cache_dir.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
     import torch
     import torch.distributed as dist
 
@@ -117,7 +116,7 @@ class RankPool:
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True, name=f"rank{rank}",
-                        args=(rank, world_size, backend, dict(env or {}), init_method, self._tmpdir,
+                        args=(rank, world_size, backend, dict(env or {}), init_method, _compile_cache_dir(),
                               self._tasks[rank], self._results))
             for rank in range(world_size)
         ]
@@ -198,6 +197,16 @@ class RankPool:
 
 
 _POOLS: Dict[Tuple[int, str, Tuple[Tuple[str, str], ...]], RankPool] = {}
+_COMPILE_CACHE: List[str] = []
+
+
+def _compile_cache_dir() -> str:
+    """torch.compile's cache directory for every pool of this process, removed by :func:`close_pools`: a
+    graph compiled at one world size is reused at the others (the same ops, the same group names), but a
+    graph compiled against an op schema from an earlier build is never replayed."""
+    if not _COMPILE_CACHE:
+        _COMPILE_CACHE.append(tempfile.mkdtemp(prefix="torch_tp_compile_cache_"))
+    return _COMPILE_CACHE[0]
 
 
 def get_pool(world_size: int, backend: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> RankPool:
@@ -218,3 +227,6 @@ def close_pools() -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+    for path in _COMPILE_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
+    _COMPILE_CACHE.clear()
