@@ -68,6 +68,8 @@ assert where.startswith(os.path.realpath(sys.argv[1])), f"torch_tp imported from
 print("torch_tp imported from", os.path.dirname(where))
 PY
 
+# Both pytest runs compile the same graphs: one torch.compile cache for them, made with this build.
+export TORCH_TP_TEST_COMPILE_CACHE="$WORK/compile-cache"
 phase "pytest, ranks on the torch_tp backend"
 TORCH_TP_TEST_BACKEND=torch_tp "$VENV_PYTHON" -m pytest -q -rs -p no:cacheprovider . || status=1
 phase "pytest, the ops on gloo"

@@ -201,9 +201,13 @@ _COMPILE_CACHE: List[str] = []
 
 
 def _compile_cache_dir() -> str:
-    """torch.compile's cache directory for every pool of this process, removed by :func:`close_pools`: a
-    graph compiled at one world size is reused at the others (the same ops, the same group names), but a
-    graph compiled against an op schema from an earlier build is never replayed."""
+    """torch.compile's cache directory for every pool: ``$TORCH_TP_TEST_COMPILE_CACHE`` (scripts/run_tests.sh
+    gives its pytest runs one, remade with its build), else one of this process's, removed by
+    :func:`close_pools`. A graph compiled at one world size or backend is reused at the others (the same ops,
+    the same group names), but one compiled against an op schema from an earlier build is never replayed."""
+    shared = os.environ.get("TORCH_TP_TEST_COMPILE_CACHE")
+    if shared:
+        return shared
     if not _COMPILE_CACHE:
         _COMPILE_CACHE.append(tempfile.mkdtemp(prefix="torch_tp_compile_cache_"))
     return _COMPILE_CACHE[0]
