@@ -45,8 +45,8 @@ if grep -E "warning:" "$WORK/wheel.log"; then echo "(compiler warnings above)"; 
 
 status=0
 phase "ctest"
-# One GoogleTest case per process, as many at once as there are cores (each segment name carries a
-# random group token, so concurrent cases never share one).
+# The GoogleTest executables, as many at once as there are cores (each shm segment's name carries
+# a random group token, so concurrent executables never share one).
 ctest --test-dir "$WORK/build" --output-on-failure --timeout 300 --parallel "$(nproc)" || status=1
 
 phase "a fresh virtual environment with the wheel"
