@@ -90,7 +90,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ._install import ParallelModule, TPState, install
 from ._layout import tp_group
 from ._params import module_path
-from .packed import PackedLayout, _PackedModule, keep_packed_order_in_state_dicts
+from .packed import PackedLayout, PackedModule, keep_packed_order_in_state_dicts
 from .style import ParallelStyle, restore_parameters, swap_in_local_parameters
 
 __all__ = ["ExpertParallel", "ExpertTensorParallel", "ExpertsTensorParallel"]
@@ -192,7 +192,7 @@ def _check_num_experts(module: nn.Module, style: str, experts: int) -> None:
                          f"parameters hold {experts} experts")
 
 
-class _ExpertsTPModule(_PackedModule, ParallelModule):
+class _ExpertsTPModule(PackedModule, ParallelModule):
     _tp_kind = "ExpertsTensorParallel"
     _tp_state: ExpertsTPState
 
@@ -378,7 +378,7 @@ def _grouped_experts_count(module: nn.Module, style: str) -> int:
     return counts.pop()
 
 
-class _ExpertTensorParallelModule(_PackedModule, _ExpertParallelModule):
+class _ExpertTensorParallelModule(PackedModule, _ExpertParallelModule):
     _tp_kind = "ExpertTensorParallel"
     _tp_state: ExpertTensorParallelState
 

@@ -282,9 +282,10 @@ def keep_packed_order_in_state_dicts(module: nn.Module) -> None:
 # ---------------------------------------------------------------- the classes the styles swap in
 
 
-class _PackedModule:
-    """What both packed classes add to their ShardedModule: the blocks in the repr, and the
-    module back in the registry of packed modules when it is unpickled or deep-copied."""
+class PackedModule:
+    """What every module with packed parameters adds to its ShardedModule (the packed linears here,
+    the experts of moe.py): the blocks in the repr, and the module back in the registry of packed
+    modules when it is unpickled or deep-copied."""
 
     _tp_state: PackedState
 
@@ -297,7 +298,7 @@ class _PackedModule:
         _PACKED_MODULES.add(self)
 
 
-class _PackedColwiseLinear(_PackedModule, ColwiseLinear):
+class _PackedColwiseLinear(PackedModule, ColwiseLinear):
     _tp_kind = "PackedColwiseParallel"
 
 
@@ -335,7 +336,7 @@ def _head_rows(piece: torch.Tensor, state: PackedState) -> torch.Tensor:
     return torch.cat([piece[:q_rows], k, v])
 
 
-class _PackedSharedKVLinear(_PackedModule, ColwiseLinear):
+class _PackedSharedKVLinear(PackedModule, ColwiseLinear):
     _tp_kind = "PackedColwiseParallel"
 
     def forward(self, x):
@@ -346,7 +347,7 @@ class _PackedSharedKVLinear(_PackedModule, ColwiseLinear):
         return self._tp_linear(x, weight, bias)
 
 
-class _PackedRowwiseLinear(_PackedModule, RowwiseLinear):
+class _PackedRowwiseLinear(PackedModule, RowwiseLinear):
     _tp_kind = "PackedRowwiseParallel"
 
     def forward(self, x):
