@@ -28,7 +28,8 @@ import llama_model as lm  # examples/llama_model.py, on sys.path through harness
 # name: (LlamaConfig overrides, batch, seq, samples)
 CONFIGS = {
     "example": ({"dim": 256, "n_layers": 4, "n_heads": 4}, 4, 64, 20),
-    "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 2, 512, 5)}  # far larger than the LLC (RESULTS.md)
+    # weights, gradients, Adam state and activations several times the L3 of the machine in RESULTS.md
+    "dim1024": ({"dim": 1024, "n_layers": 2, "n_heads": 8}, 8, 512, 5)}
 WARM_STEPS, STEADY_STEPS = 1, 3  # a sample: untimed, then timed steps of one implementation
 VOCAB = 256  # the example's byte vocabulary
 IMPLS = ["unsharded", "unsharded 2 threads", "torch_tp", "dtensor"]
