@@ -17,7 +17,6 @@ model's tokens.
 """
 
 import copy
-
 import sys
 from typing import Callable, Dict, List
 
@@ -151,18 +150,20 @@ class HFCase:
         torch_styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
                         "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
                         "colwise_gather_output": ColwiseParallel(output_layouts=Replicate())}
-        hf_tp = copy.deepcopy(reference)
+        plan = reference.tp_plan
         models = {"unsharded": reference,
-                  "torch_tp": torch_tp.parallelize_module(copy.deepcopy(reference), mesh, reference.tp_plan),
+                  "torch_tp": torch_tp.parallelize_module(copy.deepcopy(reference), mesh, plan),
                   "dtensor": parallelize_module(copy.deepcopy(reference), mesh,
-                                                {k: torch_styles[v] for k, v in reference.tp_plan.items()}),
-                  "hf tp_plan": apply_tensor_parallelism(hf_tp, mesh, hf_tp._expand_parallel_plan(hf_tp.tp_plan))}
+                                                {k: torch_styles[v] for k, v in plan.items()}),
+                  "hf tp_plan": apply_tensor_parallelism(copy.deepcopy(reference), mesh,
+                                                         reference._expand_parallel_plan(plan))}
         deepspeed, self.peer = harness.deepspeed_peer()
         if deepspeed is not None:
             models["deepspeed"] = deepspeed.init_inference(
                 copy.deepcopy(reference), tensor_parallel={"tp_size": dist.get_world_size()}, dtype=torch.float32,
                 replace_with_kernel_inject=False).module
-        prompt = torch.randint(0, HF_CONFIG["vocab_size"], (1, HF_PROMPT), generator=torch.Generator().manual_seed(4321))
+        prompt = torch.randint(0, HF_CONFIG["vocab_size"], (1, HF_PROMPT),
+                               generator=torch.Generator().manual_seed(4321))
         self.steps: Dict[str, Callable[[], torch.Tensor]] = {}
         for impl, model in models.items():
             generate = torch.no_grad()(lambda model=model: model.generate(
@@ -196,7 +197,8 @@ def measure_hf(args):
         "**torch_tp**: `torch_tp.parallelize_module(model, mesh, model.tp_plan)`; **dtensor**: torch's "
         "`parallelize_module` with `ColwiseParallel`/`RowwiseParallel` for the plan's strings; **hf tp_plan**: "
         "transformers' `apply_tensor_parallelism` (what `from_pretrained(tp_plan=\"auto\")` applies); "
-        "**deepspeed**: `deepspeed.init_inference(model, tensor_parallel={\"tp_size\": 2})` (AutoTP); "
+        f"**deepspeed**: `deepspeed.init_inference(model, tensor_parallel={{\"tp_size\": {dist.get_world_size()}}})` "
+        "(AutoTP); "
         "**unsharded**: the model on rank 0 alone. Every implementation's tokens equal the unsharded model's. "
         + harness.split_about("gemv", "aten::mm/addmm and the torch_tp kernel", 2),
         "tables": [table],
