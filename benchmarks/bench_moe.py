@@ -107,11 +107,11 @@ def measure(a):
         assert err <= TOL, f"{impl} differs from the unsharded layer by {err:.3g} (rank {r})"
     # torch_tp's parts, on the rows this rank receives and the split sizes of its routing
     dispatch, combine = torch.ops.torch_tp.moe_token_dispatch, torch.ops.torch_tp.moe_token_combine
-    rows, rows_per_expert, _, tpe, recv = dispatch(x.detach(), idx, E, g.group_name)
+    rows, ids, _, tpe, recv = dispatch(x.detach(), idx, E, g.group_name)
     local, mine = experts_module(a, E // p), slice(r * E // p, (r + 1) * E // p)
     local.gate_up_proj.data, local.down_proj.data = ref.gate_up_proj.data[mine], ref.down_proj.data[mine]
     rows = rows.clone().requires_grad_()
-    ids = torch.repeat_interleave(torch.arange(E // p), rows_per_expert).unsqueeze(-1)
+    ids = ids.unsqueeze(-1)
     steps["gemm"] = step(lambda *_: local(rows, ids, torch.ones(ids.shape)), 0, 0, 0, torch.randn(rows.shape))
 
     def exchange(xx, ii, ww):  # identity experts

@@ -64,10 +64,12 @@ def _check_token_exchange():
 
     hidden.requires_grad_(), scores.requires_grad_()
     mine = weight[rank * local:(rank + 1) * local].clone().requires_grad_()
-    rows, rows_per_expert, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(
-        hidden, index, EXPERTS, group)
-    assert rows_per_expert.tolist() == recv_counts.sum(0).tolist()
-    ids = torch.repeat_interleave(torch.arange(local), rows_per_expert)
+    rows, ids, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(hidden, index, EXPERTS, group)
+    # Rows by source rank, each source's run by local expert (NOTE [token rows by source rank]).
+    assert per_expert.tolist() == index.flatten().bincount(minlength=EXPERTS).tolist()
+    assert recv_counts.shape == (world_size, local) and recv_counts.sum().item() == rows.size(0)
+    by_source = [torch.repeat_interleave(torch.arange(local), counts) for counts in recv_counts]
+    assert torch.equal(ids, torch.cat(by_source))
     out_rows = torch.einsum("rh,roh->ro", rows, mine[ids])
     got = torch_tp.ops.moe_token_combine(out_rows, scores, order, per_expert, recv_counts, group)
     what = f"rank {rank} of {world_size}"
@@ -86,6 +88,13 @@ def _check_token_exchange():
     sorted_rows = hidden.detach()[order // TOP_K]
     local_rows, _, counts = torch_tp.ops.moe_dispatch(sorted_rows, per_expert, group)
     assert torch.equal(torch_tp.ops.moe_combine(local_rows, counts, per_expert, group), sorted_rows)
+    # by_expert=False: the same rows and counts, blocks in (source, expert) order, and back.
+    by_source, _, source_counts = torch_tp.ops.moe_dispatch(sorted_rows, per_expert, group, by_expert=False)
+    assert torch.equal(source_counts, counts)
+    blocks = by_source.split(counts.flatten().tolist())  # block s*L + e: source s, local expert e
+    assert torch.equal(torch.cat([blocks[s * local + e] for e in range(local) for s in range(world_size)]),
+                       local_rows)
+    assert torch.equal(torch_tp.ops.moe_combine(by_source, counts, per_expert, group, by_expert=False), sorted_rows)
 
 
 def _check_bad_input():
@@ -106,11 +115,15 @@ def _check_bad_input():
     torch.ops.torch_tp.all_reduce(torch.ones(1), "sum", torch_tp.ops.group_name(group))  # every rank still in step
 
 
-def _local_experts(rows, rows_per_expert, weight):
-    """This rank's experts on the rows a dispatch brought (expert-major): row r of local expert e is
-    ``rows[r] @ weight[e]^T``. A loop of masked matmuls, one per local expert (no torch._grouped_mm, no
-    split by data-dependent sizes), so the function has no host read of the counts."""
-    expert_of_row = torch.searchsorted(rows_per_expert.cumsum(0), torch.arange(rows.size(0)), right=True)
+def _expert_of_row(rows, rows_per_expert):
+    """The local expert of each row moe_dispatch brought (expert-major)."""
+    return torch.searchsorted(rows_per_expert.cumsum(0), torch.arange(rows.size(0)), right=True)
+
+
+def _local_experts(rows, expert_of_row, weight):
+    """This rank's experts on the rows a dispatch brought: row r of local expert e is ``rows[r] @ weight[e]^T``.
+    A loop of masked matmuls, one per local expert (no torch._grouped_mm, no split by data-dependent sizes),
+    so the function has no host read of the counts."""
     out = torch.zeros(rows.size(0), weight.size(1), dtype=rows.dtype)
     for e in range(weight.size(0)):
         out = out + torch.where((expert_of_row == e).unsqueeze(1), rows @ weight[e].t(), 0.0)
@@ -120,13 +133,13 @@ def _local_experts(rows, rows_per_expert, weight):
 def _moe_block(hidden, index, scores, weight, tokens, tokens_per_expert, x, output_splits, input_splits, group):
     """Every token exchange op in one function: the HF pair around the experts, the torchtitan pair
     around them, and an uneven all-to-all there and back."""
-    rows, rows_per_expert, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(
+    rows, expert_ids, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(
         hidden, index, EXPERTS, group)
-    out = torch_tp.ops.moe_token_combine(_local_experts(rows, rows_per_expert, weight), scores, order, per_expert,
+    out = torch_tp.ops.moe_token_combine(_local_experts(rows, expert_ids, weight), scores, order, per_expert,
                                          recv_counts, group)
     local, local_per_expert, counts = torch_tp.ops.moe_dispatch(tokens, tokens_per_expert, group)
-    back = torch_tp.ops.moe_combine(_local_experts(local, local_per_expert, weight).tanh(), counts, tokens_per_expert,
-                                    group)
+    back = torch_tp.ops.moe_combine(_local_experts(local, _expert_of_row(local, local_per_expert), weight).tanh(),
+                                    counts, tokens_per_expert, group)
     y = torch_tp.ops.all_to_all_single(x, output_splits, input_splits, group)
     z = torch_tp.ops.all_to_all_single(y.sin(), input_splits, output_splits, group)
     return out, back, y, z
@@ -168,7 +181,11 @@ def _check_compiled(backend):
     grads_out = None
     results = []
     torch._dynamo.reset()
-    for fn in (_moe_block, torch.compile(_moe_block, backend=backend, fullgraph=True)):
+    # The block's exchanges form independent chains, and the ranks' graphs differ (their sizes do):
+    # inductor's peak-memory reordering may then order the chains differently on each rank, which
+    # pairs one rank's exchange with another's (docs/ops.md, torch.compile).
+    options = {"options": {"reorder_for_peak_memory": False}} if backend == "inductor" else {}
+    for fn in (_moe_block, torch.compile(_moe_block, backend=backend, fullgraph=True, **options)):
         args = [t.clone().requires_grad_(i in differentiable) for i, t in enumerate(inputs)]
         outs = fn(*args, output_splits, input_splits, group)
         if grads_out is None:
@@ -229,3 +246,45 @@ def test_compiled_combine_with_counts_from_outside(ranks):
         if "PendingUnbackedSymbolNotFound" in str(e):
             raise _PendingUnbackedSize(str(e)) from None
         raise
+
+
+# float32 and bfloat16: the fused CPU kernel sums the K products in float32 in slot order, the reference's
+# index_add in its own order after rounding each product to the dtype; a few units of the dtype's epsilon of
+# each tensor's largest magnitude cover both. float16 runs ATen's composition itself (the reference's ops).
+SLOT_SUM_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize("dtype", list(SLOT_SUM_TOL))
+@pytest.mark.parametrize("tokens, top_k", [(7, 2), (5, 1), (0, 3)])
+def test_slot_sum_matches_aten(dtype, tokens, top_k):
+    """``_moe_slot_sum``, the weighted sum over slots that ends ``moe_token_combine`` (NOTE [one pass over the
+    slots], csrc/ops/moe_slots.cpp), against ``zeros.index_add(rows * w[order])`` and its autograd: the
+    output and the gradients of the rows and of the weights, for a random permutation ``order``."""
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+    hidden = 33  # not a multiple of any vector width: the loops' tails run
+    rows = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype).requires_grad_()
+    weights = torch.rand(tokens, top_k, generator=gen).to(dtype).requires_grad_()
+    order = torch.randperm(tokens * top_k, generator=gen)
+    grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    got = torch.ops.torch_tp._moe_slot_sum(rows, order, weights)
+    got.backward(grad)
+    got_grads = rows.grad, weights.grad
+    rows.grad = weights.grad = None
+    expected = torch.zeros(tokens, hidden, dtype=dtype).index_add(
+        0, order // top_k, rows * weights.reshape(-1)[order].unsqueeze(1))
+    expected.backward(grad)
+    tol = SLOT_SUM_TOL[dtype]
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    assert_close(got, expected, f"{dtype} T={tokens} K={top_k}: output", tol)
+    assert_close(got_grads[0], rows.grad, f"{dtype} T={tokens} K={top_k}: rows' grad", tol)
+    assert_close(got_grads[1], weights.grad, f"{dtype} T={tokens} K={top_k}: weights' grad", tol)
+
+
+def test_slot_sum_refuses_an_order_that_is_no_permutation():
+    rows, weights = torch.randn(4, 3), torch.rand(2, 2)
+    assert_error_names(lambda: torch.ops.torch_tp._moe_slot_sum(rows, torch.tensor([0, 1, 1, 3]), weights),
+                       ["moe_token_combine", "order", "permutation", "entry 2", "repeat"], IndexError)
+    assert_error_names(lambda: torch.ops.torch_tp._moe_slot_sum(rows, torch.tensor([0, 1, 2, 4]), weights),
+                       ["moe_token_combine", "order", "entry 3", "out of range"], IndexError)
+    assert_error_names(lambda: torch.ops.torch_tp._moe_slot_sum(rows[:3], torch.tensor([0, 1, 2, 3]), weights),
+                       ["moe_token_combine", "3 rows", "4 entries"])

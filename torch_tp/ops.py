@@ -491,7 +491,7 @@ def _moe_group_size(op: str, group: str, num_experts: int) -> int:
 
 
 @torch.library.register_fake("torch_tp::moe_dispatch")
-def _moe_dispatch_fake(tokens, tokens_per_expert, group):
+def _moe_dispatch_fake(tokens, tokens_per_expert, group, by_expert=True):
     size = _moe_group_size("moe_dispatch", group, tokens_per_expert.size(0))
     _remember_rows(tokens_per_expert, tokens.size(0))
     local = tokens_per_expert.size(0) // size
@@ -501,14 +501,14 @@ def _moe_dispatch_fake(tokens, tokens_per_expert, group):
 
 
 @torch.library.register_fake("torch_tp::_moe_dispatch_rows")
-def _moe_dispatch_rows_fake(tokens, tokens_per_expert, recv_counts, group):
+def _moe_dispatch_rows_fake(tokens, tokens_per_expert, recv_counts, group, by_expert=True):
     _moe_group_size("_moe_dispatch_rows", group, tokens_per_expert.size(0))
     _remember_rows(tokens_per_expert, tokens.size(0))
     return tokens.new_empty((_rows(recv_counts), *tokens.shape[1:]))
 
 
 @torch.library.register_fake("torch_tp::moe_combine")
-def _moe_combine_fake(local_out, recv_counts, tokens_per_expert, group):
+def _moe_combine_fake(local_out, recv_counts, tokens_per_expert, group, by_expert=True):
     _moe_group_size("moe_combine", group, tokens_per_expert.size(0))
     _remember_rows(recv_counts, local_out.size(0))
     return local_out.new_empty((_rows(tokens_per_expert), *local_out.shape[1:]))
@@ -532,8 +532,8 @@ def all_to_all_single(x: torch.Tensor, output_split_sizes: Sequence[int], input_
                                                 group_name(group))
 
 
-def moe_dispatch(tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
-                 group: GroupLike = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_dispatch(tokens: torch.Tensor, tokens_per_expert: torch.Tensor, group: GroupLike = None,
+                 by_expert: bool = True) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Send expert-sorted tokens to the ranks owning their experts (torchtitan's ExpertParallel input step).
 
     Rank ``r`` of ``p`` owns experts ``[r*E/p, (r+1)*E/p)``. Counts are exchanged
@@ -543,37 +543,44 @@ def moe_dispatch(tokens: torch.Tensor, tokens_per_expert: torch.Tensor,
     Args:
         tokens (Tensor): ``[N, H]`` this rank's rows sorted by global expert id.
         tokens_per_expert (Tensor): ``[E]`` int64, summing to ``N``; ``E % p == 0``.
+        by_expert (bool): regroup the received rows by local expert (what torchtitan's grouped
+            experts need); ``False`` leaves them by source rank, each source's run by local
+            expert, and saves a copy of the rows each way (for experts that sort their rows).
 
     Returns:
-        tuple: ``local_tokens [R, H]`` (expert-major), ``local_tokens_per_expert [E/p]``
+        tuple: ``local_tokens [R, H]``, ``local_tokens_per_expert [E/p]``
         and ``recv_counts [p, E/p]`` (rows from each source for each local expert).
         Differentiable in ``tokens`` (the backward is :func:`moe_combine`'s movement).
     """
     _check_tensor("moe_dispatch", "tokens", tokens)
-    return torch.ops.torch_tp.moe_dispatch(tokens, tokens_per_expert, group_name(group))
+    return torch.ops.torch_tp.moe_dispatch(tokens, tokens_per_expert, group_name(group), by_expert)
 
 
 def moe_combine(local_out: torch.Tensor, recv_counts: torch.Tensor, tokens_per_expert: torch.Tensor,
-                group: GroupLike = None) -> torch.Tensor:
-    r"""The inverse of :func:`moe_dispatch`: ``local_out [R, H']`` in its output order back to
-    the senders, ``[N, H']`` in each sender's sorted order (``tokens_per_expert``: the sender's
-    ``[E]`` counts, ``recv_counts``: dispatch's). Differentiable in ``local_out``."""
+                group: GroupLike = None, by_expert: bool = True) -> torch.Tensor:
+    r"""The inverse of :func:`moe_dispatch` (with its ``by_expert``): ``local_out [R, H']`` in its
+    output order back to the senders, ``[N, H']`` in each sender's sorted order (``tokens_per_expert``:
+    the sender's ``[E]`` counts, ``recv_counts``: dispatch's). Differentiable in ``local_out``."""
     _check_tensor("moe_combine", "local_out", local_out)
-    return torch.ops.torch_tp.moe_combine(local_out, recv_counts, tokens_per_expert, group_name(group))
+    return torch.ops.torch_tp.moe_combine(local_out, recv_counts, tokens_per_expert, group_name(group), by_expert)
 
 
 def moe_token_dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int,
                        group: GroupLike = None) -> Tuple[torch.Tensor, ...]:
-    r"""HF's AllToAllEP dispatch: sort the ``T*K`` (token, slot) pairs by expert, then :func:`moe_dispatch`.
+    r"""HF's AllToAllEP dispatch: sort the ``T*K`` (token, slot) pairs by expert, then :func:`moe_dispatch`
+    with ``by_expert=False`` (NOTE [token rows by source rank] in csrc/ops/moe.cpp).
 
     Args:
         hidden (Tensor): ``[T, H]``.
         top_k_index (Tensor): ``[T, K]`` global expert ids in ``[0, num_experts)``, any integer dtype.
 
     Returns:
-        tuple: ``local_tokens [R, H]``, ``local_tokens_per_expert [E/p]``, ``order [T*K]``
-        (int64: the flat ``t*K+k`` of each sorted row), ``tokens_per_expert [E]`` and
-        ``recv_counts [p, E/p]``: the last three are what :func:`moe_token_combine` takes.
+        tuple: ``local_tokens [R, H]``, the rows this rank's experts run on, by source rank
+        and within each source's run by local expert (not regrouped by expert: HF's experts
+        sort their rows themselves); ``local_expert_ids [R]`` (int64, each row's local expert
+        in ``[0, E/p)``); ``order [T*K]`` (int64: the flat ``t*K+k`` of each sorted row);
+        ``tokens_per_expert [E]`` and ``recv_counts [p, E/p]``: the last three are what
+        :func:`moe_token_combine` takes.
         Differentiable in ``hidden`` (a token's gradient sums over its slots).
     """
     _check_tensor("moe_token_dispatch", "hidden", hidden)
@@ -583,8 +590,9 @@ def moe_token_dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, num_expe
 def moe_token_combine(local_out: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor,
                       tokens_per_expert: torch.Tensor, recv_counts: torch.Tensor,
                       group: GroupLike = None) -> torch.Tensor:
-    r"""HF's AllToAllEP combine: :func:`moe_combine`, then each token's ``K`` rows summed weighted by
-    ``top_k_weights [T, K]`` -> ``[T, H']``. Differentiable in ``local_out`` and ``top_k_weights``."""
+    r"""HF's AllToAllEP combine: ``local_out [R, H']``, in :func:`moe_token_dispatch`'s row order,
+    back to the senders, then each token's ``K`` rows summed weighted by ``top_k_weights [T, K]``
+    -> ``[T, H']``. Differentiable in ``local_out`` and ``top_k_weights``."""
     _check_tensor("moe_token_combine", "local_out", local_out)
     return torch.ops.torch_tp.moe_token_combine(local_out, top_k_weights, order, tokens_per_expert, recv_counts,
                                                 group_name(group))

@@ -1,7 +1,8 @@
 // Expert-parallel token exchange (torchtitan's ExpertParallel, HF's AllToAllEP):
 // an uneven all-to-all of rows, the dispatch of expert-sorted tokens to the
 // ranks owning their experts, its inverse (combine), and the HF-style pair that
-// adds the top-k routing permutation and the weighted sum over slots.
+// adds the top-k routing permutation and the weighted sum over slots
+// (moe_slots.cpp).
 //
 // NOTE [expert-parallel layout]
 // E experts over p ranks, rank r owning experts [r*L, (r+1)*L), L = E/p. A
@@ -21,6 +22,16 @@
 // Under torch.compile R and N are data-dependent, so the fake kernels of
 // moe_dispatch, _moe_dispatch_rows and moe_combine are in torch_tp/ops.py
 // (unbacked sizes need torch.library.get_ctx(), which C++ has no face for).
+//
+// NOTE [token rows by source rank]
+// HF's experts sort the rows they are given by expert themselves (their
+// grouped_mm path) or pick each expert's rows by mask (eager), so the block
+// transposes, a full copy of the rows each way and each again in backward,
+// buy them nothing. The movements therefore take by_expert: false leaves
+// the received rows in (s, e) order, by source rank and each source's run by
+// local expert, and combine takes them back in that order. The HF-style pair
+// moves so and hands the experts local_expert_ids [R], each row's local
+// expert (arange(L) once per source, repeated by recv_counts' rows).
 
 #include <torch_tp/ops.h>
 
@@ -189,21 +200,24 @@ at::Tensor block_transpose(const at::Tensor& rows, const at::Tensor& counts) {
 }
 
 // The movement of NOTE [expert-parallel layout] with both count tensors on
-// the host: tokens [N, ..] -> all-to-all -> (s, e) -> block transpose -> (e, s).
+// the host: tokens [N, ..] -> all-to-all -> (s, e) -> block transpose -> (e, s)
+// where by_expert (else the rows stay by source, NOTE [token rows by source rank]).
 at::Tensor dispatch_rows(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                         const at::Tensor& tokens, const at::Tensor& tpe_host, const at::Tensor& recv_host) {
+                         const at::Tensor& tokens, const at::Tensor& tpe_host, const at::Tensor& recv_host,
+                         bool by_expert) {
   const int64_t world_size = group->getSize();
   const at::Tensor received =
       start_all_to_all(op, group, false, tokens, row_sums(recv_host), row_sums(tpe_host.view({world_size, -1})))
           .wait();
-  return block_transpose(received, recv_host);
+  return by_expert ? block_transpose(received, recv_host) : received;
 }
 
 // Its inverse: local_out [R, ..] (e, s) -> block transpose of recv^T -> (s, e) -> all-to-all back -> [N, ..].
 at::Tensor combine_rows(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                        const at::Tensor& local_out, const at::Tensor& tpe_host, const at::Tensor& recv_host) {
+                        const at::Tensor& local_out, const at::Tensor& tpe_host, const at::Tensor& recv_host,
+                        bool by_expert) {
   const int64_t world_size = group->getSize();
-  const at::Tensor by_source = block_transpose(local_out, recv_host.t().contiguous());
+  const at::Tensor by_source = by_expert ? block_transpose(local_out, recv_host.t().contiguous()) : local_out;
   return start_all_to_all(op, group, false, by_source, row_sums(tpe_host.view({world_size, -1})),
                           row_sums(recv_host))
       .wait();
@@ -211,7 +225,7 @@ at::Tensor combine_rows(const char* op, const c10::intrusive_ptr<c10d::ProcessGr
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_kernel(const at::Tensor& tokens,
                                                                    const at::Tensor& tokens_per_expert,
-                                                                   c10::string_view group_name) {
+                                                                   c10::string_view group_name, bool by_expert) {
   constexpr const char* op = "torch_tp::moe_dispatch";
   const auto group = resolve_group(op, group_name);
   const int64_t world_size = group->getSize();
@@ -224,12 +238,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_kernel(const at::Ten
           .wait()
           .view({world_size, local});
   const at::Tensor recv_host = recv_counts.to(at::kCPU).contiguous();
-  at::Tensor local_tokens = dispatch_rows(op, group, tokens, tpe_host, recv_host);
+  at::Tensor local_tokens = dispatch_rows(op, group, tokens, tpe_host, recv_host, by_expert);
   return {std::move(local_tokens), recv_counts.sum(0), recv_counts};
 }
 
 at::Tensor dispatch_rows_kernel(const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
-                                const at::Tensor& recv_counts, c10::string_view group_name) {
+                                const at::Tensor& recv_counts, c10::string_view group_name, bool by_expert) {
   constexpr const char* op = "torch_tp::_moe_dispatch_rows";
   const auto group = resolve_group(op, group_name);
   const int64_t world_size = group->getSize();
@@ -237,11 +251,11 @@ at::Tensor dispatch_rows_kernel(const at::Tensor& tokens, const at::Tensor& toke
   check_recv_counts(op, recv_counts, world_size, local);
   const at::Tensor tpe_host = host_counts(op, "tokens_per_expert", tokens_per_expert, tokens.size(0), "tokens.size(0)");
   const at::Tensor recv_host = recv_counts.to(at::kCPU).contiguous();
-  return dispatch_rows(op, group, tokens, tpe_host, recv_host);
+  return dispatch_rows(op, group, tokens, tpe_host, recv_host, by_expert);
 }
 
 at::Tensor moe_combine_kernel(const at::Tensor& local_out, const at::Tensor& recv_counts,
-                              const at::Tensor& tokens_per_expert, c10::string_view group_name) {
+                              const at::Tensor& tokens_per_expert, c10::string_view group_name, bool by_expert) {
   constexpr const char* op = "torch_tp::moe_combine";
   const auto group = resolve_group(op, group_name);
   const int64_t world_size = group->getSize();
@@ -253,7 +267,7 @@ at::Tensor moe_combine_kernel(const at::Tensor& local_out, const at::Tensor& rec
   check_recv_counts(op, recv_counts, world_size, local);
   const at::Tensor recv_host = host_counts(op, "recv_counts", recv_counts, local_out.size(0), "local_out.size(0)");
   const at::Tensor tpe_host = host_counts(op, "tokens_per_expert", tokens_per_expert, 0, nullptr);
-  return combine_rows(op, group, local_out, tpe_host, recv_host);
+  return combine_rows(op, group, local_out, tpe_host, recv_host, by_expert);
 }
 
 // --------------------------------------------------------------- autograd
@@ -301,13 +315,14 @@ at::Tensor all_to_all_single_autograd(const at::Tensor& x, c10::SymIntArrayRef o
 // Backward of either dispatch movement: moe_combine of the gradient.
 struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
-                               const std::string& group_name) {
+                               const std::string& group_name, bool by_expert) {
     at::Tensor local_tokens, local_tpe, recv_counts;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(local_tokens, local_tpe, recv_counts) = moe_dispatch(tokens, tokens_per_expert, group_name);
+      std::tie(local_tokens, local_tpe, recv_counts) = moe_dispatch(tokens, tokens_per_expert, group_name, by_expert);
     }
     ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["by_expert"] = by_expert;
     ctx->save_for_backward({tokens_per_expert, recv_counts});
     ctx->mark_non_differentiable({local_tpe, recv_counts});
     return {local_tokens, local_tpe, recv_counts};
@@ -317,74 +332,85 @@ struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
     const auto saved = ctx->get_saved_variables();
     at::Tensor grad_tokens;
     if (grads[0].defined()) {
-      grad_tokens = moe_combine(grads[0], saved[1], saved[0], ctx->saved_data["group_name"].toStringRef());
+      grad_tokens = moe_combine(grads[0], saved[1], saved[0], ctx->saved_data["group_name"].toStringRef(),
+                                ctx->saved_data["by_expert"].toBool());
     }
-    return {grad_tokens, at::Tensor(), at::Tensor()};
+    return {grad_tokens, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_autograd(const at::Tensor& tokens,
                                                                      const at::Tensor& tokens_per_expert,
-                                                                     c10::string_view group_name) {
+                                                                     c10::string_view group_name, bool by_expert) {
   if (!needs_autograd(tokens)) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return moe_dispatch(tokens, tokens_per_expert, group_name);
+    return moe_dispatch(tokens, tokens_per_expert, group_name, by_expert);
   }
-  auto out = DispatchFunction::apply(tokens, tokens_per_expert, std::string(group_name));
+  auto out = DispatchFunction::apply(tokens, tokens_per_expert, std::string(group_name), by_expert);
   return {out[0], out[1], out[2]};
 }
 
 struct DispatchRowsFunction : public torch::autograd::Function<DispatchRowsFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
-                            const at::Tensor& recv_counts, const std::string& group_name) {
+                            const at::Tensor& recv_counts, const std::string& group_name, bool by_expert) {
     ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["by_expert"] = by_expert;
     ctx->save_for_backward({tokens_per_expert, recv_counts});
     at::AutoDispatchBelowADInplaceOrView guard;
-    return moe_dispatch_rows(tokens, tokens_per_expert, recv_counts, group_name);
+    return moe_dispatch_rows(tokens, tokens_per_expert, recv_counts, group_name, by_expert);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     at::Tensor grad_tokens;
     if (grads[0].defined()) {
-      grad_tokens = moe_combine(grads[0], saved[1], saved[0], ctx->saved_data["group_name"].toStringRef());
+      grad_tokens = moe_combine(grads[0], saved[1], saved[0], ctx->saved_data["group_name"].toStringRef(),
+                                ctx->saved_data["by_expert"].toBool());
     }
-    return {grad_tokens, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_tokens, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor dispatch_rows_autograd(const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
-                                  const at::Tensor& recv_counts, c10::string_view group_name) {
+                                  const at::Tensor& recv_counts, c10::string_view group_name, bool by_expert) {
   return redispatch_or_apply(
-      tokens, [&] { return moe_dispatch_rows(tokens, tokens_per_expert, recv_counts, group_name); },
-      [&] { return DispatchRowsFunction::apply(tokens, tokens_per_expert, recv_counts, std::string(group_name)); });
+      tokens, [&] { return moe_dispatch_rows(tokens, tokens_per_expert, recv_counts, group_name, by_expert); },
+      [&] {
+        return DispatchRowsFunction::apply(tokens, tokens_per_expert, recv_counts, std::string(group_name),
+                                           by_expert);
+      });
 }
 
 // Backward: the dispatch movement of the gradient, with the counts already known.
 struct CombineFunction : public torch::autograd::Function<CombineFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local_out, const at::Tensor& recv_counts,
-                            const at::Tensor& tokens_per_expert, const std::string& group_name) {
+                            const at::Tensor& tokens_per_expert, const std::string& group_name, bool by_expert) {
     ctx->saved_data["group_name"] = group_name;
+    ctx->saved_data["by_expert"] = by_expert;
     ctx->save_for_backward({tokens_per_expert, recv_counts});
     at::AutoDispatchBelowADInplaceOrView guard;
-    return moe_combine(local_out, recv_counts, tokens_per_expert, group_name);
+    return moe_combine(local_out, recv_counts, tokens_per_expert, group_name, by_expert);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     at::Tensor grad_out;
     if (grads[0].defined()) {
-      grad_out = moe_dispatch_rows(grads[0], saved[0], saved[1], ctx->saved_data["group_name"].toStringRef());
+      grad_out = moe_dispatch_rows(grads[0], saved[0], saved[1], ctx->saved_data["group_name"].toStringRef(),
+                                   ctx->saved_data["by_expert"].toBool());
     }
-    return {grad_out, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_out, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor moe_combine_autograd(const at::Tensor& local_out, const at::Tensor& recv_counts,
-                                const at::Tensor& tokens_per_expert, c10::string_view group_name) {
+                                const at::Tensor& tokens_per_expert, c10::string_view group_name, bool by_expert) {
   return redispatch_or_apply(
-      local_out, [&] { return moe_combine(local_out, recv_counts, tokens_per_expert, group_name); },
-      [&] { return CombineFunction::apply(local_out, recv_counts, tokens_per_expert, std::string(group_name)); });
+      local_out, [&] { return moe_combine(local_out, recv_counts, tokens_per_expert, group_name, by_expert); },
+      [&] {
+        return CombineFunction::apply(local_out, recv_counts, tokens_per_expert, std::string(group_name),
+                                      by_expert);
+      });
 }
 
 // --------------------------------------------------------------- top-k routing (HF's AllToAllEP)
@@ -411,11 +437,6 @@ at::Tensor expert_ids_meta(const at::Tensor& top_k_index, int64_t /*num_experts*
   return at::empty_symint({top_k_index.sym_numel()}, top_k_index.options().dtype(at::kLong));
 }
 
-// The token of each sorted row: order // K.
-at::Tensor token_of(const at::Tensor& order, const c10::SymInt& k) {
-  return at::div(order, c10::Scalar(k), "floor");
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token_dispatch_composite(
     const at::Tensor& hidden, const at::Tensor& top_k_index, int64_t num_experts, c10::string_view group_name) {
   constexpr const char* op = "torch_tp::moe_token_dispatch";
@@ -437,13 +458,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token
   const at::Tensor order = at::argsort(flat, /*stable=*/true);
   const at::Tensor tokens_per_expert =
       at::zeros({num_experts}, flat.options()).index_add(0, flat, at::ones_like(flat));
-  const at::Tensor tokens = hidden.index_select(0, token_of(order, top_k_index.sym_size(1)));
-  auto [local_tokens, local_tpe, recv_counts] = moe_dispatch(tokens, tokens_per_expert, group_name);
-  return {local_tokens, local_tpe, order, tokens_per_expert, recv_counts};
+  static const auto gather_op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("torch_tp::_moe_slot_rows");
+  const at::Tensor tokens = gather_op.call(hidden, order, top_k_index.size(1));
+  // NOTE [token rows by source rank]
+  auto [local_tokens, local_tpe, recv_counts] = moe_dispatch(tokens, tokens_per_expert, group_name, false);
+  at::Tensor local_expert_ids = at::repeat_interleave_symint(
+      at::arange(local_tpe.size(0), flat.options()).repeat({recv_counts.size(0)}), recv_counts.reshape({-1}), 0,
+      local_tokens.sym_size(0));
+  return {local_tokens, local_expert_ids, order, tokens_per_expert, recv_counts};
 }
 
-// moe_combine -> [T*K, H'] in sorted order -> times each pair's weight ->
-// summed into its token: out[order[i] // K] += w[order[i]] * row i.
+// moe_combine -> [T*K, H'] in sorted order -> each token's K rows summed,
+// weighted: out[order[i] // K] += w[order[i]] * row i (moe_slots.cpp).
 at::Tensor moe_token_combine_composite(const at::Tensor& local_out, const at::Tensor& top_k_weights,
                                        const at::Tensor& order, const at::Tensor& tokens_per_expert,
                                        const at::Tensor& recv_counts, c10::string_view group_name) {
@@ -461,12 +488,12 @@ at::Tensor moe_token_combine_composite(const at::Tensor& local_out, const at::Te
   TORCH_SYM_CHECK(order.sym_size(0).sym_eq(top_k_weights.sym_numel()), op, ": top_k_weights has shape ",
                   top_k_weights.sym_sizes(), " (T*K=", top_k_weights.sym_numel(), ") but order has ",
                   order.sym_size(0), " entries (moe_token_dispatch's T*K)");
-  const at::Tensor combined = moe_combine(local_out, recv_counts, tokens_per_expert, group_name);
+  const at::Tensor combined = moe_combine(local_out, recv_counts, tokens_per_expert, group_name, false);
   TORCH_SYM_CHECK(combined.sym_size(0).sym_eq(order.sym_size(0)), op, ": tokens_per_expert sums to ",
                   combined.sym_size(0), " rows but order has ", order.sym_size(0));
-  const at::Tensor weight = top_k_weights.reshape({-1}).index_select(0, order).to(combined.scalar_type());
-  return at::zeros_symint({top_k_weights.sym_size(0), combined.sym_size(1)}, combined.options())
-      .index_add(0, token_of(order, top_k_weights.sym_size(1)), combined * weight.unsqueeze(1));
+  static const auto sum_op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
+  return sum_op.call(combined, order, top_k_weights.to(combined.scalar_type()));
 }
 
 void impl_device_kernels(torch::Library& m) {

@@ -121,30 +121,29 @@ at::Tensor all_to_all_single(const at::Tensor& x, c10::SymIntArrayRef output_spl
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& tokens,
                                                             const at::Tensor& tokens_per_expert,
-                                                            c10::string_view group_name) {
-  static const auto op =
-      find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::string_view)>(
-          "torch_tp::moe_dispatch");
+                                                            c10::string_view group_name, bool by_expert) {
+  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, c10::string_view, bool)>("torch_tp::moe_dispatch");
   check_defined("torch_tp::moe_dispatch", "tokens", tokens);
-  return op.call(tokens, tokens_per_expert, group_name);
+  return op.call(tokens, tokens_per_expert, group_name, by_expert);
 }
 
 at::Tensor moe_dispatch_rows(const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
-                             const at::Tensor& recv_counts, c10::string_view group_name) {
+                             const at::Tensor& recv_counts, c10::string_view group_name, bool by_expert) {
   static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view)>(
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, bool)>(
           "torch_tp::_moe_dispatch_rows");
   check_defined("torch_tp::_moe_dispatch_rows", "tokens", tokens);
-  return op.call(tokens, tokens_per_expert, recv_counts, group_name);
+  return op.call(tokens, tokens_per_expert, recv_counts, group_name, by_expert);
 }
 
 at::Tensor moe_combine(const at::Tensor& local_out, const at::Tensor& recv_counts,
-                       const at::Tensor& tokens_per_expert, c10::string_view group_name) {
+                       const at::Tensor& tokens_per_expert, c10::string_view group_name, bool by_expert) {
   static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view)>(
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, bool)>(
           "torch_tp::moe_combine");
   check_defined("torch_tp::moe_combine", "local_out", local_out);
-  return op.call(local_out, recv_counts, tokens_per_expert, group_name);
+  return op.call(local_out, recv_counts, tokens_per_expert, group_name, by_expert);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token_dispatch(

@@ -100,24 +100,37 @@ TORCH_LIBRARY(torch_tp, m) {
   // has _c10d_functional.all_to_all_single's arguments: rows of dim 0, uneven
   // and empty splits; backward swaps the splits. moe_dispatch sends expert-sorted
   // tokens [N, H] (tokens_per_expert [E] int64) to the ranks owning their experts
-  // (rank r: experts [r*E/p, (r+1)*E/p)) -> local_tokens [R, H] expert-major,
-  // local_tokens_per_expert [E/p], recv_counts [p, E/p]; moe_combine is its exact
+  // (rank r: experts [r*E/p, (r+1)*E/p)) -> local_tokens [R, H] expert-major
+  // (by_expert; else by source rank), local_tokens_per_expert [E/p], recv_counts
+  // [p, E/p]; moe_combine is its exact
   // inverse; each is the other's backward. _moe_dispatch_rows is dispatch's
   // movement with the counts known (combine's backward). moe_token_dispatch /
   // moe_token_combine are HF's AllToAllEP: top-k routing [T, K] sorted by expert
-  // (order [T*K]: the flat t*K+k of each sorted row), dispatched, combined, and
-  // summed per token weighted by top_k_weights; _moe_expert_ids checks the ids.
+  // (order [T*K]: the flat t*K+k of each sorted row), dispatched with the rows
+  // left by source rank (local_expert_ids [R] names each one's local expert),
+  // combined, and summed per token weighted by top_k_weights; _moe_slot_rows and
+  // _moe_slot_sum are the gather that starts and the sum that ends the pair
+  // (moe_slots.cpp); _moe_expert_ids checks the ids.
   m.def("all_to_all_single(Tensor x, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> Tensor");
   m.def(
-      "moe_dispatch(Tensor tokens, Tensor tokens_per_expert, str group_name) -> (Tensor local_tokens, "
+      "moe_dispatch(Tensor tokens, Tensor tokens_per_expert, str group_name, bool by_expert=True) -> (Tensor local_tokens, "
       "Tensor local_tokens_per_expert, Tensor recv_counts)");
-  m.def("_moe_dispatch_rows(Tensor tokens, Tensor tokens_per_expert, Tensor recv_counts, str group_name) -> Tensor");
-  m.def("moe_combine(Tensor local_out, Tensor recv_counts, Tensor tokens_per_expert, str group_name) -> Tensor");
+  m.def(
+      "_moe_dispatch_rows(Tensor tokens, Tensor tokens_per_expert, Tensor recv_counts, str group_name, "
+      "bool by_expert=True) -> Tensor");
+  m.def(
+      "moe_combine(Tensor local_out, Tensor recv_counts, Tensor tokens_per_expert, str group_name, "
+      "bool by_expert=True) -> Tensor");
   m.def("_moe_expert_ids(Tensor top_k_index, int num_experts) -> Tensor");
   m.def(
       "moe_token_dispatch(Tensor hidden, Tensor top_k_index, int num_experts, str group_name) -> (Tensor local_tokens, "
-      "Tensor local_tokens_per_expert, Tensor order, Tensor tokens_per_expert, Tensor recv_counts)");
+      "Tensor local_expert_ids, Tensor order, Tensor tokens_per_expert, Tensor recv_counts)");
   m.def(
       "moe_token_combine(Tensor local_out, Tensor top_k_weights, Tensor order, Tensor tokens_per_expert, "
       "Tensor recv_counts, str group_name) -> Tensor");
+  m.def("_moe_slot_rows(Tensor hidden, Tensor order, int top_k) -> Tensor");
+  m.def("_moe_slot_sum(Tensor rows, Tensor order, Tensor weights) -> Tensor");
+  m.def(
+      "_moe_slot_sum_backward(Tensor grad_out, Tensor rows, Tensor order, Tensor weights, bool[2] output_mask) -> "
+      "(Tensor, Tensor)");
 }

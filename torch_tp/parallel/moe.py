@@ -44,9 +44,10 @@ With the E experts split whole over p ranks (rank r holds experts
 reach the ranks of their experts. ``torch_tp::moe_token_dispatch`` sorts the
 T K (token, slot) pairs of this rank by expert, exchanges the counts, sends
 each rank its rows (one all-to-all) and hands back the rows this rank's
-experts run on, grouped by local expert, with their counts; the module's own
-forward runs on them as top-1 routing with unit weights (local expert ids
-``repeat_interleave(arange(E/p), counts)``). ``moe_token_combine`` sends the
+experts run on, by source rank, with each row's local expert id (NOTE [token
+rows by source rank] in csrc/ops/moe.cpp: HF's experts sort their rows
+themselves); the module's own forward runs on them as top-1 routing with
+unit weights. ``moe_token_combine`` sends the
 results back (the reverse all-to-all), puts each row at its (token, slot)
 and sums a token's K rows weighted by the router's scores, so the scores'
 gradient (the router's) is computed where the scores are. The ranks hold
@@ -282,19 +283,17 @@ class _ExpertParallelModule(ParallelModule):
         rows this rank's experts get, the results back and summed per token."""
         state = self._tp_state
         group = state.ep_group
-        rows, rows_per_expert, order, tokens_per_expert, recv_counts = torch.ops.torch_tp.moe_token_dispatch(
+        rows, expert_ids, order, tokens_per_expert, recv_counts = torch.ops.torch_tp.moe_token_dispatch(
             hidden_states, top_k_index, state.num_experts, group)
-        local_experts = rows_per_expert.numel()
         received = rows.size(0)
         if received == 0:  # NOTE [experts under expert parallelism]: one zero row keeps the parameters in backward
             rows = rows.new_zeros(1, rows.size(1)) + rows.sum(0, keepdim=True)
             expert_ids = torch.zeros(1, 1, dtype=torch.long, device=rows.device)
         else:
-            expert_ids = torch.repeat_interleave(torch.arange(local_experts, device=rows.device), rows_per_expert,
-                                                 output_size=received).unsqueeze(-1)
+            expert_ids = expert_ids.unsqueeze(-1)
         unit_weights = torch.ones(expert_ids.shape, dtype=rows.dtype, device=rows.device)
         set_aside = swap_in_local_parameters(self, state.parameter_names, False)
-        self.num_experts = local_experts
+        self.num_experts = recv_counts.size(1)
         try:
             out = super(_ExpertParallelModule, self).forward(rows, expert_ids, unit_weights, *args, **kwargs)
             out = out[:received]

@@ -102,28 +102,32 @@ at::Tensor all_to_all_single(const at::Tensor& x, c10::SymIntArrayRef output_spl
 
 // tokens [N, ..] sorted by global expert, tokens_per_expert [E] int64 (sum N),
 // rank r owning experts [r*E/p, (r+1)*E/p) -> (local_tokens [R, ..] grouped by
-// local expert, then source rank; local_tokens_per_expert [E/p];
-// recv_counts [p, E/p]: rows from each source for each local expert).
+// local expert, then source rank (by_expert; else by source rank, then local
+// expert); local_tokens_per_expert [E/p]; recv_counts [p, E/p]: rows from each
+// source for each local expert).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& tokens,
                                                             const at::Tensor& tokens_per_expert,
-                                                            c10::string_view group_name);
+                                                            c10::string_view group_name, bool by_expert = true);
 
 // moe_dispatch's movement with recv_counts already known (no count exchange).
 at::Tensor moe_dispatch_rows(const at::Tensor& tokens, const at::Tensor& tokens_per_expert,
-                             const at::Tensor& recv_counts, c10::string_view group_name);
+                             const at::Tensor& recv_counts, c10::string_view group_name, bool by_expert = true);
 
-// The inverse of moe_dispatch: local_out [R, ..] in its output order -> the
-// sender's [N, ..] in its sorted order.
+// The inverse of moe_dispatch (the same by_expert): local_out [R, ..] in its
+// output order -> the sender's [N, ..] in its sorted order.
 at::Tensor moe_combine(const at::Tensor& local_out, const at::Tensor& recv_counts,
-                       const at::Tensor& tokens_per_expert, c10::string_view group_name);
+                       const at::Tensor& tokens_per_expert, c10::string_view group_name, bool by_expert = true);
 
 // HF's AllToAllEP: hidden [T, H], top_k_index [T, K] -> the T*K (token, slot)
-// rows sorted by expert and dispatched -> (local_tokens, local_tokens_per_expert,
-// order [T*K]: the flat t*K+k of each sorted row, tokens_per_expert [E], recv_counts).
+// rows sorted by expert and dispatched -> (local_tokens [R, H] by source rank,
+// each source's run by local expert (moe_dispatch's by_expert=false);
+// local_expert_ids [R]; order [T*K]: the flat t*K+k of each sorted row;
+// tokens_per_expert [E]; recv_counts [p, E/p]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token_dispatch(
     const at::Tensor& hidden, const at::Tensor& top_k_index, int64_t num_experts, c10::string_view group_name);
 
-// moe_combine, then each token's K rows summed weighted by top_k_weights [T, K] -> [T, H'].
+// local_out [R, H'] in local_tokens' order back to the senders, then each token's
+// K rows summed weighted by top_k_weights [T, K] -> [T, H'].
 at::Tensor moe_token_combine(const at::Tensor& local_out, const at::Tensor& top_k_weights, const at::Tensor& order,
                              const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts,
                              c10::string_view group_name);

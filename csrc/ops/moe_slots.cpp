@@ -1,0 +1,358 @@
+// The two ends of HF's AllToAllEP pair over the (token, slot) rows: row i
+// of the T*K rows is the pair order[i] = t*K + k (order sorts the pairs by
+// expert). moe_token_dispatch starts with the gather
+//   _moe_slot_rows:  rows[i] = hidden[order[i] / K]                    -> [T*K, H],
+// and moe_token_combine ends with the weighted sum over each token's slots
+//   _moe_slot_sum:   out[t] = sum_k w[t, k] * rows[i : order[i] = t*K + k]  -> [T, H].
+// Each is the other's adjoint in the rows (the gather's backward is the sum
+// with unit weights; the sum's is the gather, scaled by w[order[i]]); the
+// sum's gradient in the weights is a dot: grad_w[order[i]] =
+// <grad_out[order[i] / K], rows[i]>.
+//
+// NOTE [one pass over the slots]
+// In ATen the sum is a product (a fresh [T*K, H]), a zeroed [T, H] and an
+// index_add, its backward gathers grad_out to [T*K, H] before two more
+// products, and the gather's backward is another zeroed [T, H] and
+// index_add: passes over the rows where one does. On the CPU (float32,
+// float64, bfloat16) each output row of the sum is written once from its K
+// rows, found through the inverse of order, and its backward writes each
+// grad_rows row once while taking its dot. Elsewhere (CUDA, float16) the ATen
+// compositions run. The gather itself is index_select everywhere.
+
+#include "ops/common.h"
+#include "ops/cpu_isa.h"
+#include "ops/row_io.h"
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <c10/core/SymBool.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace torch_tp {
+namespace {
+
+constexpr const char* kOp = "torch_tp::moe_token_combine";
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// rows [N, H], order [N] int64, weights [T, K] of rows' dtype and device, N = T*K.
+void check_slot_sum_args(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
+  check_defined(kOp, "rows", rows);
+  check_defined(kOp, "order", order);
+  check_defined(kOp, "top_k_weights", weights);
+  TORCH_CHECK(rows.dim() == 2, kOp, ": the combined rows must be [T*K, H], got shape ", rows.sym_sizes());
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong, kOp,
+              ": order must be 1-D int64 (moe_token_dispatch's), got ", order.scalar_type(), " of shape ",
+              order.sym_sizes());
+  TORCH_CHECK(weights.dim() == 2, kOp, ": top_k_weights must be [T, K], got shape ", weights.sym_sizes());
+  TORCH_CHECK(weights.scalar_type() == rows.scalar_type() && weights.device() == rows.device(), kOp,
+              ": top_k_weights (", weights.scalar_type(), " on ", weights.device(), ") must match the rows (",
+              rows.scalar_type(), " on ", rows.device(), ")");
+  TORCH_SYM_CHECK(order.sym_size(0).sym_eq(weights.sym_numel()), kOp, ": top_k_weights has shape ",
+                  weights.sym_sizes(), " (T*K=", weights.sym_numel(), ") but order has ", order.sym_size(0),
+                  " entries");
+  TORCH_SYM_CHECK(rows.sym_size(0).sym_eq(order.sym_size(0)), kOp, ": ", rows.sym_size(0),
+                  " rows came back but order has ", order.sym_size(0), " entries");
+}
+
+bool fuses(const at::Tensor& rows) {
+  const auto dtype = rows.scalar_type();
+  return rows.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16);
+}
+
+// position[order[i]] = i, checking that order is a permutation of [0, N).
+std::vector<int64_t> inverse_of(const at::Tensor& order) {
+  const at::Tensor o = order.contiguous();
+  const int64_t n = o.numel();
+  const int64_t* data = o.const_data_ptr<int64_t>();
+  std::vector<int64_t> position(n, -1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = data[i];
+    TORCH_CHECK_INDEX(slot >= 0 && slot < n && position[slot] < 0, kOp,
+                      ": order must be a permutation of [0, T*K=", n, ") (moe_token_dispatch's); entry ", i,
+                      " is ", slot, slot >= 0 && slot < n ? ", a repeat" : ", out of range");
+    position[slot] = i;
+  }
+  return position;
+}
+
+template <typename scalar_t>
+struct SlotRows {
+  using IO = Io<scalar_t>;
+  using T = typename IO::stored;
+  using opmath_t = typename IO::opmath_t;
+
+  // Tokens [begin, end): out[t] = sum_k w[t*K+k] * rows[position[t*K+k]].
+  struct Sum {
+    static void run(const T* rows, const int64_t* position, const T* w, T* out, int64_t begin, int64_t end,
+                    int64_t k_slots, int64_t h) {
+      std::vector<opmath_t> acc(static_cast<size_t>(h));
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t k = 0; k < k_slots; ++k) {
+          const int64_t slot = t * k_slots + k;
+          const opmath_t wk = IO::load(w[slot]);
+          const T* r = rows + position[slot] * h;
+          if (k == 0) {
+#pragma omp simd
+            for (int64_t j = 0; j < h; ++j) {
+              acc[j] = wk * IO::load(r[j]);
+            }
+          } else {
+#pragma omp simd
+            for (int64_t j = 0; j < h; ++j) {
+              acc[j] += wk * IO::load(r[j]);
+            }
+          }
+        }
+        T* o = out + t * h;
+#pragma omp simd
+        for (int64_t j = 0; j < h; ++j) {
+          o[j] = IO::store(k_slots > 0 ? acc[j] : opmath_t(0));
+        }
+      }
+    }
+  };
+
+  // Rows [begin, end): grad_rows[i] = w[order[i]] * g[t] where grad_rows != nullptr,
+  // grad_w[order[i]] = <g[t], rows[i]> where grad_w != nullptr; t = order[i] / K.
+  struct Backward {
+    static void run(const T* g, const T* rows, const int64_t* order, const T* w, T* grad_rows, T* grad_w,
+                    int64_t begin, int64_t end, int64_t k_slots, int64_t h) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t slot = order[i];
+        const T* gt = g + (slot / k_slots) * h;
+        if (grad_rows != nullptr) {
+          const opmath_t wk = IO::load(w[slot]);
+          T* gr = grad_rows + i * h;
+#pragma omp simd
+          for (int64_t j = 0; j < h; ++j) {
+            gr[j] = IO::store(wk * IO::load(gt[j]));
+          }
+        }
+        if (grad_w != nullptr) {
+          const T* r = rows + i * h;
+          opmath_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t j = 0; j < h; ++j) {
+            dot += IO::load(gt[j]) * IO::load(r[j]);
+          }
+          grad_w[slot] = IO::store(dot);
+        }
+      }
+    }
+  };
+};
+
+at::Tensor slot_sum_composite(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
+  const at::Tensor token = at::div(order, c10::Scalar(weights.sym_size(1)), "floor");
+  const at::Tensor w = weights.reshape({-1}).index_select(0, order);
+  return at::zeros_symint({weights.sym_size(0), rows.sym_size(1)}, rows.options())
+      .index_add(0, token, rows * w.unsqueeze(1));
+}
+
+at::Tensor slot_sum_kernel(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
+  check_slot_sum_args(rows, order, weights);
+  if (!fuses(rows)) {
+    return slot_sum_composite(rows, order, weights);
+  }
+  const std::vector<int64_t> position = inverse_of(order);
+  const at::Tensor r = rows.contiguous();
+  const at::Tensor w = weights.contiguous();
+  const int64_t tokens = w.size(0);
+  const int64_t k_slots = w.size(1);
+  const int64_t h = r.size(1);
+  at::Tensor out = at::empty({tokens, h}, r.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, r.scalar_type(), kOp, [&] {
+    const auto loop = isa_entry<typename SlotRows<scalar_t>::Sum>(widest_cpu_isa());
+    at::parallel_for(0, tokens, row_grain(h * k_slots), [&](int64_t begin, int64_t end) {
+      loop(stored_data<scalar_t>(r), position.data(), stored_data<scalar_t>(w), mutable_stored_data<scalar_t>(out),
+           begin, end, k_slots, h);
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> slot_sum_backward_kernel(const at::Tensor& grad_out, const at::Tensor& rows,
+                                                            const at::Tensor& order, const at::Tensor& weights,
+                                                            std::array<bool, 2> output_mask) {
+  check_slot_sum_args(rows, order, weights);
+  TORCH_CHECK(grad_out.sizes().equals({weights.size(0), rows.size(1)}) && grad_out.scalar_type() == rows.scalar_type(),
+              kOp, ": the output gradient has shape ", grad_out.sizes(), " and dtype ", grad_out.scalar_type(),
+              "; expected [", weights.size(0), ", ", rows.size(1), "] of ", rows.scalar_type());
+  const int64_t k_slots = weights.size(1);
+  if (!fuses(rows)) {
+    const at::Tensor g = grad_out.index_select(0, at::div(order, c10::Scalar(k_slots), "floor"));
+    at::Tensor grad_rows, grad_w;
+    if (output_mask[0]) {
+      grad_rows = g * weights.reshape({-1}).index_select(0, order).unsqueeze(1);
+    }
+    if (output_mask[1]) {
+      grad_w = at::empty({weights.numel()}, weights.options()).index_copy_(0, order, (g * rows).sum(1)).view(
+          weights.sizes());
+    }
+    return {grad_rows, grad_w};
+  }
+  inverse_of(order);  // the permutation check: each grad_w entry is written by one row
+  const at::Tensor g = grad_out.contiguous();
+  const at::Tensor r = rows.contiguous();
+  const at::Tensor o = order.contiguous();
+  const at::Tensor w = weights.contiguous();
+  const int64_t h = r.size(1);
+  at::Tensor grad_rows = output_mask[0] ? at::empty_like(r, at::MemoryFormat::Contiguous) : at::Tensor();
+  at::Tensor grad_w = output_mask[1] ? at::empty_like(w, at::MemoryFormat::Contiguous) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, r.scalar_type(), kOp, [&] {
+    const auto loop = isa_entry<typename SlotRows<scalar_t>::Backward>(widest_cpu_isa());
+    at::parallel_for(0, r.size(0), row_grain(h), [&](int64_t begin, int64_t end) {
+      loop(stored_data<scalar_t>(g), stored_data<scalar_t>(r), o.const_data_ptr<int64_t>(), stored_data<scalar_t>(w),
+           grad_rows.defined() ? mutable_stored_data<scalar_t>(grad_rows) : nullptr,
+           grad_w.defined() ? mutable_stored_data<scalar_t>(grad_w) : nullptr, begin, end, k_slots, h);
+    });
+  });
+  return {grad_rows, grad_w};
+}
+
+at::Tensor slot_sum_meta(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
+  check_slot_sum_args(rows, order, weights);
+  return at::empty_symint({weights.sym_size(0), rows.sym_size(1)}, rows.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> slot_sum_backward_meta(const at::Tensor& /*grad_out*/, const at::Tensor& rows,
+                                                          const at::Tensor& order, const at::Tensor& weights,
+                                                          std::array<bool, 2> output_mask) {
+  check_slot_sum_args(rows, order, weights);
+  return {output_mask[0] ? at::empty_like(rows) : at::Tensor(), output_mask[1] ? at::empty_like(weights) : at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor> slot_sum_backward(const at::Tensor& grad_out, const at::Tensor& rows,
+                                                     const at::Tensor& order, const at::Tensor& weights,
+                                                     std::array<bool, 2> output_mask) {
+  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 2>)>(
+      "torch_tp::_moe_slot_sum_backward");
+  return op.call(grad_out, rows, order, weights, output_mask);
+}
+
+// Backward: _moe_slot_sum_backward (NOTE [one pass over the slots]).
+struct SlotSumFunction : public torch::autograd::Function<SlotSumFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& order,
+                            const at::Tensor& weights) {
+    ctx->save_for_backward({rows, order, weights});
+    static const auto op =
+        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(rows, order, weights);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) {
+      return {at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_rows, grad_w] = slot_sum_backward(grads[0].contiguous(), saved[0], saved[1], saved[2],
+                                                 {ctx->needs_input_grad(0), ctx->needs_input_grad(2)});
+    return {grad_rows, at::Tensor(), grad_w};
+  }
+};
+
+at::Tensor slot_sum_autograd(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
+  if (!needs_autograd(rows) && !needs_autograd(weights)) {
+    static const auto op =
+        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(rows, order, weights);
+  }
+  return SlotSumFunction::apply(rows, order, weights);
+}
+
+// --------------------------------------------------------------- the gather
+
+// hidden [T, H], order [T*K] int64; returns K.
+int64_t check_slot_rows_args(const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
+  constexpr const char* op = "torch_tp::moe_token_dispatch";
+  check_defined(op, "hidden", hidden);
+  check_defined(op, "order", order);
+  TORCH_CHECK(hidden.dim() == 2, op, ": hidden must be [T, H], got shape ", hidden.sym_sizes());
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong, op, ": order must be 1-D int64, got ",
+              order.scalar_type(), " of shape ", order.sym_sizes());
+  TORCH_CHECK(top_k >= 1, op, ": top_k must be positive, got ", top_k);
+  TORCH_SYM_CHECK(order.sym_size(0).sym_eq(hidden.sym_size(0) * top_k), op, ": order has ", order.sym_size(0),
+                  " entries but hidden has T=", hidden.sym_size(0), " rows of top_k=", top_k, " slots");
+  return top_k;
+}
+
+at::Tensor slot_rows_kernel(const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
+  check_slot_rows_args(hidden, order, top_k);
+  return hidden.index_select(0, at::div(order, c10::Scalar(top_k), "floor"));
+}
+
+at::Tensor slot_rows_meta(const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
+  check_slot_rows_args(hidden, order, top_k);
+  return at::empty_symint({order.sym_size(0), hidden.sym_size(1)}, hidden.options());
+}
+
+// Backward: the sum over slots with unit weights.
+struct SlotRowsFunction : public torch::autograd::Function<SlotRowsFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
+    ctx->save_for_backward({order});
+    ctx->saved_data["tokens"] = hidden.sym_size(0);
+    ctx->saved_data["top_k"] = top_k;
+    static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("torch_tp::_moe_slot_rows");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(hidden, order, top_k);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) {
+      return {at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    static const auto sum_op =
+        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
+    const at::Tensor grad = grads[0].contiguous();
+    const at::Tensor unit = at::ones_symint({ctx->saved_data["tokens"].toSymInt(), ctx->saved_data["top_k"].toInt()},
+                                            grad.options());
+    return {sum_op.call(grad, ctx->get_saved_variables()[0], unit), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor slot_rows_autograd(const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
+  if (!needs_autograd(hidden)) {
+    static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("torch_tp::_moe_slot_rows");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(hidden, order, top_k);
+  }
+  return SlotRowsFunction::apply(hidden, order, top_k);
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
+  m.impl("_moe_slot_rows", slot_rows_kernel);
+  m.impl("_moe_slot_sum", slot_sum_kernel);
+  m.impl("_moe_slot_sum_backward", slot_sum_backward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
+  m.impl("_moe_slot_rows", slot_rows_kernel);
+  m.impl("_moe_slot_sum", slot_sum_kernel);
+  m.impl("_moe_slot_sum_backward", slot_sum_backward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
+  m.impl("_moe_slot_rows", slot_rows_meta);
+  m.impl("_moe_slot_sum", slot_sum_meta);
+  m.impl("_moe_slot_sum_backward", slot_sum_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(torch_tp, Autograd, m) {
+  m.impl("_moe_slot_rows", slot_rows_autograd);
+  m.impl("_moe_slot_sum", slot_sum_autograd);
+  m.impl("_moe_slot_sum_backward", torch::autograd::autogradNotImplementedFallback());
+}
+
+} // namespace torch_tp
