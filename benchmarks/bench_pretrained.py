@@ -4,7 +4,9 @@
 fresh torchrun processes per implementation, rotating:
 
 - **torch_tp**: the model on the meta device, ``torch_tp.parallelize_module(model, mesh, model.tp_plan)``,
-  ``torch_tp.parallel.load_pretrained(model, dir)``: each rank reads only its slices;
+  ``torch_tp.parallel.load_pretrained(model, dir)``: each rank reads only its slices, and keeps the one-range ones
+  as views of the file's memory map, read at first use;
+- **torch_tp mmap=False**: the same, every slice copied into memory;
 - **whole**: ``from_pretrained(dir)`` on every rank, then ``torch_tp.parallelize_module``;
 - **hf tp_plan**: transformers' own ``from_pretrained(dir, tp_plan="auto")`` (its DTensor TP)."""
 
@@ -24,7 +26,7 @@ from torch.distributed.tensor import DTensor
 import harness
 import torch_tp
 
-IMPLS = ["torch_tp", "whole", "hf tp_plan"]
+IMPLS = ["torch_tp", "torch_tp mmap=False", "whole", "hf tp_plan"]
 CONFIG = dict(hidden_size=2048, num_hidden_layers=10, intermediate_size=5632, vocab_size=32000,
               num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)
 GiB = 1024 ** 3
@@ -42,15 +44,16 @@ def load(impl: str, path: str):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     torch_tp.parallelize_module(model, mesh, model.tp_plan)
-    result = torch_tp.parallel.load_pretrained(model, path)
+    result = torch_tp.parallel.load_pretrained(model, path, mmap=impl == "torch_tp")
     assert not result.missing_keys and not result.unexpected_keys, result
     return model
 
 
 def worker(impl: str, path: str, out: str) -> None:
     """One rank of one load; writes to ``out``.<rank> its times from a barrier to the model loaded and to its first
-    logits (one token: HF's tp_plan leaves parameters views of the file's memory map, read at first use), its peak
-    RSS, its RSS before loading and issue 52's bound (shard + replicated tensors + the largest one, + 10%)."""
+    logits (one token: torch_tp and HF's tp_plan leave parameters views of the file's memory map, read at first
+    use), its peak RSS, its RSS before loading and issue 52's bound (shard + replicated tensors + the largest one,
+    + 10%)."""
     dist.init_process_group("gloo")
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident now
@@ -83,7 +86,7 @@ def measure(args):
         path, out = os.path.join(tmp, "llama"), os.path.join(tmp, "rank")  # the checkpoint, the workers' figures
         LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
         ckpt_gib = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / GiB
-        ratios = [("whole", "torch_tp"), ("hf tp_plan", "torch_tp")]
+        ratios = [("torch_tp mmap=False", "torch_tp"), ("whole", "torch_tp"), ("hf tp_plan", "torch_tp")]
         table = harness.Table("s", IMPLS, ratios=ratios, title="Time to a loaded model")
         to_logits = harness.Table("s", IMPLS, ratios=ratios, title="Time to the first logits (load, then one token)")
         notes = []
@@ -116,7 +119,8 @@ def measure(args):
         "title": "Loading a Hugging Face checkpoint into TP shards: torch_tp vs whole-model vs transformers' tp_plan",
         "about": f"CPU, gloo, float32, one intra-op thread per rank; a {ckpt_gib:.2f} GiB Llama ({CONFIG}) saved with "
         "`save_pretrained` to local disk. Time: each rank's wall time to a loaded model and to its first logits "
-        "(HF's tp_plan leaves its parameters views of the file's memory map, read at first use), fresh processes per "
+        "(torch_tp and HF's tp_plan leave parameters views of the file's memory map, read at first use; torch_tp "
+        "mmap=False copies them), fresh processes per "
         f"load, medians over {args.repeats} repeats of the slowest rank, implementations rotating. Memory: the "
         "largest rank's peak RSS (ru_maxrss) and that peak less its RSS before loading, in the last repeat; "
         "bound: the largest rank's shard + replicated tensors + the largest single tensor, + 10% (issue 52).",

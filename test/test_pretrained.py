@@ -88,14 +88,14 @@ def _parallel(model, plan: str):
     return torch_tp.parallelize_module(model, mesh, _plan(model, plan))
 
 
-def _meta_loaded(path: str, plan: str):
+def _meta_loaded(path: str, plan: str, **load_args):
     """Built on the meta device, parallelized, then loaded shard by shard."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **HF_ARGS)
     _parallel(model, plan)
-    result = torch_tp.parallel.load_pretrained(model, path)
+    result = torch_tp.parallel.load_pretrained(model, path, **load_args)
     assert result.missing_keys == [] and result.unexpected_keys == [], result
     return model
 
@@ -176,6 +176,60 @@ def test_load_and_save(ranks, tmp_path, kind, plan, world_size):
     ranks(world_size).run(_check_load_and_save, kind, plan, path, out, timeout=300)
     if (kind, plan, world_size) in RELOAD_AT:
         ranks(RELOAD_AT[kind, plan, world_size]).run(_check_reload, kind, plan, out, timeout=300)
+
+
+def _storage_is_file(tensor, path: str) -> bool:
+    """Whether ``tensor``'s storage is a memory map of a whole file of ``path``."""
+    sizes = {os.path.getsize(os.path.join(path, name)) for name in os.listdir(path) if name.endswith(".safetensors")}
+    return tensor.untyped_storage().nbytes() in sizes and tensor.untyped_storage().nbytes() != tensor.nbytes
+
+
+def _check_mapped_load(reference: str, path: str) -> None:
+    """NOTE [local tensors that map the file] in pretrained.py: with mmap (the default) the one-range boxes are views
+    of the file, the others copies, every value as mmap=False reads it; writes to the model never reach the file, and
+    saving another model over the files leaves the mapped model as it was."""
+    from transformers import AutoModelForCausalLM
+
+    # torch_tp writes the files the mapped model maps, so that saving again writes the same file names.
+    copied = _meta_loaded(reference, "hf", mmap=False)
+    torch_tp.parallel.save_pretrained(copied, path, max_shard_size=SHARD_SIZE)
+    mapped = _meta_loaded(path, "hf")
+    attention = mapped.model.layers[0].self_attn
+    assert _storage_is_file(_local(attention.q_proj.weight), path), "a Shard(0) piece was copied"
+    assert _storage_is_file(mapped.model.norm.weight, path), "a replicated tensor was copied"
+    assert not _storage_is_file(_local(attention.o_proj.weight), path), "a Shard(1) piece was mapped"
+    assert not any(_storage_is_file(_local(p), path) for p in copied.parameters()), "mmap=False mapped a tensor"
+    for (name, got), (_, want) in zip(mapped.named_parameters(), copied.named_parameters(), strict=True):
+        assert torch.equal(_local(got), _local(want)), f"mapped {name}"
+
+    # Writes copy the page they touch (copy-on-write): the file, and so a fresh load, is unchanged.
+    with torch.no_grad():
+        for param in mapped.model.layers[0].parameters():
+            _local(param).add_(1.0)
+    unsharded = AutoModelForCausalLM.from_pretrained(path, **HF_ARGS)
+    for key, want in torch_tp.get_full_state_dict(copied).items():
+        assert torch.equal(unsharded.state_dict()[key], want), f"the file changed under {key}"
+
+    # The copies, changed otherwise, saved over the very files the mapped model maps: save_pretrained replaces
+    # each file, so the mapped model's unwritten pages still hold the old values.
+    expected = {key: value.clone() for key, value in torch_tp.get_full_state_dict(mapped).items()}
+    with torch.no_grad():
+        for param in copied.parameters():
+            _local(param).mul_(2.0)
+    before = sorted(os.listdir(path))
+    torch_tp.parallel.save_pretrained(copied, path, max_shard_size=SHARD_SIZE)
+    assert sorted(os.listdir(path)) == before, "the second save wrote other files"
+    for key, value in torch_tp.get_full_state_dict(mapped).items():
+        assert torch.equal(value, expected[key]), f"{key} of the mapped model changed when its file was replaced"
+    reread = AutoModelForCausalLM.from_pretrained(path, **HF_ARGS).state_dict()
+    for key, want in torch_tp.get_full_state_dict(copied).items():
+        assert torch.equal(reread[key], want), f"{key} as saved over the mapped files"
+
+
+def test_mapped_load(ranks, tmp_path):
+    reference = str(tmp_path / "hf")
+    _save_reference("llama", reference)
+    ranks(2).run(_check_mapped_load, reference, str(tmp_path / "torch_tp"), timeout=300)
 
 
 # ---------------------------------------------------------------- bad input (one process, no group)

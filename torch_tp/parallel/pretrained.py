@@ -15,9 +15,9 @@ its shard and the replicated tensors, never a full sharded tensor. A packed para
 [packed parameters] in packed.py) is not one box but one per block (this rank's chunk of each
 block, concatenated along the packed dim), read block by block into its local tensor, on a 1-D
 mesh and on an (ep, tp) mesh alike. What fits neither (``_StridedShard`` under FSDP2) is read
-whole and cut locally, as :func:`~torch_tp.load_full_state_dict` cuts it. Each tensor is read under
-its own ``safe_open``, so the file's mapped pages are released after every tensor and a rank's
-resident memory grows by what it keeps, not by what it touched.
+whole and cut locally, as :func:`~torch_tp.load_full_state_dict` cuts it. A rank's resident memory
+grows by what it keeps, not by what it touched: what is copied is read under its own ``safe_open``
+or ``os.preadv``, and what is mapped touches only its own pages.
 
 NOTE [reading a box straight into its tensor]
 A box is a set of byte ranges of the file: one for a ``Shard(0)`` piece, a whole tensor or a
@@ -26,9 +26,26 @@ tensor it goes to is a contiguous CPU tensor of the checkpoint's dtype, each ran
 ``os.preadv`` into its place in that tensor's memory: the kernel copies the bytes from the page
 cache as it faults the tensor's pages in. Copying from the memory map instead faults each page
 twice, once on each side, which costs about twice as long. Other boxes (another dtype or
-device, or more ranges than ``_MAX_RUNS``) are read through ``safe_open`` and copied. No tensor of the model keeps
-the file mapped: it can be overwritten (``save_pretrained`` to the same directory) while the
-model lives.
+device, or more ranges than ``_MAX_RUNS``) are read through ``safe_open`` and copied.
+
+NOTE [local tensors that map the file]
+A box of one byte range is not read at all when it can be mapped (``mmap=True``, the default, as
+``from_pretrained`` maps): the local tensor becomes a view of the file's private memory map
+(``torch.UntypedStorage.from_file(file, shared=False)``, one per file and load). Each page is then
+read from the page cache at its first use, which costs a fraction of faulting in a fresh page and
+copying into it, and ranks of one node share the page-cache pages they both read until one of
+them writes. A write (an optimizer step) copies the page it touches: the mapping is
+copy-on-write, the file never changes. A box of several ranges (a ``Shard(1)`` piece, a packed
+parameter's blocks) is still read into memory: a view of it would keep mapped every page its rows
+touch, which for short rows is the whole tensor.
+Only a model this call materializes is mapped: its local tensors are fresh, so nothing else holds
+their storage; not one under FSDP2, whose sharded parameters are views of its own padded buffers.
+The hazard of a mapping is a file rewritten in place (truncated, then written) while the model
+lives: the pages the model has not written yet change, or vanish (SIGBUS). A file replaced (a
+new file renamed over it, or the old one deleted first) is safe, as the mapping keeps the old one:
+:func:`save_pretrained` writes each file under a temporary name and renames it over, so a model
+can be saved into the directory it was loaded from. ``mmap=False`` copies every box and keeps no
+file mapped.
 
 transformers renames some checkpoint keys at load time and converts others (per-expert
 tensors merged into one 3-D experts tensor): its conversion mapping for the model
@@ -208,15 +225,49 @@ def _element_runs(shape: Tuple[int, ...], box: Optional[Box]) -> Tuple[List[int]
 _MAX_RUNS = 1 << 16
 
 
-class _FileTensor:
-    """Tensor ``key`` of a checkpoint file, read whole or by boxes; ``offsets``: the files' data
-    offsets read so far (:func:`_data_offsets`), shared by one load."""
+class _Files:
+    """What one load knows of the checkpoint's files: their data offsets (:func:`_data_offsets`),
+    read once per file, and, if it maps them (NOTE [local tensors that map the file]), their
+    private memory maps."""
 
-    def __init__(self, file: str, key: str, offsets: Dict[str, Dict[str, Tuple[str, Tuple[int, ...], int]]]):
-        self.file, self.key, self.offsets = file, key, offsets
+    def __init__(self, mapped: bool):
+        self.mapped = mapped
+        self._offsets: Dict[str, Dict[str, Tuple[str, Tuple[int, ...], int]]] = {}
+        self._maps: Dict[str, torch.UntypedStorage] = {}
+
+    def offsets(self, file: str) -> Dict[str, Tuple[str, Tuple[int, ...], int]]:
+        if file not in self._offsets:
+            self._offsets[file] = _data_offsets(file)
+        return self._offsets[file]
+
+    def mapping(self, file: str) -> torch.UntypedStorage:
+        if file not in self._maps:
+            self._maps[file] = torch.UntypedStorage.from_file(file, False, os.path.getsize(file))
+        return self._maps[file]
+
+
+class _FileTensor:
+    """Tensor ``key`` of a checkpoint file, read whole or by boxes, or mapped."""
+
+    def __init__(self, file: str, key: str, files: _Files):
+        self.file, self.key, self.files = file, key, files
 
     def read(self, box: Optional[Box]) -> torch.Tensor:
         return _read_box(self.file, self.key, box)
+
+    def mapped(self, box: Optional[Box], like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The box as a view of the file's memory map, of ``like``'s shape, if the load maps files
+        and the box is one byte range of ``like``'s dtype on the CPU (NOTE [local tensors that map
+        the file]); else None."""
+        if not self.files.mapped or like.device.type != "cpu" or like.numel() == 0:
+            return None
+        dtype, shape, start = self.files.offsets(self.file)[self.key]
+        starts, run = _element_runs(shape, box)
+        size = like.element_size()
+        first = start + starts[0] * size
+        if _DTYPE_NAMES.get(like.dtype) != dtype or len(starts) != 1 or run != like.numel() or first % size:
+            return None
+        return torch.empty(0, dtype=like.dtype).set_(self.files.mapping(self.file), first // size, like.shape)
 
     def read_into(self, box: Optional[Box], out: torch.Tensor) -> None:
         """``out.copy_(self.read(box))``, straight from the file where it can be (NOTE [reading a box
@@ -224,9 +275,7 @@ class _FileTensor:
         if out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
             out.copy_(self.read(box))
             return
-        if self.file not in self.offsets:
-            self.offsets[self.file] = _data_offsets(self.file)
-        dtype, shape, start = self.offsets[self.file][self.key]
+        dtype, shape, start = self.files.offsets(self.file)[self.key]
         if _DTYPE_NAMES.get(out.dtype) != dtype:
             out.copy_(self.read(box))
             return
@@ -263,6 +312,9 @@ class _InMemory:
         for dim, (start, length) in enumerate(box):
             piece = piece.narrow(dim, start, length)
         return piece
+
+    def mapped(self, box: Optional[Box], like: torch.Tensor) -> None:
+        return None
 
     def read_into(self, box: Optional[Box], out: torch.Tensor) -> None:
         out.copy_(self.read(box))
@@ -325,12 +377,22 @@ def _packed_boxes(param: DTensor, layout: PackedLayout) -> Optional[List[Tuple[B
     return pieces
 
 
+def _read_or_map(source, box: Optional[Box], local: torch.Tensor) -> None:
+    """``local`` (a plain tensor) holds the box of ``source``: a view of the file put in place of
+    its storage where the box can be mapped, else the box read into it."""
+    view = source.mapped(box, local)
+    if view is None:
+        source.read_into(box, local.detach())  # a plain parameter requires grad
+    else:
+        local.data = view
+
+
 def _fill(param: torch.Tensor, source, packed: Dict[int, Tuple[torch.Tensor, PackedLayout]]) -> None:
-    """Write this rank's values of ``param`` (from ``source``, a :class:`_FileTensor` or
-    :class:`_InMemory`) into its local tensor, in place (casting to the parameter's dtype, as
+    """Give the local tensor of ``param`` this rank's values (from ``source``, a :class:`_FileTensor`
+    or :class:`_InMemory`), written in place or mapped (casting to the parameter's dtype, as
     loading does)."""
     if not isinstance(param, DTensor):
-        source.read_into(None, param.detach())
+        _read_or_map(source, None, param)
         return
     local = dtensor_local(param)
     if id(param) in packed:
@@ -347,7 +409,7 @@ def _fill(param: torch.Tensor, source, packed: Dict[int, Tuple[torch.Tensor, Pac
         full = source.read(None).to(param.device)
         local.copy_(dtensor_local(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)))
     elif all(length > 0 for _, length in box):
-        source.read_into(box, local)
+        _read_or_map(source, box, local)
 
 
 @dataclass
@@ -409,10 +471,11 @@ def _convert(model, converter, target: str, sources, make: Callable[[str], torch
     return {name: value[0] if isinstance(value, list) else value for name, value in converted.items()}
 
 
-def _materialize(model: nn.Module, device: Optional[Union[str, torch.device]]) -> None:
-    """Give a meta-device model storage on ``device`` (by default, the device of its meshes)."""
+def _materialize(model: nn.Module, device: Optional[Union[str, torch.device]]) -> bool:
+    """Give a meta-device model storage on ``device`` (by default, the device of its meshes); whether
+    it was on the meta device."""
     if not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
-        return
+        return False
     if device is None:
         device = "cpu"
         for param in model.parameters():
@@ -434,10 +497,11 @@ def _materialize(model: nn.Module, device: Optional[Union[str, torch.device]]) -
     model.to_empty(device=device)
     for module, name, (source, source_name) in tied:
         module._parameters[name] = source._parameters[source_name]
+    return True
 
 
 def load_pretrained(model: nn.Module, path: str, *, strict: bool = True,
-                    device: Optional[Union[str, torch.device]] = None) -> LoadResult:
+                    device: Optional[Union[str, torch.device]] = None, mmap: bool = True) -> LoadResult:
     r"""Load a Hugging Face ``save_pretrained`` directory into a parallelized model, each rank
     reading only its slices.
 
@@ -452,7 +516,7 @@ def load_pretrained(model: nn.Module, path: str, *, strict: bool = True,
         torch_tp.parallel.load_pretrained(model, path)
 
     A model with meta tensors is first given storage (``to_empty``) on ``device``. Each parameter
-    and persistent buffer is then filled in place from the checkpoint, each rank reading from
+    and persistent buffer then gets its values from the checkpoint, each rank reading from
     disk only the slices it holds (NOTE [reading only this rank's slices] in this file);
     checkpoint keys are renamed and converted as transformers' ``from_pretrained`` does, and
     values are cast to the model's dtypes. Afterwards the parameters equal, bit for bit, those of
@@ -477,6 +541,13 @@ def load_pretrained(model: nn.Module, path: str, *, strict: bool = True,
             Default: ``True``.
         device: where a meta-device model is materialized; by default the device type of its
             DTensors' mesh (the current device of it), else CPU.
+        mmap (bool): as ``from_pretrained`` does, a meta-device model materialized on the CPU
+            keeps each local tensor that is one byte range of a file (a whole tensor, a
+            ``Shard(0)`` piece) as a copy-on-write view of the file's memory map, read at first
+            use; writes never reach the file. Rewriting such a file in place (truncating it)
+            while the model lives corrupts the model; replacing it, as :func:`save_pretrained`
+            does, is safe (NOTE [local tensors that map the file]). ``False`` copies every
+            tensor into memory and keeps no file mapped. Default: ``True``.
 
     Returns:
         ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
@@ -530,14 +601,17 @@ def load_pretrained(model: nn.Module, path: str, *, strict: bool = True,
         raise RuntimeError(f"torch_tp.parallel.load_pretrained: {path!r} does not match {type(model).__name__} "
                            "(nothing was loaded):\n\t" + "\n\t".join(errors))
 
-    _materialize(model, device)
+    from torch.distributed.fsdp import FSDPModule
+
+    fresh = _materialize(model, device) and not any(isinstance(m, FSDPModule) for m in model.modules())
+    files = _Files(mapped=mmap and fresh)
     tensors = _model_tensors(model)  # to_empty may have swapped tensors
     packed = packed_parameters()
-    done, offsets = set(), {}
+    done = set()
     with torch.no_grad():
         for target, key in plan.direct.items():
             if id(tensors[target]) not in done:
-                _fill(tensors[target], _FileTensor(checkpoint[key][1], key, offsets), packed)
+                _fill(tensors[target], _FileTensor(checkpoint[key][1], key, files), packed)
                 done.add(id(tensors[target]))
         for converter, target, sources in plan.converted:
             converted = _convert(model, converter, target, sources,
@@ -632,6 +706,8 @@ def save_pretrained(model: nn.Module, path: str, *, max_shard_size: Union[int, s
     and written by global rank 0 before the next is gathered, so no rank holds more than one
     full tensor at a time. It is a collective: every rank calls it with the same model (a
     pipeline stage writes nothing of the other stages). It returns once the files are written.
+    Each file is written under a temporary name and renamed into place, so a model that maps the
+    files it was loaded from (:func:`load_pretrained`'s ``mmap``) can be saved over them.
 
     Args:
         model: a transformers model parallelized by :func:`~torch_tp.parallelize_module` (SP,
@@ -693,7 +769,10 @@ def save_pretrained(model: nn.Module, path: str, *, max_shard_size: Union[int, s
             # Written in this order: each key's names that go to this file.
             entries = [(name, meta.dtype, tuple(meta.shape)) for key in file_keys
                        for name, meta in saved[key].items() if name in names]
-            out = open(os.path.join(path, file), "wb") if writer else None
+            # Written under another name and renamed over: a model that maps the old file (NOTE [local
+            # tensors that map the file]) keeps it, where truncating it would pull its pages away.
+            temporary = os.path.join(path, f".{file}.{os.getpid()}.tmp")
+            out = open(temporary, "wb") if writer else None
             try:
                 if out is not None:
                     out.write(_header(entries))
@@ -709,9 +788,14 @@ def save_pretrained(model: nn.Module, path: str, *, max_shard_size: Union[int, s
                         if out is not None and name in names:
                             _write_bytes(out, converted[name])
                     del converted
-            finally:
+            except BaseException:
                 if out is not None:
                     out.close()
+                    os.remove(temporary)
+                raise
+            if out is not None:
+                out.close()
+                os.replace(temporary, os.path.join(path, file))
     if writer and split.is_sharded:
         index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
                  "weight_map": split.tensor_to_filename}
