@@ -238,15 +238,27 @@ std::tuple<at::Tensor, at::Tensor> slot_sum_backward(const at::Tensor& grad_out,
   return op.call(grad_out, rows, order, weights, output_mask);
 }
 
+// The dispatcher's handles of the two forward ops, looked up once for every caller below.
+using SlotSumSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using SlotRowsSignature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+
+const c10::TypedOperatorHandle<SlotSumSignature>& slot_sum_op() {
+  static const auto op = find_op<SlotSumSignature>("torch_tp::_moe_slot_sum");
+  return op;
+}
+
+const c10::TypedOperatorHandle<SlotRowsSignature>& slot_rows_op() {
+  static const auto op = find_op<SlotRowsSignature>("torch_tp::_moe_slot_rows");
+  return op;
+}
+
 // Backward: _moe_slot_sum_backward (NOTE [one pass over the slots]).
 struct SlotSumFunction : public torch::autograd::Function<SlotSumFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& order,
                             const at::Tensor& weights) {
     ctx->save_for_backward({rows, order, weights});
-    static const auto op =
-        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(rows, order, weights);
+    return slot_sum_op().call(rows, order, weights);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -262,10 +274,8 @@ struct SlotSumFunction : public torch::autograd::Function<SlotSumFunction> {
 
 at::Tensor slot_sum_autograd(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
   if (!needs_autograd(rows) && !needs_autograd(weights)) {
-    static const auto op =
-        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(rows, order, weights);
+    return slot_sum_op().call(rows, order, weights);
   }
   return SlotSumFunction::apply(rows, order, weights);
 }
@@ -302,29 +312,25 @@ struct SlotRowsFunction : public torch::autograd::Function<SlotRowsFunction> {
     ctx->save_for_backward({order});
     ctx->saved_data["tokens"] = hidden.sym_size(0);
     ctx->saved_data["top_k"] = top_k;
-    static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("torch_tp::_moe_slot_rows");
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(hidden, order, top_k);
+    return slot_rows_op().call(hidden, order, top_k);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!grads[0].defined()) {
       return {at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    static const auto sum_op =
-        find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
     const at::Tensor grad = grads[0].contiguous();
     const at::Tensor unit = at::ones_symint({ctx->saved_data["tokens"].toSymInt(), ctx->saved_data["top_k"].toInt()},
                                             grad.options());
-    return {sum_op.call(grad, ctx->get_saved_variables()[0], unit), at::Tensor(), at::Tensor()};
+    return {slot_sum_op().call(grad, ctx->get_saved_variables()[0], unit), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor slot_rows_autograd(const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
   if (!needs_autograd(hidden)) {
-    static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("torch_tp::_moe_slot_rows");
     at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(hidden, order, top_k);
+    return slot_rows_op().call(hidden, order, top_k);
   }
   return SlotRowsFunction::apply(hidden, order, top_k);
 }
