@@ -257,9 +257,9 @@ class _FileTensor:
 
     def mapped(self, box: Optional[Box], like: torch.Tensor) -> Optional[torch.Tensor]:
         """The box as a view of the file's memory map, of ``like``'s shape, if the load maps files
-        and the box is one byte range of ``like``'s dtype on the CPU (NOTE [local tensors that map
-        the file]); else None."""
-        if not self.files.mapped or like.device.type != "cpu" or like.numel() == 0:
+        and the box is one byte range of ``like``'s dtype, for a contiguous CPU ``like`` (NOTE
+        [local tensors that map the file]); else None."""
+        if not self.files.mapped or like.device.type != "cpu" or like.numel() == 0 or not like.is_contiguous():
             return None
         dtype, shape, start = self.files.offsets(self.file)[self.key]
         starts, run = _element_runs(shape, box)
