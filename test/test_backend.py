@@ -341,8 +341,9 @@ def test_rooted_collectives(ranks, world_size, dtype):
 
 
 def _split(sender, receiver, scale):
-    """Elements ``sender`` sends ``receiver`` (uneven, some zero)."""
-    return ((sender * 7 + receiver * 3) % 5) * scale
+    """Elements ``sender`` sends ``receiver`` (uneven, some zero; a rank's piece to itself the largest, which it
+    copies without the shared buffer, so that the peers' pieces alone set the steps)."""
+    return ((sender * 7 + receiver * 3) % 5 + 6 * (sender == receiver)) * scale
 
 
 def _check_all_to_all(dtype, scale):

@@ -263,11 +263,22 @@ void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* input
   const size_t block = t.slot_bytes() / static_cast<size_t>(n) / kLine * kLine;
   TORCH_CHECK(block > 0, "torch_tp backend: ", op, ": the shared buffer of ", t.slot_bytes(),
               " bytes per slot is too small for ", n, " ranks");
-  // Every rank needs as many steps as the largest piece any rank sends: each
-  // contributes its own need through the header's `extra`, read in step 1.
+  // This rank's own piece goes straight from its input to its output, one
+  // copy where the slot would take two, unless the two overlap (a copy
+  // through the slot keeps the input's bytes until they are read).
+  const auto* own_in = static_cast<const char*>(inputs[me]);
+  auto* own_out = static_cast<char*>(outputs[me]);
+  const size_t own = send_bytes[me];
+  const bool own_direct =
+      own == recv_bytes[me] && (own == 0 || own_in + own <= own_out || own_out + own <= own_in);
+  // Every rank needs as many steps as the largest piece any rank sends
+  // through the slots: each contributes its own need through the header's
+  // `extra`, read in step 1.
   size_t need = 1;
   for (const auto r : c10::irange(n)) {
-    need = std::max({need, ceil_div(send_bytes[r], block), ceil_div(recv_bytes[r], block)});
+    if (r != me || !own_direct) {
+      need = std::max({need, ceil_div(send_bytes[r], block), ceil_div(recv_bytes[r], block)});
+    }
   }
   header.extra = static_cast<int64_t>(need);
   size_t steps = 1;
@@ -276,7 +287,7 @@ void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* input
     const uint64_t step = t.next_step();
     char* slot = t.my_slot(step);
     for (const auto r : c10::irange(n)) {
-      if (send_bytes[r] > base) {
+      if (send_bytes[r] > base && (r != me || !own_direct)) {
         copy_bytes(slot + r * block, static_cast<const char*>(inputs[r]) + base,
                     std::min(block, send_bytes[r] - base));
       }
@@ -286,9 +297,12 @@ void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* input
       for (const auto r : c10::irange(n)) {
         steps = std::max(steps, static_cast<size_t>(t.peer_header(r, step).extra));
       }
+      if (own_direct) {  // while the peers read this rank's slot
+        copy_bytes(own_out, own_in, own);
+      }
     }
     for (const auto r : c10::irange(n)) {
-      if (recv_bytes[r] > base) {
+      if (recv_bytes[r] > base && (r != me || !own_direct)) {
         copy_bytes(static_cast<char*>(outputs[r]) + base, t.peer_slot(r, step) + me * block,
                     std::min(block, recv_bytes[r] - base));
       }

@@ -90,6 +90,8 @@ void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* i
 
 // outputs[r][recv_bytes[r]] = local rank r's inputs[this rank]. Sizes may be 0
 // (gather and scatter are this with one non-empty side) and must agree pairwise.
+// The pieces to peers go through the slots; this rank's own piece is copied
+// straight to its output unless the two overlap.
 void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* inputs, const size_t* send_bytes,
                     void* const* outputs, const size_t* recv_bytes);
 
