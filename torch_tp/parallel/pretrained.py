@@ -255,40 +255,44 @@ class _FileTensor:
     def read(self, box: Optional[Box]) -> torch.Tensor:
         return _read_box(self.file, self.key, box)
 
+    def _file_runs(self, box: Optional[Box], like: torch.Tensor) -> Optional[Tuple[List[int], int]]:
+        """The box as byte ranges of the file, in ``like``'s row-major order: (each range's file offset,
+        the range's length), if ``like`` is a non-empty contiguous CPU tensor of the checkpoint's dtype
+        that the ranges fill; else None."""
+        if like.device.type != "cpu" or not like.is_contiguous() or like.numel() == 0:
+            return None
+        dtype, shape, start = self.files.offsets(self.file)[self.key]
+        if _DTYPE_NAMES.get(like.dtype) != dtype:
+            return None
+        starts, run = _element_runs(shape, box)
+        if len(starts) * run != like.numel():
+            return None
+        size = like.element_size()
+        return [start + first * size for first in starts], run * size
+
     def mapped(self, box: Optional[Box], like: torch.Tensor) -> Optional[torch.Tensor]:
         """The box as a view of the file's memory map, of ``like``'s shape, if the load maps files
         and the box is one byte range of ``like``'s dtype, for a contiguous CPU ``like`` (NOTE
         [local tensors that map the file]); else None."""
-        if not self.files.mapped or like.device.type != "cpu" or like.numel() == 0 or not like.is_contiguous():
+        runs = self._file_runs(box, like) if self.files.mapped else None
+        if runs is None or len(runs[0]) != 1 or runs[0][0] % like.element_size():
             return None
-        dtype, shape, start = self.files.offsets(self.file)[self.key]
-        starts, run = _element_runs(shape, box)
-        size = like.element_size()
-        first = start + starts[0] * size
-        if _DTYPE_NAMES.get(like.dtype) != dtype or len(starts) != 1 or run != like.numel() or first % size:
-            return None
-        return torch.empty(0, dtype=like.dtype).set_(self.files.mapping(self.file), first // size, like.shape)
+        first = runs[0][0] // like.element_size()
+        return torch.empty(0, dtype=like.dtype).set_(self.files.mapping(self.file), first, like.shape)
 
     def read_into(self, box: Optional[Box], out: torch.Tensor) -> None:
         """``out.copy_(self.read(box))``, straight from the file where it can be (NOTE [reading a box
         straight into its tensor])."""
-        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
+        runs = self._file_runs(box, out)
+        if runs is None or len(runs[0]) > _MAX_RUNS:
             out.copy_(self.read(box))
             return
-        dtype, shape, start = self.files.offsets(self.file)[self.key]
-        if _DTYPE_NAMES.get(out.dtype) != dtype:
-            out.copy_(self.read(box))
-            return
-        starts, run = _element_runs(shape, box)
-        size = out.element_size()
+        offsets, run = runs
         memory = memoryview(out.view(-1).view(torch.uint8).numpy())
-        if len(starts) * run != out.numel() or len(starts) > _MAX_RUNS:
-            out.copy_(self.read(box))
-            return
         fd = os.open(self.file, os.O_RDONLY)
         try:
-            for i, first in enumerate(starts):  # each run into its place in out (out is the box, row-major)
-                piece, offset, done = memory[i * run * size:(i + 1) * run * size], start + first * size, 0
+            for i, offset in enumerate(offsets):  # each run into its place in out (out is the box, row-major)
+                piece, done = memory[i * run:(i + 1) * run], 0
                 while done < len(piece):  # preadv may return fewer bytes than asked (large reads)
                     got = os.preadv(fd, [piece[done:]], offset + done)
                     if got == 0:
