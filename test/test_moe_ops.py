@@ -288,3 +288,73 @@ def test_slot_sum_refuses_an_order_that_is_no_permutation():
                        ["moe_token_combine", "order", "entry 3", "out of range"], IndexError)
     assert_error_names(lambda: torch.ops.torch_tp._moe_slot_sum(rows[:3], torch.tensor([0, 1, 2, 3]), weights),
                        ["moe_token_combine", "3 rows", "4 entries"])
+
+
+# Against transformers' eager experts module of the same weights: float64 differs by the GEMMs' summation
+# order alone; float32 by its roundoff over H=40 and I=24-long dot products; bfloat16 by a few 8-bit roundings
+# that the two GEMM orders place differently (the activation is ATen's silu and mul in both).
+GATED_EXPERTS_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _hf_experts(num_experts: int, hidden: int, inner: int, dtype):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    module = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inner, num_experts=num_experts,
+                                            num_experts_per_tok=1, experts_implementation="eager"))
+    gen = torch.Generator().manual_seed(num_experts)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) * hidden ** -0.5)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) * inner ** -0.5)
+    return module.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(GATED_EXPERTS_TOL))
+@pytest.mark.parametrize("counts", [[[2, 0, 3], [1, 4, 0]], [[5, 0, 2]], [0, 3, 1], [[0, 0, 0], [0, 0, 0]]],
+                         ids=["two runs", "one run", "flat", "no rows"])
+def test_gated_experts_match_transformers(dtype, counts):
+    """``moe_gated_experts`` (NOTE [one GEMM per expert], csrc/ops/moe_experts.cpp) on rows in (run, expert)
+    blocks, against transformers' eager Qwen3MoeExperts on the same rows as top-1 routing with unit weights:
+    the output and the gradients of the rows and of both weights; an expert without rows gets zero
+    gradients, and no rows at all give an empty output."""
+    counts = torch.tensor(counts)
+    experts = _hf_experts(counts.shape[-1], 40, 24, dtype)
+    ids = torch.arange(counts.shape[-1]).repeat(counts.numel() // counts.shape[-1]).repeat_interleave(counts.flatten())
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(ids.numel(), 40, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(rows.shape, generator=gen).to(dtype)
+    expected = experts(rows, ids[:, None], torch.ones(ids.numel(), 1, dtype=dtype))
+    if expected.requires_grad:  # not without rows: the module returns zeros_like(rows)
+        expected.backward(grad)
+    expected_grads = [t.grad for t in (rows, experts.gate_up_proj, experts.down_proj)]
+    rows.grad = experts.gate_up_proj.grad = experts.down_proj.grad = None
+    got = torch.ops.torch_tp.moe_gated_experts(rows, counts, experts.gate_up_proj, experts.down_proj)
+    got.backward(grad)
+    tol, what = GATED_EXPERTS_TOL[dtype], f"{dtype}, counts {counts.tolist()}"
+    assert got.dtype == dtype and got.shape == rows.shape
+    assert_close(got, expected, f"{what}: output", tol)
+    for name, t, want in zip(["rows", "gate_up_proj", "down_proj"], (rows, experts.gate_up_proj, experts.down_proj),
+                             expected_grads):
+        if want is None:  # no rows: transformers' module never touches its weights
+            assert t.grad is not None and not t.grad.any(), f"{what}: {name}.grad of experts without rows must be zero"
+        else:
+            assert_close(t.grad, want, f"{what}: {name}.grad", tol)
+
+
+def test_gated_experts_opcheck_and_bad_input():
+    """The schema, autograd registration and fake (Meta) kernels by torch.library.opcheck; counts that do
+    not cover the rows, negative counts and mismatched weights are refused by name."""
+    experts = _hf_experts(3, 8, 4, torch.float64)
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    rows = torch.randn(6, 8, dtype=torch.float64)
+    counts = torch.tensor([[1, 2, 0], [0, 1, 2]])
+    torch.library.opcheck(torch.ops.torch_tp.moe_gated_experts.default,
+                          (rows.requires_grad_(), counts, gate_up.requires_grad_(), down.requires_grad_()))
+    op = torch.ops.torch_tp.moe_gated_experts
+    assert_error_names(lambda: op(rows, torch.tensor([1, 2, 2]), gate_up, down),
+                       ["moe_gated_experts", "counts sums to 5", "rows.size(0)=6"])
+    assert_error_names(lambda: op(rows, torch.tensor([7, -1, 0]), gate_up, down),
+                       ["moe_gated_experts", "negative count -1"])
+    assert_error_names(lambda: op(rows, torch.tensor([2, 2, 2, 0]), gate_up, down),
+                       ["moe_gated_experts", "counts", "[4]", "[3, 8, 8]"])
+    assert_error_names(lambda: op(rows, counts, gate_up, down.float()),
+                       ["moe_gated_experts", "one floating dtype", "Double", "Float"])

@@ -30,6 +30,7 @@ __all__ = [
     "group_name",
     "moe_combine",
     "moe_dispatch",
+    "moe_gated_experts",
     "moe_token_combine",
     "moe_token_dispatch",
     "reduce_from_tp_region",
@@ -597,6 +598,16 @@ def moe_token_combine(local_out: torch.Tensor, top_k_weights: torch.Tensor, orde
     return torch.ops.torch_tp.moe_token_combine(local_out, top_k_weights, order, tokens_per_expert, recv_counts,
                                                 group_name(group))
 
+
+def moe_gated_experts(rows: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+                      down_proj: torch.Tensor) -> torch.Tensor:
+    r"""transformers' SiLU-gated experts on rows grouped by expert: ``rows [N, H]`` in the row-major
+    (run, expert) blocks of ``counts [B, L]`` (:func:`moe_token_dispatch`'s rows with its
+    ``recv_counts``; ``[L]``: one run), ``gate_up_proj [L, 2I, H]`` (``[gate | up]`` per expert) and
+    ``down_proj [L, H, I]`` -> ``[N, H]``, each row ``down_e (silu(gate_e x) * up_e x)`` of its expert
+    ``e``. One GEMM per expert and projection. Differentiable in ``rows`` and both weights."""
+    _check_tensor("moe_gated_experts", "rows", rows)
+    return torch.ops.torch_tp.moe_gated_experts(rows, counts, gate_up_proj, down_proj)
 
 def chunk_range(n: int, world_size: int, rank: int) -> Tuple[int, int]:
     r"""The rows ``[start, start + length)`` of ``n`` that rank ``rank`` holds when

@@ -164,4 +164,12 @@ at::Tensor moe_token_combine(const at::Tensor& local_out, const at::Tensor& top_
   return op.call(local_out, top_k_weights, order, tokens_per_expert, recv_counts, group_name);
 }
 
+at::Tensor moe_gated_experts(const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& gate_up_proj,
+                             const at::Tensor& down_proj) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&)>("torch_tp::moe_gated_experts");
+  check_defined("torch_tp::moe_gated_experts", "rows", rows);
+  return op.call(rows, counts, gate_up_proj, down_proj);
+}
+
 } // namespace torch_tp

@@ -4,8 +4,8 @@
 // autocast.cpp (AutocastCPU, AutocastCUDA: the linear ops),
 // embedding.cpp (CompositeImplicitAutograd), norm.cpp (CompositeImplicitAutograd;
 // CPU pieces), cross_entropy.cpp (CompositeImplicitAutograd; the pieces for
-// every device), moe.cpp (all kernels of the expert-parallel ops), meta.cpp
-// (Meta).
+// every device), moe.cpp and moe_slots.cpp (all kernels of the expert-parallel
+// ops), moe_experts.cpp (all kernels of moe_gated_experts), meta.cpp (Meta).
 //
 // `group_name` is what ProcessGroup.group_name returns, the same string torch's
 // _c10d_functional ops take; it is resolved through c10d's group registry, so
@@ -133,4 +133,18 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def(
       "_moe_slot_sum_backward(Tensor grad_out, Tensor rows, Tensor order, Tensor weights, bool[2] output_mask) -> "
       "(Tensor, Tensor)");
+  // moe_gated_experts (moe_experts.cpp) runs transformers' SiLU-gated experts on
+  // rows grouped by expert: rows [N, H] in the row-major (run, expert) blocks of
+  // counts [B, L] (moe_token_dispatch's rows with its recv_counts; [L]: one run),
+  // gate_up_proj [L, 2I, H] ([gate | up] per expert), down_proj [L, H, I] ->
+  // [N, H]; _forward also returns what backward keeps, in expert order:
+  // gate_up_out [N, 2I], silu_gate = silu(gate) and gated = silu_gate * up [N, I].
+  m.def("moe_gated_experts(Tensor rows, Tensor counts, Tensor gate_up_proj, Tensor down_proj) -> Tensor");
+  m.def(
+      "_moe_gated_experts_forward(Tensor rows, Tensor counts, Tensor gate_up_proj, Tensor down_proj) -> "
+      "(Tensor out, Tensor gate_up_out, Tensor silu_gate, Tensor gated)");
+  m.def(
+      "_moe_gated_experts_backward(Tensor grad_out, Tensor rows, Tensor counts, Tensor gate_up_proj, "
+      "Tensor down_proj, Tensor gate_up_out, Tensor silu_gate, Tensor gated, bool[3] output_mask) -> "
+      "(Tensor, Tensor, Tensor)");
 }

@@ -132,4 +132,11 @@ at::Tensor moe_token_combine(const at::Tensor& local_out, const at::Tensor& top_
                              const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts,
                              c10::string_view group_name);
 
+// transformers' SiLU-gated experts on rows grouped by expert: rows [N, H] in
+// the row-major (run b, expert e) blocks of counts [B, L] int64 (or [L]) ->
+// [N, H], row of expert e: down_proj[e] (silu(gate_e x) * up_e x), [gate_e |
+// up_e] = gate_up_proj[e] [2I, H]; down_proj [L, H, I].
+at::Tensor moe_gated_experts(const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& gate_up_proj,
+                             const at::Tensor& down_proj);
+
 } // namespace torch_tp
