@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 import transformers  # noqa: F401  (a test dependency, pinned in scripts/run_tests.sh; the ranks import from it)
 
 import torch_tp
+from torch_tp.parallel.moe import _gated_silu_experts
 from _compare import assert_close, assert_error_names
 
 TOL = {"qwen3_moe": 1e-10, "mixtral": 1e-6}
@@ -41,13 +42,14 @@ PARAM_FLOOR = 0.1
 GRAD_FLOOR = 1e-12
 
 
-def _model(kind: str, world_size: int, dtype=torch.float64, experts="eager", intermediate: int = 32):
+def _model(kind: str, world_size: int, dtype=torch.float64, experts="eager", intermediate: int = 32,
+           act: str = "silu"):
     """A small *ForCausalLM MoE (4 experts, top-2, two layers) with the same weights on every rank;
     layer 0's router sends every token's first choice to expert 1 (a skewed router)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     sizes = dict(hidden_size=32, num_hidden_layers=2, vocab_size=64, num_attention_heads=2 * world_size,
-                 num_key_value_heads=world_size, num_experts_per_tok=2, output_router_logits=True)
+                 num_key_value_heads=world_size, num_experts_per_tok=2, output_router_logits=True, hidden_act=act)
     torch.manual_seed(0)
     if kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, intermediate_size=intermediate, **sizes))
@@ -202,14 +204,14 @@ def _sum_over_ep(model, mesh):
                             group=mesh.get_group("ep"))
 
 
-def _check_expert_layout(kind: str, ep: int, tp: int):
+def _check_expert_layout(kind: str, ep: int, tp: int, act: str = "silu"):
     """The experts over ep (each ep group its own batch, of its own size) and tp. Each rank's logits,
     loss and aux loss must be the unsharded model's on its group's batch. After summing the non-expert
     gradients over the ep groups, every gradient (natural order, full tensor) must be the unsharded
     model's of the summed losses of all groups' batches, and so must the parameters after AdamW;
     greedy generate from each group's own prompt must give the unsharded model's tokens."""
     tol = TOL[kind]
-    unsharded = _model(kind, tp)
+    unsharded = _model(kind, tp, act=act)
     ours, mesh = _parallelize(copy.deepcopy(unsharded), ep, tp)
     group = mesh.get_local_rank("ep")
     experts = ours.model.layers[0].mlp.experts
@@ -217,6 +219,7 @@ def _check_expert_layout(kind: str, ep: int, tp: int):
     assert experts.gate_up_proj.placements == wanted, experts.gate_up_proj.placements
     assert experts.gate_up_proj.to_local().shape == (4 // ep, 64 // tp, 32)
     assert not isinstance(ours.model.layers[0].mlp.gate.weight, DTensor), "the router must stay replicated"
+    assert _gated_silu_experts(experts) == (act == "silu"), "the experts run as torch_tp::moe_gated_experts iff SiLU"
 
     what = f"{kind} at ep {ep} x tp {tp}, rank {dist.get_rank()}"
     expected, got = _forward_both(unsharded, ours, _batch(group), what, tol)
@@ -239,6 +242,12 @@ def _check_expert_layout(kind: str, ep: int, tp: int):
                                           ("mixtral", 2, 2)])
 def test_expert_parallel_layouts(ranks, kind, ep, tp):
     ranks(ep * tp).run(_check_expert_layout, kind, ep, tp, timeout=300)
+
+
+def test_expert_parallel_runs_other_experts_as_they_are(ranks):
+    """GELU experts are not torch_tp::moe_gated_experts' (NOTE [transformers' experts as one op]): the
+    module's own forward runs on the received rows, with the same checks."""
+    ranks(2).run(_check_expert_layout, "qwen3_moe", 2, 1, "gelu", timeout=300)
 
 
 def _check_fsdp_beside(split: str):

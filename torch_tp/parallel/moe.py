@@ -267,6 +267,35 @@ class ExpertTensorParallelState(ExpertParallelState):
     layouts: Dict[str, PackedLayout]  # gate_up_proj's [gate | up] blocks over tp (NOTE [packed parameters])
 
 
+# NOTE [transformers' experts as one op]
+# On the CPU the rows a rank's experts get run through torch_tp::moe_gated_experts
+# (csrc/ops/moe_experts.cpp, NOTE [one GEMM per expert]) in place of the module's
+# own forward, when that forward is transformers' SiLU-gated experts: the
+# module's class has transformers' default gate (``act_fn(gate) * up`` of
+# ``chunk(2)``), SiLU as act_fn, no post-expert norm, and one of transformers'
+# own implementations of those experts (eager, which an unset
+# ``_experts_implementation`` means, ``grouped_mm`` or ``batched_mm``; any other
+# registered name is someone's own kernel, and runs). Those implementations
+# compute the same products and activation; on top-1 routing with unit
+# weights, which is what the rows are, their sorting, gathering, weighting and
+# scattering move nothing, and the op skips them. Elsewhere (CUDA, where
+# grouped_mm is one kernel) the module's own forward runs.
+_TRANSFORMERS_EXPERTS_IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")
+
+
+def _gated_silu_experts(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is transformers' SiLU-gated experts (NOTE [transformers' experts as one
+    op]); the layout flags are checked by :func:`experts_sizes`."""
+    gate = getattr(type(module), "_apply_gate", None)
+    act = type(getattr(module, "act_fn", None))
+    config = getattr(module, "config", None)
+    return (getattr(gate, "__module__", None) == "transformers.integrations.moe"
+            and getattr(gate, "__name__", None) == "_default_apply_gate"
+            and (act is nn.SiLU or (act.__module__, act.__name__) == ("transformers.activations", "SiLUActivation"))
+            and not getattr(module, "has_post_expert_norm", False)
+            and getattr(config, "_experts_implementation", None) in _TRANSFORMERS_EXPERTS_IMPLEMENTATIONS)
+
+
 class _ExpertParallelModule(ParallelModule):
     _tp_kind = "ExpertParallel"
     _tp_state: ExpertParallelState
@@ -279,12 +308,27 @@ class _ExpertParallelModule(ParallelModule):
         return self._exchange_and_run(hidden_states, top_k_index, top_k_weights, args, kwargs)
 
     def _exchange_and_run(self, hidden_states, top_k_index, top_k_weights, args, kwargs):
-        """The tokens to the ranks of their experts over ``ep_group``, the module's own forward on the
-        rows this rank's experts get, the results back and summed per token."""
+        """The tokens to the ranks of their experts over ``ep_group``, the experts on the rows this
+        rank's experts get, the results back and summed per token."""
         state = self._tp_state
         group = state.ep_group
         rows, expert_ids, order, tokens_per_expert, recv_counts = torch.ops.torch_tp.moe_token_dispatch(
             hidden_states, top_k_index, state.num_experts, group)
+        set_aside = swap_in_local_parameters(self, state.parameter_names, False)
+        self.num_experts = recv_counts.size(1)
+        try:
+            if not args and not kwargs and rows.device.type == "cpu" and _gated_silu_experts(self):
+                # NOTE [transformers' experts as one op]
+                out = torch.ops.torch_tp.moe_gated_experts(rows, recv_counts, self.gate_up_proj, self.down_proj)
+            else:
+                out = self._own_forward(rows, expert_ids, args, kwargs)
+        finally:
+            self.num_experts = state.num_experts
+            restore_parameters(self, set_aside)
+        return torch.ops.torch_tp.moe_token_combine(out, top_k_weights, order, tokens_per_expert, recv_counts, group)
+
+    def _own_forward(self, rows, expert_ids, args, kwargs):
+        """The module's own forward on the received rows, as top-1 routing with unit weights."""
         received = rows.size(0)
         if received == 0:  # NOTE [experts under expert parallelism]: one zero row keeps the parameters in backward
             rows = rows.new_zeros(1, rows.size(1)) + rows.sum(0, keepdim=True)
@@ -292,15 +336,7 @@ class _ExpertParallelModule(ParallelModule):
         else:
             expert_ids = expert_ids.unsqueeze(-1)
         unit_weights = torch.ones(expert_ids.shape, dtype=rows.dtype, device=rows.device)
-        set_aside = swap_in_local_parameters(self, state.parameter_names, False)
-        self.num_experts = recv_counts.size(1)
-        try:
-            out = super(_ExpertParallelModule, self).forward(rows, expert_ids, unit_weights, *args, **kwargs)
-            out = out[:received]
-        finally:
-            self.num_experts = state.num_experts
-            restore_parameters(self, set_aside)
-        return torch.ops.torch_tp.moe_token_combine(out, top_k_weights, order, tokens_per_expert, recv_counts, group)
+        return super(_ExpertParallelModule, self).forward(rows, expert_ids, unit_weights, *args, **kwargs)[:received]
 
 
 class ExpertParallel(ParallelStyle):
