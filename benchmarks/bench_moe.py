@@ -9,7 +9,8 @@ mesh, {"experts": torch_tp.ExpertParallel()})``; **torchtitan**: its ``RoutedExp
 ``GroupedExperts`` of this rank's experts, w1 = gate, w3 = up, w2 = down; GEMMs in float32); **hf ep**:
 transformers' ``apply_expert_parallelism`` (``from_pretrained``'s EP), Qwen3-MoE's ep_plan, ``all_to_all``.
 
-torch_tp's parts: **gemm**, this rank's experts alone on the rows it receives; **d+c**, ``moe_token_dispatch``
+torch_tp's parts: **gemm**, this rank's experts alone on the rows it receives, as torch_tp runs them
+(``torch_tp::moe_gated_experts``); **d+c**, ``moe_token_dispatch``
 and ``moe_token_combine`` around identity experts; **a2a**, ``torch.distributed.all_to_all_single`` of the
 same rows, twice in the forward and twice in the backward."""
 
@@ -107,12 +108,13 @@ def measure(a):
         assert err <= TOL, f"{impl} differs from the unsharded layer by {err:.3g} (rank {r})"
     # torch_tp's parts, on the rows this rank receives and the split sizes of its routing
     dispatch, combine = torch.ops.torch_tp.moe_token_dispatch, torch.ops.torch_tp.moe_token_combine
-    rows, ids, _, tpe, recv = dispatch(x.detach(), idx, E, g.group_name)
-    local, mine = experts_module(a, E // p), slice(r * E // p, (r + 1) * E // p)
-    local.gate_up_proj.data, local.down_proj.data = ref.gate_up_proj.data[mine], ref.down_proj.data[mine]
+    rows, _, _, tpe, recv = dispatch(x.detach(), idx, E, g.group_name)
+    mine = slice(r * E // p, (r + 1) * E // p)
+    weights = [t.detach()[mine].clone().requires_grad_() for t in (ref.gate_up_proj, ref.down_proj)]
     rows = rows.clone().requires_grad_()
-    ids = ids.unsqueeze(-1)
-    steps["gemm"] = step(lambda *_: local(rows, ids, torch.ones(ids.shape)), 0, 0, 0, torch.randn(rows.shape))
+    leaves += weights
+    steps["gemm"] = step(lambda *_: torch.ops.torch_tp.moe_gated_experts(rows, recv, *weights), 0, 0, 0,
+                         torch.randn(rows.shape))
 
     def exchange(xx, ii, ww):  # identity experts
         d = dispatch(xx, ii, E, g.group_name)
