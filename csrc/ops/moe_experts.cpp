@@ -278,20 +278,20 @@ at::Tensor gated_experts_autograd(const at::Tensor& rows, const at::Tensor& coun
   return GatedExpertsFunction::apply(rows, counts, gate_up_proj, down_proj);
 }
 
-void impl_device_kernels(torch::Library& m) {
+} // namespace
+
+// ATen calls only, so the kernels serve both devices; ExpertParallel runs transformers' experts through the
+// op on the CPU alone (NOTE [transformers' experts as one op] in torch_tp/parallel/moe.py).
+TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
   m.impl("moe_gated_experts", gated_experts_kernel);
   m.impl("_moe_gated_experts_forward", forward_kernel);
   m.impl("_moe_gated_experts_backward", backward_kernel);
 }
 
-} // namespace
-
-TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
-  impl_device_kernels(m);
-}
-
 TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
-  impl_device_kernels(m);
+  m.impl("moe_gated_experts", gated_experts_kernel);
+  m.impl("_moe_gated_experts_forward", forward_kernel);
+  m.impl("_moe_gated_experts_backward", backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
