@@ -9,14 +9,14 @@ mesh, {"experts": torch_tp.ExpertParallel()})``; **torchtitan**: its ``RoutedExp
 ``GroupedExperts`` of this rank's experts, w1 = gate, w3 = up, w2 = down; GEMMs in float32); **hf ep**:
 transformers' ``apply_expert_parallelism`` (``from_pretrained``'s EP), Qwen3-MoE's ep_plan, ``all_to_all``.
 
-torch_tp's parts: **gemm**, this rank's experts alone on the rows it receives, as torch_tp runs them
-(``torch_tp::moe_gated_experts``); **d+c**, ``moe_token_dispatch``
-and ``moe_token_combine`` around identity experts; **a2a**, ``torch.distributed.all_to_all_single`` of the
-same rows, twice in the forward and twice in the backward."""
+torch_tp's parts: **gemm**, ``torch_tp::moe_gated_experts`` (how torch_tp runs this rank's experts) on the rows
+it receives; **d+c**, ``moe_token_dispatch`` and ``moe_token_combine`` around identity experts; **a2a**,
+``torch.distributed.all_to_all_single`` of the same rows, twice in the forward and twice in the backward."""
 
 import copy
 import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,9 @@ IMPLS = ["torch_tp", "unsharded", "torchtitan", "hf ep"]
 PARTS = {"gemm": "gemm", "d+c fwd": "exchange/fwd", "d+c bwd": "exchange/bwd", "a2a fwd": "a2a/fwd",
          "a2a bwd": "a2a/bwd"}
 TOL = 1e-4  # |a - unsharded|max / |unsharded|max, output and input gradients: float32, other summation orders
-SHAPE = dict(experts=8, top_k=2, hidden=1024, intermediate=2048, tokens=1024, repeats=25, warmup=2)
+# qwen3-30b: Qwen3-30B-A3B's expert sizes and top-8, 64 of its 128 experts (1.1 GiB, far above the L3)
+CONFIGS = {"dim1024": dict(experts=8, top_k=2, hidden=1024, intermediate=2048, tokens=1024),
+           "qwen3-30b": dict(experts=64, top_k=8, hidden=2048, intermediate=768, tokens=512)}
 
 
 def experts_module(a, num_experts):
@@ -85,8 +87,24 @@ def step(fn, x, idx, w, dy, laps=False):
     return run
 
 
-def measure(a):
+def measure(args):
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("ep",))
+    vs_tp, goal = [(i, "torch_tp") for i in IMPLS[1:]], [("d+c fwd", "a2a fwd"), ("d+c bwd", "a2a bwd")]
+    table = harness.Table("ms", IMPLS, ratios=vs_tp, paired=vs_tp, title="Step (forward + backward)")
+    parts = harness.Table("ms", list(PARTS), ratios=goal, paired=goal, title="torch_tp's step in parts")
+    notes = [measure_case(types.SimpleNamespace(**CONFIGS[name]), mesh, table, parts, args) for name in args.configs]
+    backend = "" if args.backend == "gloo" else f" backend={args.backend}"
+    return {
+        "tag": "bench_moe" + backend, "stem": "moe" + backend.replace(" backend=", "_"),
+        "title": "MoE experts under expert parallelism, forward + backward: torch_tp vs torchtitan vs transformers"
+        + (f", on the {args.backend} backend" if backend else ""),
+        "about": __doc__.split("\n\n", 1)[1].strip() + f" Outputs and input gradients agree with the unsharded "
+        f"layer's within {TOL:g} (max abs error / max abs value) before timing; steps in shuffled orders.",
+        "tables": [table, parts], "notes": notes}
+
+
+def measure_case(a, mesh, table, parts, args):
+    """One shape's rows of both tables; returns its goal line."""
     p, r, E, T, H, g = mesh.size(), mesh.get_local_rank(), a.experts, a.tokens, a.hidden, mesh.get_group()
     torch.manual_seed(0)
     ref = experts_module(a, E)
@@ -136,40 +154,25 @@ def measure(a):
         return {"fwd": t_fwd}
     steps["a2a"] = all_to_alls
 
-    def reset():
-        for t in leaves + [rows]:
-            t.grad = None
-
-    samples = harness.time_interleaved(steps, a.repeats, order=harness.permutations(list(steps)),
-                                       reset={k: reset for k in steps}, warmup=a.warmup)
+    reset = lambda: [setattr(t, "grad", None) for t in leaves + [rows]]  # noqa: E731
+    samples = harness.time_interleaved(steps, args.repeats, order=harness.permutations(list(steps)),
+                                       reset={k: reset for k in steps}, warmup=2)
     for k in ("exchange", "a2a"):
         samples.per_rank[f"{k}/bwd"] = samples.per_rank[k] - samples.per_rank[f"{k}/fwd"]
-    vs_tp = [(i, "torch_tp") for i in IMPLS[1:]]
-    table = harness.Table("ms", IMPLS, ratios=vs_tp, paired=vs_tp, title="Step (forward + backward)")
     case = {"shape": f"E {E}, top-{a.top_k}, H {H}, I {a.intermediate}, {T} tokens/rank, EP {p}"}
     table.add(case, samples, extra={"experts' weights MiB": 3 * E * H * a.intermediate * 4 / 2 ** 20,
                                     "rows/rank": rows.size(0)})
-    goal = [("d+c fwd", "a2a fwd"), ("d+c bwd", "a2a bwd")]
-    parts = harness.Table("ms", list(PARTS), ratios=goal, paired=goal, title="torch_tp's step in parts")
     parts.add(case, samples, keys=PARTS)
     med = lambda k: samples.median(k, "ms")  # noqa: E731
     fwd, bwd = med("exchange/fwd") / med("a2a/fwd"), med("exchange/bwd") / med("a2a/bwd")
     ahead = {i: med(i) / med("torch_tp") for i in ("torchtitan", "hf ep")}
-    notes = [f"Goal (issue 51, 7): dispatch + combine within 1.3x of the two all-to-alls: forward {fwd:.2f}x, "
-             f"backward {bwd:.2f}x: {'met' if max(fwd, bwd) <= 1.3 else 'NOT met'}. Ahead of both peers ("
-             + ", ".join(f"{i} / torch_tp {v:.2f}" for i, v in ahead.items())
-             + ("): met." if min(ahead.values()) > 1 else "): NOT met.")]
-    backend = "" if a.backend == "gloo" else f" backend={a.backend}"
-    return {
-        "tag": "bench_moe" + backend, "stem": "moe" + backend.replace(" backend=", "_"),
-        "title": "MoE experts under expert parallelism, forward + backward: torch_tp vs torchtitan vs transformers"
-        + (f", on the {a.backend} backend" if backend else ""),
-        "about": __doc__.split("\n\n", 1)[1].strip() + f" Outputs and input gradients agree with the unsharded "
-        f"layer's within {TOL:g} (max abs error / max abs value) before timing; steps in shuffled orders.",
-        "tables": [table, parts], "notes": notes}
+    return (f"Goal (issue 51, 7), {case['shape']}: dispatch + combine within 1.3x of the two all-to-alls: forward "
+            f"{fwd:.2f}x, backward {bwd:.2f}x: {'met' if max(fwd, bwd) <= 1.3 else 'NOT met'}. Ahead of both peers ("
+            + ", ".join(f"{i} / torch_tp {v:.2f}" for i, v in ahead.items())
+            + ("): met." if min(ahead.values()) > 1 else "): NOT met."))
 
 
 if __name__ == "__main__":
-    args = harness.parser(__doc__, backend="gloo").parse_args()
-    vars(args).update(SHAPE)  # in the JSON's args, as the options they were
-    sys.exit(harness.run(args, measure))
+    p = harness.parser(__doc__, backend="gloo", configs=list(CONFIGS))
+    p.add_argument("--repeats", type=int, default=25, help="steps of each implementation (default: %(default)s)")
+    sys.exit(harness.run(p.parse_args(), measure))
