@@ -53,7 +53,8 @@ void check_args(const at::Tensor& rows, const at::Tensor& counts, const at::Tens
   TORCH_CHECK(rows.dim() == 2, kOp, ": rows must be [N, H], got shape ", rows.sym_sizes());
   TORCH_CHECK(counts.scalar_type() == at::kLong && (counts.dim() == 1 || counts.dim() == 2), kOp,
               ": counts must be int64 [L] or [B, L], got ", counts.scalar_type(), " of shape ", counts.sym_sizes());
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, kOp, ": gate_up_proj must be [L, 2I, H] and down_proj [L, H, I], got ",
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3, kOp,
+              ": gate_up_proj must be [L, 2I, H] and down_proj [L, H, I], got ",
               gate_up.sym_sizes(), " and ", down.sym_sizes());
   TORCH_CHECK(at::isFloatingType(rows.scalar_type()) && gate_up.scalar_type() == rows.scalar_type() &&
                   down.scalar_type() == rows.scalar_type(),
@@ -136,8 +137,7 @@ at::Tensor per_expert_mm(const at::Tensor& a, const at::Tensor& w, const ExpertR
     if (layout.count(e) > 0) {
       const at::Tensor we = w.select(0, e);
       at::Tensor rows_out = out.narrow(0, layout.start[e], layout.count(e));
-      at::mm_out(rows_out, a.narrow(0, layout.start[e], layout.count(e)),
-                 transposed ? we : we.t());
+      at::mm_out(rows_out, a.narrow(0, layout.start[e], layout.count(e)), transposed ? we : we.t());
     }
   }
   return out;
@@ -160,9 +160,10 @@ at::Tensor per_expert_weight_grad(const at::Tensor& g, const at::Tensor& a, cons
 }
 
 // -> (out [N, H] in rows' order; gate_up_out [N, 2I], silu_gate and gated [N, I] in expert order).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_kernel(const at::Tensor& rows, const at::Tensor& counts,
-                                                              const at::Tensor& gate_up_proj,
-                                                              const at::Tensor& down_proj) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_kernel(const at::Tensor& rows,
+                                                                          const at::Tensor& counts,
+                                                                          const at::Tensor& gate_up_proj,
+                                                                          const at::Tensor& down_proj) {
   check_args(rows, counts, gate_up_proj, down_proj);
   const ExpertRows layout = expert_rows(rows, counts);
   const int64_t inner = down_proj.size(2);
@@ -213,9 +214,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_kernel(
   return {grad_rows, grad_gate_up, grad_down};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(const at::Tensor& rows, const at::Tensor& counts,
-                                                            const at::Tensor& gate_up_proj,
-                                                            const at::Tensor& down_proj) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(const at::Tensor& rows,
+                                                                        const at::Tensor& counts,
+                                                                        const at::Tensor& gate_up_proj,
+                                                                        const at::Tensor& down_proj) {
   check_args(rows, counts, gate_up_proj, down_proj);
   const auto n = rows.sym_size(0);
   return {at::empty_symint({n, down_proj.sym_size(1)}, rows.options()),

@@ -47,13 +47,15 @@ each rank its rows (one all-to-all) and hands back the rows this rank's
 experts run on, by source rank, with each row's local expert id (NOTE [token
 rows by source rank] in csrc/ops/moe.cpp: HF's experts sort their rows
 themselves); the module's own forward runs on them as top-1 routing with
-unit weights. ``moe_token_combine`` sends the
+unit weights (on the CPU, transformers' SiLU-gated experts run as one op
+instead: NOTE [transformers' experts as one op]). ``moe_token_combine`` sends the
 results back (the reverse all-to-all), puts each row at its (token, slot)
 and sums a token's K rows weighted by the router's scores, so the scores'
 gradient (the router's) is computed where the scores are. The ranks hold
 different tokens (data parallel over the EP ranks); a rank whose experts get
-no rows runs them on one zero row, whose output it drops, so its parameters
-still get (zero) gradients.
+no rows runs the module's own forward on one zero row, whose output it drops,
+so its parameters still get (zero) gradients (the op gives them zero
+gradients on no rows itself).
 
 NOTE [torchtitan's grouped experts under expert parallelism]
 torchtitan's GroupedExperts holds w1, w2, w3 (``w1_EFD``, ``w2_EDF``, ``w3_EFD``
