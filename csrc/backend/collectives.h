@@ -17,6 +17,8 @@
 #include "backend/reduction.h"
 #include "backend/shm_transport.h"
 
+#include <torch_tp/direct_collectives.h>
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -77,6 +79,13 @@ class Collectives {
                                 const std::vector<int64_t>& in_rows, const c10d::AllToAllOptions& opts) = 0;
   virtual Run all_to_all(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                          const c10d::AllToAllOptions& opts) = 0;
+  // all_to_all_single of rows like `rows` through `pieces` (NOTE [all-to-all
+  // by pieces] in <torch_tp/direct_collectives.h>), which must outlive the
+  // Run; null where the implementation cannot (ranks on several nodes).
+  virtual Run all_to_all_pieces(const at::Tensor& /*rows*/, const std::vector<int64_t>& /*send_rows*/,
+                                const std::vector<int64_t>& /*recv_rows*/, AllToAllPieces& /*pieces*/) {
+    return nullptr;
+  }
 };
 
 // The group's ranks all on this node, which `transport` connects.

@@ -7,6 +7,7 @@
 #include "backend/shm_collectives.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 
 namespace torch_tp::backend {
@@ -43,6 +44,11 @@ PieceLayout piece_layout(size_t piece_bytes, int64_t outer, int size) {
   }
   return {run, run * static_cast<size_t>(size)};
 }
+
+// The chunk of an all-to-all's own piece that goes through a private buffer
+// (all_to_all_pieces): whole 64-byte lines, so every offset is whole
+// elements, and small enough to stay in L2 between its pack and its unpack.
+constexpr size_t kOwnPieceChunkBytes = 64 * 1024;
 
 class NodeCollectives final : public Collectives {
  public:
@@ -277,6 +283,37 @@ class NodeCollectives final : public Collectives {
       shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, source, -1), send.data(), send_bytes.data(),
                      recv.data(), recv_bytes.data());
       dense.finish();
+    };
+  }
+
+  Run all_to_all_pieces(const at::Tensor& rows, const std::vector<int64_t>& send_rows,
+                        const std::vector<int64_t>& recv_rows, AllToAllPieces& pieces) override {
+    const int64_t row_bytes = rows.dim() == 0 ? 0 : c10::multiply_integers(rows.sizes().slice(1)) * rows.element_size();
+    std::vector<size_t> send_bytes(size_);
+    std::vector<size_t> recv_bytes(size_);
+    for (const auto r : c10::irange(size_)) {
+      send_bytes[r] = static_cast<size_t>(send_rows[r] * row_bytes);
+      recv_bytes[r] = static_cast<size_t>(recv_rows[r] * row_bytes);
+    }
+    auto* transport = &transport_;
+    const int me = rank_;
+    return [=, &pieces](uint64_t seq) {
+      const AllToAllCopies copies{
+          [&](int r, size_t offset, size_t len, char* dst) { pieces.pack(r, offset, len, dst); },
+          [&](int r, size_t offset, size_t len, const char* src) { pieces.unpack(r, offset, len, src); }};
+      // This rank's own piece skips the slots and their steps: packed and
+      // unpacked a cache-sized chunk at a time through a private buffer.
+      auto copy_own = [&] {
+        const size_t own = send_bytes[me];
+        std::vector<char> chunk(std::min(own, kOwnPieceChunkBytes));
+        for (size_t offset = 0; offset < own; offset += chunk.size()) {
+          const size_t len = std::min(chunk.size(), own - offset);
+          pieces.pack(me, offset, len, chunk.data());
+          pieces.unpack(me, offset, len, chunk.data());
+        }
+      };
+      shm_all_to_all(*transport, make_header(seq, OpCode::AllToAll, rows, -1), send_bytes.data(),
+                     recv_bytes.data(), copies, copy_own);
     };
   }
 

@@ -610,6 +610,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
   return collective(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, collectives_->all_to_all(outputs, inputs, opts));
 }
 
+bool ProcessGroupShm::all_to_all_pieces_now(const at::Tensor& rows, const std::vector<int64_t>& send_rows,
+                                            const std::vector<int64_t>& recv_rows, AllToAllPieces& pieces) {
+  const char* op = "all_to_all_single";
+  check_tensor(op, "rows", rows);
+  check_count(op, "send_rows", send_rows.size(), static_cast<size_t>(size_));
+  check_count(op, "recv_rows", recv_rows.size(), static_cast<size_t>(size_));
+  Run run = collectives_->all_to_all_pieces(rows, send_rows, recv_rows, pieces);
+  if (!run) {
+    return false;
+  }
+  call_now("torch_tp_backend::all_to_all_single", run);
+  return true;
+}
+
 // ---- send / recv (NOTE [send and recv] in p2p.cpp) -----------------------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {

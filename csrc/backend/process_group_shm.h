@@ -138,6 +138,9 @@ class ProcessGroupShm : public c10d::Backend, public DirectCollectives {
   void all_gather_now(const at::Tensor& input, const at::Tensor& output, int64_t dim) override;
   void reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, const c10d::ReduceOp& reduce_op,
                           int64_t dim) override;
+  // Through the shared buffers where the group is on one node, else false.
+  bool all_to_all_pieces_now(const at::Tensor& rows, const std::vector<int64_t>& send_rows,
+                             const std::vector<int64_t>& recv_rows, AllToAllPieces& pieces) override;
   bool overlaps_async_calls() const override {
     return overlaps_async_calls_;
   }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 namespace torch_tp::backend {
@@ -255,22 +256,15 @@ void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* i
   }
 }
 
-void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* inputs, const size_t* send_bytes,
-                    void* const* outputs, const size_t* recv_bytes) {
+void shm_all_to_all(ShmTransport& t, CallHeader header, const size_t* send_bytes, const size_t* recv_bytes,
+                    const AllToAllCopies& copies, const std::function<void()>& copy_own) {
   const char* op = name_of(header);
   const int n = t.local_size();
   const int me = t.local_rank();
   const size_t block = t.slot_bytes() / static_cast<size_t>(n) / kLine * kLine;
   TORCH_CHECK(block > 0, "torch_tp backend: ", op, ": the shared buffer of ", t.slot_bytes(),
               " bytes per slot is too small for ", n, " ranks");
-  // This rank's own piece goes straight from its input to its output, one
-  // copy where the slot would take two, unless the two overlap (a copy
-  // through the slot keeps the input's bytes until they are read).
-  const auto* own_in = static_cast<const char*>(inputs[me]);
-  auto* own_out = static_cast<char*>(outputs[me]);
-  const size_t own = send_bytes[me];
-  const bool own_direct =
-      own == recv_bytes[me] && (own == 0 || own_in + own <= own_out || own_out + own <= own_in);
+  const bool own_direct = static_cast<bool>(copy_own);
   // Every rank needs as many steps as the largest piece any rank sends
   // through the slots: each contributes its own need through the header's
   // `extra`, read in step 1.
@@ -288,8 +282,7 @@ void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* input
     char* slot = t.my_slot(step);
     for (const auto r : c10::irange(n)) {
       if (send_bytes[r] > base && (r != me || !own_direct)) {
-        copy_bytes(slot + r * block, static_cast<const char*>(inputs[r]) + base,
-                    std::min(block, send_bytes[r] - base));
+        copies.pack(r, base, std::min(block, send_bytes[r] - base), slot + r * block);
       }
     }
     t.arrive(op, s == 0 ? &header : nullptr);
@@ -298,16 +291,37 @@ void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* input
         steps = std::max(steps, static_cast<size_t>(t.peer_header(r, step).extra));
       }
       if (own_direct) {  // while the peers read this rank's slot
-        copy_bytes(own_out, own_in, own);
+        copy_own();
       }
     }
     for (const auto r : c10::irange(n)) {
       if (recv_bytes[r] > base && (r != me || !own_direct)) {
-        copy_bytes(static_cast<char*>(outputs[r]) + base, t.peer_slot(r, step) + me * block,
-                    std::min(block, recv_bytes[r] - base));
+        copies.unpack(r, base, std::min(block, recv_bytes[r] - base), t.peer_slot(r, step) + me * block);
       }
     }
   }
+}
+
+void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* inputs, const size_t* send_bytes,
+                    void* const* outputs, const size_t* recv_bytes) {
+  // This rank's own piece goes straight from its input to its output, one
+  // copy where the slot would take two, unless the two overlap (a copy
+  // through the slot keeps the input's bytes until they are read).
+  const int me = t.local_rank();
+  const auto* own_in = static_cast<const char*>(inputs[me]);
+  auto* own_out = static_cast<char*>(outputs[me]);
+  const size_t own = send_bytes[me];
+  const bool own_direct =
+      own == recv_bytes[me] && (own == 0 || own_in + own <= own_out || own_out + own <= own_in);
+  const AllToAllCopies copies{
+      [&](int r, size_t offset, size_t len, char* dst) {
+        copy_bytes(dst, static_cast<const char*>(inputs[r]) + offset, len);
+      },
+      [&](int r, size_t offset, size_t len, const char* src) {
+        copy_bytes(static_cast<char*>(outputs[r]) + offset, src, len);
+      }};
+  shm_all_to_all(t, header, send_bytes, recv_bytes, copies,
+                 own_direct ? std::function<void()>([&] { copy_bytes(own_out, own_in, own); }) : nullptr);
 }
 
 void shm_barrier(ShmTransport& t, CallHeader header) {

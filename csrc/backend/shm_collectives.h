@@ -39,6 +39,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 
 namespace torch_tp::backend {
@@ -94,6 +95,20 @@ void shm_reduce_scatter(ShmTransport& t, CallHeader header, const void* const* i
 // straight to its output unless the two overlap.
 void shm_all_to_all(ShmTransport& t, CallHeader header, const void* const* inputs, const size_t* send_bytes,
                     void* const* outputs, const size_t* recv_bytes);
+
+// The same exchange with the copies into and out of the slots made by
+// `copies` (NOTE [all-to-all by pieces] in <torch_tp/direct_collectives.h>):
+// pack(r, offset, len, dst) writes bytes [offset, offset + len) of the piece
+// for local rank r, unpack(r, offset, len, src) takes those of the piece from
+// r, each piece's blocks in order. `copy_own`, where given, moves this rank's
+// own piece by itself (once, while the peers read the first step); else that
+// piece goes through the slot like the others.
+struct AllToAllCopies {
+  std::function<void(int r, size_t offset, size_t len, char* dst)> pack;
+  std::function<void(int r, size_t offset, size_t len, const char* src)> unpack;
+};
+void shm_all_to_all(ShmTransport& t, CallHeader header, const size_t* send_bytes, const size_t* recv_bytes,
+                    const AllToAllCopies& copies, const std::function<void()>& copy_own = nullptr);
 
 void shm_barrier(ShmTransport& t, CallHeader header);
 

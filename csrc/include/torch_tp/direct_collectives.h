@@ -45,9 +45,31 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace torch_tp {
+
+// NOTE [all-to-all by pieces]
+// An all-to-all of rows whose send and receive buffers need not exist as
+// tensors: where the sender's rows are a gather of another tensor's rows (the
+// token rows of moe_token_dispatch), or the receiver folds what it gets into
+// a sum (the gradient of those rows), a backend that copies through its own
+// buffers anyway can let the op write each piece straight into them and read
+// each piece straight out, which saves the op a full pass over the rows and a
+// fresh buffer on each side. pack(rank, offset, len, dst) writes bytes
+// [offset, offset + len) of the piece this rank sends group rank `rank`;
+// unpack(rank, offset, len, src) takes those bytes of the piece `rank` sent
+// this rank. Each byte of each piece is packed and unpacked exactly once, a
+// piece's ranges in increasing order, on the calling thread; offsets and
+// lengths are whole elements of the rows' dtype, not whole rows.
+class AllToAllPieces {
+ public:
+  virtual ~AllToAllPieces() = default;
+  virtual void pack(int64_t rank, size_t offset, size_t len, void* dst) = 0;
+  virtual void unpack(int64_t rank, size_t offset, size_t len, const void* src) = 0;
+};
 
 class DirectCollectives {
  public:
@@ -57,6 +79,18 @@ class DirectCollectives {
   virtual void all_gather_now(const at::Tensor& input, const at::Tensor& output, int64_t dim) = 0;
   virtual void reduce_scatter_now(const at::Tensor& input, const at::Tensor& output, const c10d::ReduceOp& reduce_op,
                                   int64_t dim) = 0;
+
+  // all_to_all_pieces_now: all_to_all_single of send_rows[r] rows to each
+  // rank r and recv_rows[r] rows from it, with `pieces` making and taking the
+  // bytes (NOTE [all-to-all by pieces]). `rows` stands for the rows: its dtype
+  // and its sizes after dim 0 are a row's; only its metadata is read. Returns
+  // false, having done nothing, where the backend cannot (the op then makes
+  // the buffers and calls all_to_all_single); the answer must be the same on
+  // every rank of the group for the same rows.
+  virtual bool all_to_all_pieces_now(const at::Tensor& /*rows*/, const std::vector<int64_t>& /*send_rows*/,
+                                     const std::vector<int64_t>& /*recv_rows*/, AllToAllPieces& /*pieces*/) {
+    return false;
+  }
 
   // NOTE [async calls without a core to run on]
   // Whether a collective the ops start with async_op=True runs beside the
