@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 import torch_tp
 
-import multirank
 from _compare import assert_close, assert_error_names
 
 TOL = 1e-12
@@ -199,15 +198,23 @@ def _check_compiled(backend):
 
 def _check_compiled_combine_alone():
     """``moe_token_combine`` compiled on its own, its counts made by an eager ``moe_token_dispatch`` (what a
-    graph break between the two gives)."""
-    hidden = torch.randn(3, HIDDEN, dtype=torch.float64)
+    graph break between the two gives): the output and the gradients of the rows and of the weights."""
+    gen = torch.Generator().manual_seed(20 + dist.get_rank())
+    hidden = torch.randn(3, HIDDEN, dtype=torch.float64, generator=gen)
     index = torch.tensor([[0, 1], [2, 1], [0, 3]])
-    scores = torch.rand(3, TOP_K, dtype=torch.float64)
+    scores = torch.rand(3, TOP_K, dtype=torch.float64, generator=gen)
     rows, _, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(hidden, index, EXPERTS, None)
+    grad = torch.randn(3, HIDDEN, dtype=torch.float64, generator=gen)
     torch._dynamo.reset()
-    combine = torch.compile(torch_tp.ops.moe_token_combine, backend="aot_eager", fullgraph=True)
-    assert_close(combine(rows, scores, order, per_expert, recv_counts),
-                 torch_tp.ops.moe_token_combine(rows, scores, order, per_expert, recv_counts), "combine", TOL)
+    results = []
+    for combine in (torch_tp.ops.moe_token_combine,
+                    torch.compile(torch_tp.ops.moe_token_combine, backend="aot_eager", fullgraph=True)):
+        r, w = rows.clone().requires_grad_(), scores.clone().requires_grad_()
+        out = combine(r, w, order, per_expert, recv_counts)
+        out.backward(grad)
+        results.append((out.detach(), r.grad, w.grad))
+    for name, got, expected in zip(["combine", "rows' grad", "weights' grad"], results[1], results[0]):
+        assert_close(got, expected, name, TOL)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -230,22 +237,9 @@ def test_compiled_matches_eager(ranks, world_size, backend):
     ranks(world_size).run(_check_compiled, backend, timeout=300)
 
 
-class _PendingUnbackedSize(Exception):
-    """The known limitation of :func:`test_compiled_combine_with_counts_from_outside`, and nothing else."""
-
-
-@pytest.mark.xfail(raises=_PendingUnbackedSize, strict=True,
-                   reason="the C++ composite moe_token_combine makes an unbacked size (its inner moe_combine's) that "
-                   "none of its outputs holds, which dynamo refuses (PendingUnbackedSymbolNotFound) when the counts "
-                   "are not the ones a moe_token_dispatch in the same graph made (NOTE [row counts the fake kernels "
-                   "know] in torch_tp/ops.py)")
-def test_compiled_combine_with_counts_from_outside(ranks):
-    try:
-        ranks(1).run(_check_compiled_combine_alone, timeout=300)
-    except multirank.RankError as e:
-        if "PendingUnbackedSymbolNotFound" in str(e):
-            raise _PendingUnbackedSize(str(e)) from None
-        raise
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_compiled_combine_with_counts_from_outside(ranks, world_size):
+    ranks(world_size).run(_check_compiled_combine_alone, timeout=300)
 
 
 # float32 and bfloat16: the fused CPU kernel sums the K products in float32 in slot order, the reference's
@@ -258,18 +252,17 @@ SLOT_SUM_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2,
 @pytest.mark.parametrize("tokens, top_k", [(7, 2), (5, 1), (0, 3)])
 def test_slot_sum_matches_aten(dtype, tokens, top_k):
     """``_moe_slot_sum``, the weighted sum over slots that ends ``moe_token_combine`` (NOTE [one pass over the
-    slots], csrc/ops/moe_slots.cpp), against ``zeros.index_add(rows * w[order])`` and its autograd: the
-    output and the gradients of the rows and of the weights, for a random permutation ``order``."""
+    slots], csrc/ops/moe_slots.cpp), and ``_moe_slot_sum_backward``, against ``zeros.index_add(rows * w[order])``
+    and its autograd: the output and the gradients of the rows and of the weights, for a random permutation
+    ``order``."""
     gen = torch.Generator().manual_seed(tokens * 10 + top_k)
     hidden = 33  # not a multiple of any vector width: the loops' tails run
     rows = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype).requires_grad_()
     weights = torch.rand(tokens, top_k, generator=gen).to(dtype).requires_grad_()
     order = torch.randperm(tokens * top_k, generator=gen)
     grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    got = torch.ops.torch_tp._moe_slot_sum(rows, order, weights)
-    got.backward(grad)
-    got_grads = rows.grad, weights.grad
-    rows.grad = weights.grad = None
+    got = torch.ops.torch_tp._moe_slot_sum(rows.detach(), order, weights.detach())
+    got_grads = torch.ops.torch_tp._moe_slot_sum_backward(grad, rows.detach(), order, weights.detach(), [True, True])
     expected = torch.zeros(tokens, hidden, dtype=dtype).index_add(
         0, order // top_k, rows * weights.reshape(-1)[order].unsqueeze(1))
     expected.backward(grad)

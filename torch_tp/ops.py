@@ -59,7 +59,8 @@ _COMMUNICATING_OPS = (
     "column_parallel_linear", "row_parallel_linear", "vocab_parallel_embedding", "column_parallel_embedding",
     "_column_parallel_linear_forward", "_column_parallel_linear_backward", "_row_parallel_linear_backward",
     "vocab_parallel_cross_entropy", "_vocab_parallel_cross_entropy_forward",
-    "all_to_all_single", "moe_dispatch", "_moe_dispatch_rows", "moe_combine",
+    "all_to_all_single", "moe_dispatch", "_moe_dispatch_rows", "moe_combine", "_moe_slot_dispatch",
+    "_moe_slot_dispatch_backward", "_moe_slot_combine", "_moe_slot_combine_backward",
 )
 for _name in _COMMUNICATING_OPS:
     torch.fx.node.has_side_effect(getattr(torch.ops.torch_tp, _name).default)
@@ -454,10 +455,10 @@ def rms_norm(input: torch.Tensor, normalized_shape: Sequence[int], weight: Optio
 # returns exactly that size: moe_combine the sender's rows (x's), and
 # _moe_dispatch_rows the dispatched rows. Counts not seen in the trace (made
 # outside the compiled graph, changed in place, inference tensors) get a fresh
-# unbacked size; moe_token_combine then still fails as above when its counts
-# come from outside the graph (a graph break between moe_token_dispatch and
-# moe_token_combine), which needs a change in C++ (the composite passing its
-# known row count, order.size(0), to the movement).
+# unbacked size. moe_token_combine is not hurt by that: it calls
+# _moe_slot_combine, whose sizes all follow from its inputs (order.size(0) /
+# top_k tokens), so its counts may come from outside the graph (a graph break
+# between moe_token_dispatch and moe_token_combine).
 _rows_of_counts = WeakIdKeyDictionary()
 
 
@@ -499,6 +500,11 @@ def _moe_dispatch_fake(tokens, tokens_per_expert, group, by_expert=True):
     recv_counts = tokens_per_expert.new_empty((size, local))
     rows = _rows(recv_counts)
     return (tokens.new_empty((rows, *tokens.shape[1:])), tokens_per_expert.new_empty((local,)), recv_counts)
+
+
+@torch.library.register_fake("torch_tp::_moe_slot_dispatch")
+def _moe_slot_dispatch_fake(hidden, order, top_k, tokens_per_expert, group):
+    return _moe_dispatch_fake(hidden.new_empty((order.size(0), hidden.size(1))), tokens_per_expert, group, False)
 
 
 @torch.library.register_fake("torch_tp::_moe_dispatch_rows")

@@ -507,4 +507,19 @@ PendingCollective start_all_to_all(const char* op, const c10::intrusive_ptr<c10d
   return PendingCollective(std::move(work), [out, in] { return out; }, op, group, x);
 }
 
+bool all_to_all_pieces(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& rows,
+                       const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                       AllToAllPieces& pieces) {
+  DirectCollectives* direct = direct_calls(backend_for(*group, rows), false);
+  if (direct == nullptr) {
+    return false;
+  }
+  try {
+    return direct->all_to_all_pieces_now(rows, send_rows, recv_rows, pieces);
+  } catch (c10::Error& e) {
+    e.add_context(failure_context(op, *group, rows));
+    throw;
+  }
+}
+
 } // namespace torch_tp

@@ -19,6 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch_tp/direct_collectives.h>
 
 #include <algorithm>
 #include <functional>
@@ -121,6 +122,15 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
 PendingCollective start_all_to_all(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                    bool async_op, const at::Tensor& x, std::vector<int64_t> output_splits,
                                    std::vector<int64_t> input_splits);
+
+// The all-to-all of start_all_to_all's rows with the group's backend making
+// and taking each piece through `pieces` (NOTE [all-to-all by pieces] in
+// <torch_tp/direct_collectives.h>): `rows` stands for the rows (dtype, row
+// shape, device). Returns false, having done nothing, where the backend has
+// no such call for rows' device; the caller then exchanges real buffers.
+bool all_to_all_pieces(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& rows,
+                       const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                       AllToAllPieces& pieces);
 
 // NOTE [cross-rank argument check]
 // A collective only sees bytes: all_gather(x, dim=rank), or an all-reduce of

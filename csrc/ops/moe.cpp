@@ -37,6 +37,7 @@
 
 #include "ops/comm.h"
 #include "ops/common.h"
+#include "ops/moe_layout.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/SymBool.h>
@@ -111,7 +112,9 @@ at::Tensor all_to_all_single_meta(const at::Tensor& x, c10::SymIntArrayRef outpu
   return at::empty_symint(sizes, x.options());
 }
 
-// --------------------------------------------------------------- expert layout
+} // namespace
+
+// --------------------------------------------------------------- expert layout (ops/moe_layout.h)
 
 // A 1-D int64 count tensor (tokens_per_expert) or the [p, L] recv_counts.
 void check_counts(const char* op, const char* arg, const at::Tensor& counts, int64_t dims) {
@@ -173,7 +176,7 @@ std::vector<int64_t> row_sums(const at::Tensor& counts) {
 
 // rows hold blocks in (i, j) order with sizes counts [a, b] (host, row-major);
 // returns them in (j, i) order. Identity when a or b is 1.
-at::Tensor block_transpose(const at::Tensor& rows, const at::Tensor& counts) {
+static at::Tensor block_transpose(const at::Tensor& rows, const at::Tensor& counts) {
   const int64_t a = counts.size(0);
   const int64_t b = counts.size(1);
   if (a == 1 || b == 1) {
@@ -223,6 +226,18 @@ at::Tensor combine_rows(const char* op, const c10::intrusive_ptr<c10d::ProcessGr
       .wait();
 }
 
+at::Tensor exchange_counts(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                           const at::Tensor& tokens_per_expert, int64_t local) {
+  const int64_t world_size = group->getSize();
+  // [E] as p runs of L -> [p, L]: row s = what rank s sends this rank.
+  return start_all_to_all(op, group, false, tokens_per_expert, std::vector<int64_t>(world_size, local),
+                          std::vector<int64_t>(world_size, local))
+      .wait()
+      .view({world_size, local});
+}
+
+namespace {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_kernel(const at::Tensor& tokens,
                                                                    const at::Tensor& tokens_per_expert,
                                                                    c10::string_view group_name, bool by_expert) {
@@ -231,12 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch_kernel(const at::Ten
   const int64_t world_size = group->getSize();
   const int64_t local = check_dispatch_args(op, tokens, tokens_per_expert, world_size);
   const at::Tensor tpe_host = host_counts(op, "tokens_per_expert", tokens_per_expert, tokens.size(0), "tokens.size(0)");
-  // [E] as p runs of L -> [p, L]: row s = what rank s sends this rank.
-  const at::Tensor recv_counts =
-      start_all_to_all(op, group, false, tokens_per_expert, std::vector<int64_t>(world_size, local),
-                       std::vector<int64_t>(world_size, local))
-          .wait()
-          .view({world_size, local});
+  const at::Tensor recv_counts = exchange_counts(op, group, tokens_per_expert, local);
   const at::Tensor recv_host = recv_counts.to(at::kCPU).contiguous();
   at::Tensor local_tokens = dispatch_rows(op, group, tokens, tpe_host, recv_host, by_expert);
   return {std::move(local_tokens), recv_counts.sum(0), recv_counts};
@@ -458,11 +468,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token
   const at::Tensor order = at::argsort(flat, /*stable=*/true);
   const at::Tensor tokens_per_expert =
       at::zeros({num_experts}, flat.options()).index_add(0, flat, at::ones_like(flat));
-  static const auto gather_op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("torch_tp::_moe_slot_rows");
-  const at::Tensor tokens = gather_op.call(hidden, order, top_k_index.size(1));
-  // NOTE [token rows by source rank]
-  auto [local_tokens, local_tpe, recv_counts] = moe_dispatch(tokens, tokens_per_expert, group_name, false);
+  // The gather of the slots' rows and the dispatch, with the rows left by
+  // source (NOTE [token rows by source rank]), as one op (moe_slot_exchange.cpp).
+  static const auto dispatch_op =
+      find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
+                                                             const at::Tensor&, c10::string_view)>(
+          "torch_tp::_moe_slot_dispatch");
+  auto [local_tokens, local_tpe, recv_counts] =
+      dispatch_op.call(hidden, order, top_k_index.size(1), tokens_per_expert, group_name);
   at::Tensor local_expert_ids = at::repeat_interleave_symint(
       at::arange(local_tpe.size(0), flat.options()).repeat({recv_counts.size(0)}), recv_counts.reshape({-1}), 0,
       local_tokens.sym_size(0));
@@ -470,30 +483,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_token
 }
 
 // moe_combine -> [T*K, H'] in sorted order -> each token's K rows summed,
-// weighted: out[order[i] // K] += w[order[i]] * row i (moe_slots.cpp).
+// weighted: out[order[i] // K] += w[order[i]] * row i.
 at::Tensor moe_token_combine_composite(const at::Tensor& local_out, const at::Tensor& top_k_weights,
                                        const at::Tensor& order, const at::Tensor& tokens_per_expert,
                                        const at::Tensor& recv_counts, c10::string_view group_name) {
   constexpr const char* op = "torch_tp::moe_token_combine";
-  check_defined(op, "local_out", local_out);
   check_defined(op, "top_k_weights", top_k_weights);
-  check_defined(op, "order", order);
-  TORCH_CHECK(local_out.dim() == 2, op, ": local_out must be [R, H'], got shape ", local_out.sym_sizes());
-  TORCH_CHECK(top_k_weights.dim() == 2, op, ": top_k_weights must be [T, K], got shape ", top_k_weights.sym_sizes());
   TORCH_CHECK(at::isFloatingType(top_k_weights.scalar_type()), op,
               ": top_k_weights must have a floating dtype, got ", top_k_weights.scalar_type());
-  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong, op,
-              ": order must be 1-D int64 (moe_token_dispatch's), got ", order.scalar_type(), " of shape ",
-              order.sym_sizes());
-  TORCH_SYM_CHECK(order.sym_size(0).sym_eq(top_k_weights.sym_numel()), op, ": top_k_weights has shape ",
-                  top_k_weights.sym_sizes(), " (T*K=", top_k_weights.sym_numel(), ") but order has ",
-                  order.sym_size(0), " entries (moe_token_dispatch's T*K)");
-  const at::Tensor combined = moe_combine(local_out, recv_counts, tokens_per_expert, group_name, false);
-  TORCH_SYM_CHECK(combined.sym_size(0).sym_eq(order.sym_size(0)), op, ": tokens_per_expert sums to ",
-                  combined.sym_size(0), " rows but order has ", order.sym_size(0));
-  static const auto sum_op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
-  return sum_op.call(combined, order, top_k_weights.to(combined.scalar_type()));
+  check_defined(op, "local_out", local_out);
+  // moe_combine and the weighted sum, as one op (moe_slot_exchange.cpp).
+  static const auto combine_op =
+      find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const at::Tensor&, c10::string_view)>(
+          "torch_tp::_moe_slot_combine");
+  return std::get<0>(combine_op.call(local_out, top_k_weights.to(local_out.scalar_type()), order, tokens_per_expert,
+                                     recv_counts, group_name));
 }
 
 void impl_device_kernels(torch::Library& m) {

@@ -7,7 +7,8 @@
 // Each is the other's adjoint in the rows (the gather's backward is the sum
 // with unit weights; the sum's is the gather, scaled by w[order[i]]); the
 // sum's gradient in the weights is a dot: grad_w[order[i]] =
-// <grad_out[order[i] / K], rows[i]>.
+// <grad_out[order[i] / K], rows[i]>. These are the passes; the ops that
+// differentiate the pair with its exchanges are moe_slot_exchange.cpp's.
 //
 // NOTE [one pass over the slots]
 // In ATen the sum is a product (a fresh [T*K, H]), a zeroed [T, H] and an
@@ -28,7 +29,6 @@
 #include <ATen/Parallel.h>
 #include <c10/core/SymBool.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -37,9 +37,6 @@ namespace torch_tp {
 namespace {
 
 constexpr const char* kOp = "torch_tp::moe_token_combine";
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 // rows [N, H], order [N] int64, weights [T, K] of rows' dtype and device, N = T*K.
 void check_slot_sum_args(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
@@ -229,57 +226,6 @@ std::tuple<at::Tensor, at::Tensor> slot_sum_backward_meta(const at::Tensor& /*gr
   return {output_mask[0] ? at::empty_like(rows) : at::Tensor(), output_mask[1] ? at::empty_like(weights) : at::Tensor()};
 }
 
-std::tuple<at::Tensor, at::Tensor> slot_sum_backward(const at::Tensor& grad_out, const at::Tensor& rows,
-                                                     const at::Tensor& order, const at::Tensor& weights,
-                                                     std::array<bool, 2> output_mask) {
-  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 2>)>(
-      "torch_tp::_moe_slot_sum_backward");
-  return op.call(grad_out, rows, order, weights, output_mask);
-}
-
-// The dispatcher's handles of the two forward ops, looked up once for every caller below.
-using SlotSumSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using SlotRowsSignature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
-
-const c10::TypedOperatorHandle<SlotSumSignature>& slot_sum_op() {
-  static const auto op = find_op<SlotSumSignature>("torch_tp::_moe_slot_sum");
-  return op;
-}
-
-const c10::TypedOperatorHandle<SlotRowsSignature>& slot_rows_op() {
-  static const auto op = find_op<SlotRowsSignature>("torch_tp::_moe_slot_rows");
-  return op;
-}
-
-// Backward: _moe_slot_sum_backward (NOTE [one pass over the slots]).
-struct SlotSumFunction : public torch::autograd::Function<SlotSumFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& rows, const at::Tensor& order,
-                            const at::Tensor& weights) {
-    ctx->save_for_backward({rows, order, weights});
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return slot_sum_op().call(rows, order, weights);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) {
-      return {at::Tensor(), at::Tensor(), at::Tensor()};
-    }
-    const auto saved = ctx->get_saved_variables();
-    auto [grad_rows, grad_w] = slot_sum_backward(grads[0].contiguous(), saved[0], saved[1], saved[2],
-                                                 {ctx->needs_input_grad(0), ctx->needs_input_grad(2)});
-    return {grad_rows, at::Tensor(), grad_w};
-  }
-};
-
-at::Tensor slot_sum_autograd(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
-  if (!needs_autograd(rows) && !needs_autograd(weights)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return slot_sum_op().call(rows, order, weights);
-  }
-  return SlotSumFunction::apply(rows, order, weights);
-}
-
 // --------------------------------------------------------------- the gather
 
 // hidden [T, H], order [T*K] int64; returns K.
@@ -306,35 +252,6 @@ at::Tensor slot_rows_meta(const at::Tensor& hidden, const at::Tensor& order, int
   return at::empty_symint({order.sym_size(0), hidden.sym_size(1)}, hidden.options());
 }
 
-// Backward: the sum over slots with unit weights.
-struct SlotRowsFunction : public torch::autograd::Function<SlotRowsFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
-    ctx->save_for_backward({order});
-    ctx->saved_data["tokens"] = hidden.sym_size(0);
-    ctx->saved_data["top_k"] = top_k;
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return slot_rows_op().call(hidden, order, top_k);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) {
-      return {at::Tensor(), at::Tensor(), at::Tensor()};
-    }
-    const at::Tensor grad = grads[0].contiguous();
-    const at::Tensor unit = at::ones_symint({ctx->saved_data["tokens"].toSymInt(), ctx->saved_data["top_k"].toInt()},
-                                            grad.options());
-    return {slot_sum_op().call(grad, ctx->get_saved_variables()[0], unit), at::Tensor(), at::Tensor()};
-  }
-};
-
-at::Tensor slot_rows_autograd(const at::Tensor& hidden, const at::Tensor& order, int64_t top_k) {
-  if (!needs_autograd(hidden)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return slot_rows_op().call(hidden, order, top_k);
-  }
-  return SlotRowsFunction::apply(hidden, order, top_k);
-}
-
 } // namespace
 
 TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
@@ -355,9 +272,10 @@ TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("_moe_slot_sum_backward", slot_sum_backward_meta);
 }
 
+// Called below autograd only, by moe_slot_exchange.cpp's differentiable ops.
 TORCH_LIBRARY_IMPL(torch_tp, Autograd, m) {
-  m.impl("_moe_slot_rows", slot_rows_autograd);
-  m.impl("_moe_slot_sum", slot_sum_autograd);
+  m.impl("_moe_slot_rows", torch::autograd::autogradNotImplementedFallback());
+  m.impl("_moe_slot_sum", torch::autograd::autogradNotImplementedFallback());
   m.impl("_moe_slot_sum_backward", torch::autograd::autogradNotImplementedFallback());
 }
 

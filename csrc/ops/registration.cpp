@@ -4,8 +4,8 @@
 // autocast.cpp (AutocastCPU, AutocastCUDA: the linear ops),
 // embedding.cpp (CompositeImplicitAutograd), norm.cpp (CompositeImplicitAutograd;
 // CPU pieces), cross_entropy.cpp (CompositeImplicitAutograd; the pieces for
-// every device), moe.cpp and moe_slots.cpp (all kernels of the expert-parallel
-// ops), moe_experts.cpp (all kernels of moe_gated_experts), meta.cpp (Meta).
+// every device), moe.cpp, moe_slots.cpp and moe_slot_exchange.cpp (all kernels
+// of the expert-parallel ops), moe_experts.cpp (all kernels of moe_gated_experts), meta.cpp (Meta).
 //
 // `group_name` is what ProcessGroup.group_name returns, the same string torch's
 // _c10d_functional ops take; it is resolved through c10d's group registry, so
@@ -110,7 +110,9 @@ TORCH_LIBRARY(torch_tp, m) {
   // left by source rank (local_expert_ids [R] names each one's local expert),
   // combined, and summed per token weighted by top_k_weights; _moe_slot_rows and
   // _moe_slot_sum are the gather that starts and the sum that ends the pair
-  // (moe_slots.cpp); _moe_expert_ids checks the ids.
+  // (moe_slots.cpp), _moe_slot_dispatch and _moe_slot_combine each of those
+  // with its exchange, as one differentiable op (moe_slot_exchange.cpp);
+  // _moe_expert_ids checks the ids.
   m.def("all_to_all_single(Tensor x, SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> Tensor");
   m.def(
       "moe_dispatch(Tensor tokens, Tensor tokens_per_expert, str group_name, bool by_expert=True) -> (Tensor local_tokens, "
@@ -133,6 +135,19 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def(
       "_moe_slot_sum_backward(Tensor grad_out, Tensor rows, Tensor order, Tensor weights, bool[2] output_mask) -> "
       "(Tensor, Tensor)");
+  m.def(
+      "_moe_slot_dispatch(Tensor hidden, Tensor order, int top_k, Tensor tokens_per_expert, str group_name) -> "
+      "(Tensor local_tokens, Tensor local_tokens_per_expert, Tensor recv_counts)");
+  m.def(
+      "_moe_slot_dispatch_backward(Tensor grad_local_tokens, Tensor order, SymInt tokens, Tensor tokens_per_expert, "
+      "Tensor recv_counts, str group_name) -> Tensor");
+  m.def(
+      "_moe_slot_combine(Tensor local_out, Tensor top_k_weights, Tensor order, Tensor tokens_per_expert, "
+      "Tensor recv_counts, str group_name) -> (Tensor out, Tensor combined)");
+  m.def(
+      "_moe_slot_combine_backward(Tensor grad_out, Tensor combined, Tensor order, Tensor top_k_weights, "
+      "Tensor tokens_per_expert, Tensor recv_counts, str group_name, SymInt local_rows, bool weights_grad) -> "
+      "(Tensor grad_local_out, Tensor grad_top_k_weights)");
   // moe_gated_experts (moe_experts.cpp) runs transformers' SiLU-gated experts on
   // rows grouped by expert: rows [N, H] in the row-major (run, expert) blocks of
   // counts [B, L] (moe_token_dispatch's rows with its recv_counts; [L]: one run),
