@@ -7,6 +7,7 @@
 #include "backend/shm_collectives.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 #include <c10/util/irange.h>
 
@@ -295,6 +296,9 @@ class NodeCollectives final : public Collectives {
       send_bytes[r] = static_cast<size_t>(send_rows[r] * row_bytes);
       recv_bytes[r] = static_cast<size_t>(recv_rows[r] * row_bytes);
     }
+    // The own piece is unpacked as it is packed, so both sides must agree.
+    TORCH_CHECK(send_rows[rank_] == recv_rows[rank_], "torch_tp backend: all_to_all: rank ", rank_, " sends ",
+                send_rows[rank_], " rows to itself but expects ", recv_rows[rank_], " from itself");
     auto* transport = &transport_;
     const int me = rank_;
     return [=, &pieces](uint64_t seq) {
