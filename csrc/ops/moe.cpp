@@ -335,6 +335,7 @@ struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
     ctx->saved_data["by_expert"] = by_expert;
     ctx->save_for_backward({tokens_per_expert, recv_counts});
     ctx->mark_non_differentiable({local_tpe, recv_counts});
+    ctx->set_materialize_grads(false);  // the counts have no gradient: no zeros for them
     return {local_tokens, local_tpe, recv_counts};
   }
 

@@ -448,6 +448,7 @@ struct SlotDispatchFunction : public torch::autograd::Function<SlotDispatchFunct
     ctx->saved_data["tokens"] = hidden.sym_size(0);
     ctx->save_for_backward({order, tokens_per_expert, recv_counts});
     ctx->mark_non_differentiable({local_tpe, recv_counts});
+    ctx->set_materialize_grads(false);  // the counts have no gradient: no zeros for them
     return {local_tokens, local_tpe, recv_counts};
   }
 
@@ -485,6 +486,8 @@ struct SlotCombineFunction : public torch::autograd::Function<SlotCombineFunctio
     ctx->saved_data["local_rows"] = local_out.sym_size(0);
     ctx->save_for_backward({combined, order, weights, tokens_per_expert, recv_counts});
     ctx->mark_non_differentiable({combined});
+    // `combined` has no gradient; materialized, it would be a zeroed [T*K, H'].
+    ctx->set_materialize_grads(false);
     return {out, combined};
   }
 
