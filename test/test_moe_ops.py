@@ -242,6 +242,52 @@ def test_compiled_combine_with_counts_from_outside(ranks, world_size):
     ranks(world_size).run(_check_compiled_combine_alone, timeout=300)
 
 
+# The exchange through the torch_tp backend's pieces (NOTE [slot rows through the backend's buffers],
+# csrc/ops/moe_slot_exchange.cpp) with 64 KiB shared buffers: rows of 100 elements cross block boundaries, so
+# the gathers, the gradient's sum and the weights' dots each see rows in two parts; 3 experts per token, every
+# first choice expert 0, a rank with no tokens. Tolerances, of each tensor's largest
+# magnitude against the float64 reference: float64 1e-12 (the order of the K=3 terms and of a split dot's two
+# parts); float32 1e-5 (its roundoff over 100-long dots); bfloat16 2e-2 (the experts' output, the sum and the
+# gradients each rounded to 8 bits).
+PIECES_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _check_exchange_in_pieces(dtype):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    hidden_size, top_k, experts = 100, 3, 2 * world_size
+    gen = torch.Generator().manual_seed(30 + rank)
+    tokens = 0 if rank == 1 else 150 + 40 * rank  # a rank with no tokens, and uneven counts
+    others = torch.rand(tokens, experts - 1, generator=gen).argsort(dim=1)[:, :top_k - 1] + 1  # distinct
+    index = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), others], dim=1)  # first choice expert 0: skewed
+    x = torch.randn(tokens, hidden_size, dtype=torch.float64, generator=gen).to(dtype)
+    w = torch.rand(tokens, top_k, dtype=torch.float64, generator=gen).to(dtype)
+    grad = torch.randn(tokens, hidden_size, dtype=torch.float64, generator=gen).to(dtype)
+    scale = 1 + index.to(torch.float64)  # expert e multiplies its rows by 1 + e
+
+    # Unsharded, in float64 from the same (rounded) inputs.
+    ref_x, ref_w = x.double().requires_grad_(), w.double().requires_grad_()
+    expected = ((ref_w * scale)[..., None] * ref_x[:, None]).sum(1)
+    expected.backward(grad.double())
+
+    x.requires_grad_(), w.requires_grad_()
+    rows, ids, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(x, index, experts, group)
+    local_out = rows * (1 + rank * (experts // world_size) + ids).to(dtype)[:, None]
+    got = torch_tp.ops.moe_token_combine(local_out, w, order, per_expert, recv_counts, group)
+    got.backward(grad)
+    what, tol = f"{dtype} rank {rank} of {world_size}", PIECES_TOL[dtype]
+    assert got.dtype == dtype and x.grad.dtype == dtype and w.grad.dtype == dtype
+    assert_close(got, expected, f"{what}: output", tol)
+    assert_close(x.grad, ref_x.grad, f"{what}: hidden grad", tol)
+    assert_close(w.grad, ref_w.grad, f"{what}: weights grad", tol)
+
+
+@pytest.mark.parametrize("dtype", list(PIECES_TOL))
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exchange_in_pieces_of_small_buffers(ranks, world_size, dtype):
+    ranks(world_size, "torch_tp", {"TORCH_TP_SHM_BUFFER_BYTES": "65536"}).run(_check_exchange_in_pieces, dtype)
+
+
 # float32 and bfloat16: the fused CPU kernel sums the K products in float32 in slot order, the reference's
 # index_add in its own order after rounding each product to the dtype; a few units of the dtype's epsilon of
 # each tensor's largest magnitude cover both. float16 runs ATen's composition itself (the reference's ops).

@@ -16,19 +16,26 @@
 // NOTE [slot rows through the backend's buffers]
 // Three of those passes only make an all-to-all's send buffer or drain its
 // receive buffer: the gather of dispatch's T*K rows, the scaled gather of
-// the combine backward's, and the dispatch backward's unit-weight sum of what
-// comes back. Where the group's backend moves pieces itself (NOTE [all-to-all
-// by pieces] in <torch_tp/direct_collectives.h>: the torch_tp backend on one
-// node) and the rows are CPU float32, float64 or bfloat16, each pass runs
-// inside the exchange, on each block of a piece as it goes into or comes out
-// of the backend's shared buffer: no T*K-row tensor is written or read for it,
-// and no such buffer is allocated (at T*K*H*4 = 32 MiB, a fresh buffer's page
-// faults cost as much as the pass). The gathers write the same bytes as
-// _moe_slot_rows and _moe_slot_sum_backward; the sum adds each token's K rows
-// in the order they arrive (by source rank's block, each by expert) into an
-// accumulator of the rows' math type (float for bfloat16, rounded once at the
-// end), where _moe_slot_sum adds them in slot order: the same terms in
-// another order. Everywhere else the compositions above run.
+// the combine backward's (which reads each grad_out row the weights' dots
+// need), and the dispatch backward's unit-weight sum of what comes back.
+// Where the group's backend moves pieces itself (NOTE [all-to-all by pieces]
+// in <torch_tp/direct_collectives.h>: the torch_tp backend on one node) and
+// the rows are CPU float32, float64 or bfloat16, each pass runs inside the
+// exchange, on each block of a piece as it goes into or comes out of the
+// backend's shared buffer: no T*K-row tensor is written or read for it, and
+// no such buffer is allocated (at T*K*H*4 = 32 MiB, a fresh buffer's page
+// faults cost as much as the pass); the dots are taken from the same reads.
+// The gathers write the same bytes as _moe_slot_rows and
+// _moe_slot_sum_backward. The sum adds each token's K rows in the order they
+// arrive (by source rank's block, each by expert) into a zeroed accumulator
+// of the rows' math type (float for bfloat16, rounded once at the end), and a
+// row that a block boundary splits adds its dot in two parts, where
+// _moe_slot_sum and _moe_slot_sum_backward sum in slot order and in one part:
+// the same terms in another order. The combine's own weighted sum stays
+// _moe_slot_sum after the exchange: `combined` is kept for the backward
+// anyway, and summing on arrival instead needs the zeroed accumulator and K
+// scattered read-modify-writes per token, which cost what reading `combined`
+// once more does. Everywhere else the compositions above run.
 
 #include "ops/comm.h"
 #include "ops/common.h"
@@ -122,6 +129,18 @@ struct PieceLoops {
       }
     }
   };
+  struct ScaleDot {  // Scale, and *acc += <from, with> (the weight's gradient) from the same reads
+    static void run(T* to, const T* from, const T* with, opmath_t w, opmath_t* acc, int64_t n) {
+      opmath_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < n; ++j) {
+        const opmath_t f = IO::load(from[j]);
+        to[j] = IO::store(w * f);
+        dot += f * IO::load(with[j]);
+      }
+      *acc += dot;
+    }
+  };
   struct Add {  // acc[j] += from[j]
     static void run(opmath_t* acc, const T* from, int64_t n) {
 #pragma omp simd
@@ -135,9 +154,10 @@ struct PieceLoops {
 // One exchange of slot rows [*, H] (NOTE [slot rows through the backend's
 // buffers]). Sent: piece r is rows [send_start[r], + send_rows[r]) of either
 // a contiguous tensor, or the gather row i = w[order[i]] * src[order[i] / K]
-// (w null: unit). Received: piece r lands at rows recv_start[r] of a
-// contiguous tensor, or each of its rows i (in sorted slot order) is added to
-// sum[order[i] / K].
+// (w null: unit), optionally adding <src[order[i] / K], with[i]> to
+// dots[order[i]] on the way. Received: piece r lands at rows recv_start[r] of
+// a contiguous tensor, or each of its rows i (in sorted slot order) is added
+// to sum[order[i] / K].
 template <typename scalar_t>
 class SlotPieces final : public AllToAllPieces {
   using Loops = PieceLoops<scalar_t>;
@@ -154,6 +174,7 @@ class SlotPieces final : public AllToAllPieces {
         order_(order),
         top_k_(top_k),
         scale_(isa_entry<typename Loops::Scale>(widest_cpu_isa())),
+        scale_dot_(isa_entry<typename Loops::ScaleDot>(widest_cpu_isa())),
         add_(isa_entry<typename Loops::Add>(widest_cpu_isa())) {}
 
   void send_rows_of(const at::Tensor& rows) {
@@ -163,9 +184,15 @@ class SlotPieces final : public AllToAllPieces {
     gather_src_ = stored_data<scalar_t>(src);
     gather_w_ = weights.defined() ? stored_data<scalar_t>(weights) : nullptr;
   }
+  // With a weighted gather: `with` [rows, H] contiguous, dots [T*K] of opmath_t, zeroed.
+  void send_dots_with(const at::Tensor& with, const at::Tensor& dots) {
+    dot_with_ = stored_data<scalar_t>(with);
+    dots_ = dots.mutable_data_ptr<opmath_t>();
+  }
   void receive_into(const at::Tensor& rows) {
     recv_plain_ = static_cast<char*>(rows.mutable_data_ptr());
   }
+  // acc [T, H] of opmath_t, zeroed.
   void receive_sum_into(const at::Tensor& acc) {
     recv_sum_ = acc.mutable_data_ptr<opmath_t>();
   }
@@ -180,10 +207,14 @@ class SlotPieces final : public AllToAllPieces {
       const int64_t slot = order_[i];
       const T* from = gather_src_ + (slot / top_k_) * h_ + within / sizeof(T);
       T* to = reinterpret_cast<T*>(static_cast<char*>(dst) + done);
+      const auto count = static_cast<int64_t>(n / sizeof(T));
       if (gather_w_ == nullptr) {
         std::memcpy(to, from, n);
-      } else {
-        scale_(to, from, Io<scalar_t>::load(gather_w_[slot]), static_cast<int64_t>(n / sizeof(T)));
+      } else if (dots_ == nullptr) {
+        scale_(to, from, Io<scalar_t>::load(gather_w_[slot]), count);
+      } else {  // a row split over two calls adds its dot in two parts
+        scale_dot_(to, from, dot_with_ + i * h_ + within / sizeof(T), Io<scalar_t>::load(gather_w_[slot]),
+                   dots_ + slot, count);
       }
     });
   }
@@ -219,10 +250,13 @@ class SlotPieces final : public AllToAllPieces {
   const int64_t* order_;
   int64_t top_k_;
   void (*scale_)(T*, const T*, opmath_t, int64_t);
+  void (*scale_dot_)(T*, const T*, const T*, opmath_t, opmath_t*, int64_t);
   void (*add_)(opmath_t*, const T*, int64_t);
   const char* send_plain_ = nullptr;
   const T* gather_src_ = nullptr;
   const T* gather_w_ = nullptr;
+  const T* dot_with_ = nullptr;
+  opmath_t* dots_ = nullptr;
   char* recv_plain_ = nullptr;
   opmath_t* recv_sum_ = nullptr;
 };
@@ -362,27 +396,32 @@ std::tuple<at::Tensor, at::Tensor> slot_combine_backward_kernel(
   const SlotSplits splits = slot_splits(tpe_host, recv_host, world_size);
   const at::Tensor g = grad_out.contiguous();
   const at::Tensor w = weights.contiguous();
-  at::Tensor grad_local;
+  at::Tensor grad_local, grad_w;
   if (in_pieces(g)) {
     const at::Tensor o = order.contiguous();
+    const at::Tensor c = combined.contiguous();
     check_order_range(op, o, o.numel());
+    TORCH_CHECK(c.size(0) == o.numel(), op, ": ", c.size(0), " combined rows but order has ", o.numel(), " entries");
     at::Tensor received = at::empty({c10::sum_integers(splits.received), g.size(1)}, g.options());
+    at::Tensor dots = weights_grad ? at::zeros({w.numel()}, w.options().dtype(at::toOpMathType(w.scalar_type())))
+                                   : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, g.scalar_type(), op, [&] {
       SlotPieces<scalar_t> pieces(g.size(1), run_starts(splits.sorted), run_starts(splits.received),
                                   o.const_data_ptr<int64_t>(), w.size(1));
       pieces.send_gather_of(g, w);
+      if (weights_grad) {
+        pieces.send_dots_with(c, dots);
+      }
       pieces.receive_into(received);
       if (all_to_all_pieces(op, group, g, splits.sorted, splits.received, pieces)) {
         grad_local = received;
       }
     });
-  }
-  at::Tensor grad_w;
-  if (grad_local.defined()) {
-    if (weights_grad) {
-      grad_w = std::get<1>(slot_sum_backward(g, combined, order, w, {false, true}));
+    if (grad_local.defined() && weights_grad) {
+      grad_w = dots.view(w.sizes()).to(w.scalar_type());
     }
-  } else {
+  }
+  if (!grad_local.defined()) {
     auto [grad_rows, grad_weights] = slot_sum_backward(g, combined, order, w, {true, weights_grad});
     grad_local = dispatch_rows(op, group, grad_rows, tpe_host, recv_host, false);
     grad_w = grad_weights;
