@@ -7,7 +7,8 @@ the outside, what every rank reported and how long it took:
 
 * a rank killed with SIGKILL while inside an all_reduce or while its peer waits
   in recv, and a rank that never calls or never sends: every survivor raises an error naming the op and the missing rank
-  within the timeout (plus ``SLACK_S`` for a busy 2-core machine), and exits;
+  within the timeout (plus ``SLACK_S`` for a busy 2-core machine), and exits; so does a
+  rank whose peer skips the MoE token exchange's backward on gloo (its send/recv messages);
 * ranks calling with different element counts, dtypes or collectives: every
   rank raises a "mismatch" error long before the timeout;
 * /dev/shm holds no ``torch_tp_`` segment once the group is up, nor after a
@@ -44,18 +45,18 @@ def shm_segments():
     return sorted(name for name in os.listdir("/dev/shm") if name.startswith("torch_tp_"))
 
 
-def _rank_main(rank, world_size, init_file, scenario, env, events):
+def _rank_main(rank, world_size, init_file, scenario, env, events, backend):
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
-    import torch_tp  # noqa: F401  (registers the backend)
+    import torch_tp  # registers the backend
 
     torch.set_num_threads(1)
     events.put((rank, "started", None, 0.0))  # starts the queue's feeder thread before the count
     threads_before = len(os.listdir("/proc/self/task"))
     try:
-        dist.init_process_group("torch_tp", init_method="file://" + init_file, rank=rank,
+        dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=TIMEOUT_S))
     except Exception as e:  # noqa: BLE001  (reported to the test)
         events.put((rank, "init_error", str(e), 0.0))
@@ -111,6 +112,22 @@ def _rank_main(rank, world_size, init_file, scenario, env, events):
                 events.put((rank, "ok", None, 0.0))
                 return
             dist.recv(torch.empty(100_000), src=1)
+        elif scenario == "moe_backward_stuck_peer":
+            # The token exchange's backward, whose rows go as gloo messages
+            # (csrc/ops/comm_pieces.cpp), with rank 1 alive but never joining it.
+            gen = torch.Generator().manual_seed(rank)
+            hidden = torch.randn(64, 256, generator=gen, requires_grad=True)
+            top_k_index = torch.randn(64, 4, generator=gen).topk(2, dim=-1).indices
+            weights = torch.rand(64, 2, generator=gen, requires_grad=True)
+            group = dist.group.WORLD
+            rows, _, order, per_expert, recv_counts = torch_tp.ops.moe_token_dispatch(hidden, top_k_index, 4, group)
+            out = torch_tp.ops.moe_token_combine(rows, weights, order, per_expert, recv_counts, group)
+            if rank == 1:
+                time.sleep(TIMEOUT_S + SLACK_S + 2.0)
+                events.put((rank, "ok", None, 0.0))
+                return
+            start = time.monotonic()
+            out.sum().backward()
         elif scenario == "numel_mismatch":
             dist.all_reduce(torch.ones(10 + 2 * rank))
         elif scenario == "dtype_mismatch":
@@ -150,14 +167,15 @@ class Job:
     """``world_size`` ranks of one scenario, each a process of its own reporting events;
     the FileStore's file goes in ``store_dir`` (the test's tmp_path)."""
 
-    def __init__(self, world_size, scenario, store_dir, env=None):
+    def __init__(self, world_size, scenario, store_dir, env=None, backend="torch_tp"):
         _started_jobs.append(self)
         ctx = rank_context()
         self.events = ctx.Queue()
         self.history = {}
         env = {**SMALL_BUFFER_ENV, **(env or {})}
         self.procs = [ctx.Process(target=_rank_main, daemon=True,
-                                  args=(r, world_size, os.path.join(store_dir, "store"), scenario, env, self.events))
+                                  args=(r, world_size, os.path.join(store_dir, "store"), scenario, env, self.events,
+                                        backend))
                       for r in range(world_size)]
         for proc in self.procs:
             proc.start()
@@ -258,6 +276,18 @@ def test_survivor_exits_cleanly_after_peer_killed_with_subgroups(run, tmp_path):
     job.join(30)
     codes = {rank: job.procs[rank].exitcode for rank in survivors}
     assert all(code == 0 for code in codes.values()), f"survivors' exit codes (negative: the signal): {codes}"
+
+
+def test_moe_exchange_backward_with_a_stuck_peer_on_gloo(tmp_path):
+    """The token exchange as gloo messages (NOTE [all-to-all by pieces in messages]) with a peer that never joins
+    the backward: an error naming the op within the group's timeout, no hang, and both ranks exit."""
+    job = Job(2, "moe_backward_stuck_peer", tmp_path, {"TORCH_TP_GLOO_MESSAGE_BYTES": "4096"}, backend="gloo")
+    job.wait_for({"ready"}, 2, STARTUP_S)
+    kind, message, seconds = job.wait_for({"error", "ok"}, 2, TIMEOUT_S + SLACK_S + 3.0 + STARTUP_S)[0]
+    assert kind == "error", "rank 0 finished the exchange's backward without its peer"
+    assert "moe_token_combine" in message and "gloo" in message and "rank 1" in message, message
+    assert seconds < TIMEOUT_S + SLACK_S, f"rank 0 took {seconds:.1f} s to notice: {message}"
+    job.join(30)
 
 
 def test_rank_killed_while_peer_in_recv(tmp_path):

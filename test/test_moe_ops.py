@@ -242,10 +242,12 @@ def test_compiled_combine_with_counts_from_outside(ranks, world_size):
     ranks(world_size).run(_check_compiled_combine_alone, timeout=300)
 
 
-# The exchange through the torch_tp backend's pieces (NOTE [slot rows through the backend's buffers],
-# csrc/ops/moe_slot_exchange.cpp) with 64 KiB shared buffers: rows of 100 elements cross block boundaries, so
-# the gathers, the gradient's sum and the weights' dots each see rows in two parts; 3 experts per token, every
-# first choice expert 0, a rank with no tokens. Tolerances, of each tensor's largest
+# The exchange by pieces (NOTE [slot rows through the backend's buffers], csrc/ops/moe_slot_exchange.cpp):
+# through the torch_tp backend's 64 KiB shared buffers, and as gloo messages of 4096 bytes (NOTE [all-to-all
+# by pieces in messages], csrc/ops/comm_pieces.cpp), many per piece, so each peer's ring of two message buffers
+# wraps. Rows of 100 elements cross block and message boundaries, so the gathers, the gradient's sum and the
+# weights' dots each see rows in two parts; 3 experts per token, every first choice expert 0, a rank with no
+# tokens. Tolerances, of each tensor's largest
 # magnitude against the float64 reference: float64 1e-12 (the order of the K=3 terms and of a split dot's two
 # parts); float32 1e-5 (its roundoff over 100-long dots); bfloat16 2e-2 (the experts' output, the sum and the
 # gradients each rounded to 8 bits).
@@ -284,8 +286,10 @@ def _check_exchange_in_pieces(dtype):
 
 @pytest.mark.parametrize("dtype", list(PIECES_TOL))
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_exchange_in_pieces_of_small_buffers(ranks, world_size, dtype):
-    ranks(world_size, "torch_tp", {"TORCH_TP_SHM_BUFFER_BYTES": "65536"}).run(_check_exchange_in_pieces, dtype)
+@pytest.mark.parametrize("backend, env", [("torch_tp", {"TORCH_TP_SHM_BUFFER_BYTES": "65536"}),
+                                          ("gloo", {"TORCH_TP_GLOO_MESSAGE_BYTES": "4096"})])
+def test_exchange_in_pieces_of_small_buffers(ranks, world_size, dtype, backend, env):
+    ranks(world_size, backend, env).run(_check_exchange_in_pieces, dtype)
 
 
 # float32 and bfloat16: the fused CPU kernel sums the K products in float32 in slot order, the reference's

@@ -196,9 +196,10 @@ c10::intrusive_ptr<c10d::Work> launch(const char* op, c10d::ProcessGroup& group,
 // benchmarks/RESULTS.md, "Collectives: torch_tp vs functional collectives vs
 // raw c10d" (measurements live there, where they are rerun, not here).
 // gloo is torch's backend and cannot implement an interface of ours (as
-// DirectCollectives does), so this is the one place in the ops that knows a
-// backend by the name c10d gives it.
-bool reduce_scatters_by_all_to_all(const c10d::Backend* backend) {
+// DirectCollectives does), so this and all_to_all_pieces' messages (NOTE
+// [all-to-all by pieces in messages] in comm_pieces.cpp) are the ops' two
+// paths for a backend they know by the name c10d gives it.
+bool is_gloo(const c10d::Backend* backend) {
   return backend != nullptr && backend->getBackendName() == "gloo";
 }
 
@@ -475,7 +476,7 @@ PendingCollective start_reduce_scatter(const char* op, const c10::intrusive_ptr<
     return PendingCollective({}, [piece, finish_piece] { return finish_piece(piece); }, op, group, x);
   }
   at::Tensor front = to_rank_major(rows, world_size);
-  if (reduce_scatters_by_all_to_all(backend)) {
+  if (is_gloo(backend)) {
     return reduce_scatter_by_all_to_all(op, group, async_op, x, front, reduction, std::move(finish_piece), dim_arg,
                                         dim);
   }
@@ -510,12 +511,16 @@ PendingCollective start_all_to_all(const char* op, const c10::intrusive_ptr<c10d
 bool all_to_all_pieces(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& rows,
                        const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
                        AllToAllPieces& pieces) {
-  DirectCollectives* direct = direct_calls(backend_for(*group, rows), false);
-  if (direct == nullptr) {
-    return false;
-  }
+  c10d::Backend* const backend = backend_for(*group, rows);
   try {
-    return direct->all_to_all_pieces_now(rows, send_rows, recv_rows, pieces);
+    if (DirectCollectives* direct = direct_calls(backend, false)) {
+      return direct->all_to_all_pieces_now(rows, send_rows, recv_rows, pieces);
+    }
+    if (is_gloo(backend) && rows.device().is_cpu()) {
+      all_to_all_pieces_in_messages(*group, rows, send_rows, recv_rows, pieces);
+      return true;
+    }
+    return false;
   } catch (c10::Error& e) {
     e.add_context(failure_context(op, *group, rows));
     throw;

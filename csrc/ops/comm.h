@@ -123,14 +123,21 @@ PendingCollective start_all_to_all(const char* op, const c10::intrusive_ptr<c10d
                                    bool async_op, const at::Tensor& x, std::vector<int64_t> output_splits,
                                    std::vector<int64_t> input_splits);
 
-// The all-to-all of start_all_to_all's rows with the group's backend making
-// and taking each piece through `pieces` (NOTE [all-to-all by pieces] in
-// <torch_tp/direct_collectives.h>): `rows` stands for the rows (dtype, row
-// shape, device). Returns false, having done nothing, where the backend has
-// no such call for rows' device; the caller then exchanges real buffers.
+// The all-to-all of start_all_to_all's rows with each piece made and taken
+// through `pieces` (NOTE [all-to-all by pieces] in
+// <torch_tp/direct_collectives.h>): by the group's backend where it has such
+// a call, as gloo messages for CPU rows on gloo (NOTE [all-to-all by pieces
+// in messages] in comm_pieces.cpp). `rows` stands for the rows (dtype, row
+// shape, device). Returns false, having done nothing, everywhere else; the
+// caller then exchanges real buffers.
 bool all_to_all_pieces(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& rows,
                        const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
                        AllToAllPieces& pieces);
+
+// all_to_all_pieces' gloo path (comm_pieces.cpp), on CPU rows.
+void all_to_all_pieces_in_messages(c10d::ProcessGroup& group, const at::Tensor& rows,
+                                   const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                                   AllToAllPieces& pieces);
 
 // NOTE [cross-rank argument check]
 // A collective only sees bytes: all_gather(x, dim=rank), or an all-reduce of

@@ -18,16 +18,20 @@
 // receive buffer: the gather of dispatch's T*K rows, the scaled gather of
 // the combine backward's (which reads each grad_out row the weights' dots
 // need), and the dispatch backward's unit-weight sum of what comes back.
-// Where the group's backend moves pieces itself (NOTE [all-to-all by pieces]
-// in <torch_tp/direct_collectives.h>: the torch_tp backend on one node) and
+// Where the exchange runs by pieces (NOTE [all-to-all by pieces] in
+// <torch_tp/direct_collectives.h>: the torch_tp backend on one node, gloo by
+// messages, NOTE [all-to-all by pieces in messages] in comm_pieces.cpp) and
 // the rows are CPU float32, float64 or bfloat16, each pass runs inside the
-// exchange, on each block of a piece as it goes into or comes out of the
-// backend's shared buffer: no T*K-row tensor is written or read for it, and
-// no such buffer is allocated (at T*K*H*4 = 32 MiB, a fresh buffer's page
-// faults cost as much as the pass); the dots are taken from the same reads.
+// exchange, on each block of a piece as it goes into the backend's shared
+// buffer or a message, or comes out of one: no T*K-row tensor is written or
+// read for it, and no such buffer is allocated (at T*K*H*4 = 32 MiB, a fresh
+// buffer's page faults cost as much as the pass); the dots are taken from
+// the same reads. The rows that are a tensor as they are (the received rows,
+// the rows' gradient) are gloo's messages themselves.
 // The gathers write the same bytes as _moe_slot_rows and
 // _moe_slot_sum_backward. The sum adds each token's K rows in the order they
-// arrive (by source rank's block, each by expert) into a zeroed accumulator
+// arrive (by source rank's block, each by expert; on gloo, message by message
+// across the ranks) into a zeroed accumulator
 // of the rows' math type (float for bfloat16, rounded once at the end), and a
 // row that a block boundary splits adds its dot in two parts, where
 // _moe_slot_sum and _moe_slot_sum_backward sum in slot order and in one part:
@@ -177,7 +181,9 @@ class SlotPieces final : public AllToAllPieces {
         scale_dot_(isa_entry<typename Loops::ScaleDot>(widest_cpu_isa())),
         add_(isa_entry<typename Loops::Add>(widest_cpu_isa())) {}
 
+  // rows contiguous, sent as they are.
   void send_rows_of(const at::Tensor& rows) {
+    send_rows_ = rows;
     send_plain_ = reinterpret_cast<const char*>(rows.const_data_ptr());
   }
   void send_gather_of(const at::Tensor& src, const at::Tensor& weights) {
@@ -189,12 +195,21 @@ class SlotPieces final : public AllToAllPieces {
     dot_with_ = stored_data<scalar_t>(with);
     dots_ = dots.mutable_data_ptr<opmath_t>();
   }
+  // rows contiguous, received into as they are.
   void receive_into(const at::Tensor& rows) {
+    recv_rows_ = rows;
     recv_plain_ = static_cast<char*>(rows.mutable_data_ptr());
   }
   // acc [T, H] of opmath_t, zeroed.
   void receive_sum_into(const at::Tensor& acc) {
     recv_sum_ = acc.mutable_data_ptr<opmath_t>();
+  }
+
+  at::Tensor sent_piece(int64_t rank, size_t len) override {
+    return piece_bytes(send_rows_, send_start_[rank], len);
+  }
+  at::Tensor received_piece(int64_t rank, size_t len) override {
+    return piece_bytes(recv_rows_, recv_start_[rank], len);
   }
 
   void pack(int64_t rank, size_t offset, size_t len, void* dst) override {
@@ -232,6 +247,14 @@ class SlotPieces final : public AllToAllPieces {
   }
 
  private:
+  // Bytes [0, len) of the piece from row `start` of contiguous rows, as uint8; undefined for no rows.
+  at::Tensor piece_bytes(const at::Tensor& rows, int64_t start, size_t len) const {
+    if (!rows.defined()) {
+      return {};
+    }
+    return rows.view({-1}).view(at::kByte).narrow(0, start * static_cast<int64_t>(row_bytes_), static_cast<int64_t>(len));
+  }
+
   // Bytes [at, at + len) of the rows, as f(row, byte offset within it, bytes, bytes done before).
   template <typename F>
   void for_each_row(size_t at, size_t len, F&& f) const {
@@ -252,6 +275,7 @@ class SlotPieces final : public AllToAllPieces {
   void (*scale_)(T*, const T*, opmath_t, int64_t);
   void (*scale_dot_)(T*, const T*, const T*, opmath_t, opmath_t*, int64_t);
   void (*add_)(opmath_t*, const T*, int64_t);
+  at::Tensor send_rows_, recv_rows_;  // the sides that are tensors' rows as they are
   const char* send_plain_ = nullptr;
   const T* gather_src_ = nullptr;
   const T* gather_w_ = nullptr;

@@ -64,11 +64,23 @@ namespace torch_tp {
 // this rank. Each byte of each piece is packed and unpacked exactly once, a
 // piece's ranges in increasing order, on the calling thread; offsets and
 // lengths are whole elements of the rows' dtype, not whole rows.
+// sent_piece(rank, len) and received_piece(rank, len) name a side that is a
+// tensor's rows as they are (bytes [0, len) of the piece, as a 1-D uint8 view
+// of that tensor), else undefined. A backend that copies through buffers of
+// its own may ignore them; one that moves tensors sends from and receives
+// into them directly, and then neither packs nor unpacks those bytes (the
+// gloo path of csrc/ops/comm_pieces.cpp).
 class AllToAllPieces {
  public:
   virtual ~AllToAllPieces() = default;
   virtual void pack(int64_t rank, size_t offset, size_t len, void* dst) = 0;
   virtual void unpack(int64_t rank, size_t offset, size_t len, const void* src) = 0;
+  virtual at::Tensor sent_piece(int64_t /*rank*/, size_t /*len*/) {
+    return {};
+  }
+  virtual at::Tensor received_piece(int64_t /*rank*/, size_t /*len*/) {
+    return {};
+  }
 };
 
 class DirectCollectives {
