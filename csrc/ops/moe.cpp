@@ -495,11 +495,10 @@ at::Tensor moe_token_combine_composite(const at::Tensor& local_out, const at::Te
   check_defined(op, "local_out", local_out);
   // moe_combine and the weighted sum, as one op (moe_slot_exchange.cpp).
   static const auto combine_op =
-      find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, const at::Tensor&, c10::string_view)>(
-          "torch_tp::_moe_slot_combine");
-  return std::get<0>(combine_op.call(local_out, top_k_weights.to(local_out.scalar_type()), order, tokens_per_expert,
-                                     recv_counts, group_name));
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, c10::string_view)>("torch_tp::_moe_slot_combine");
+  return combine_op.call(local_out, top_k_weights.to(local_out.scalar_type()), order, tokens_per_expert, recv_counts,
+                         group_name);
 }
 
 void impl_device_kernels(torch::Library& m) {

@@ -1,45 +1,51 @@
 // HF's AllToAllEP pair (moe_token_dispatch / moe_token_combine, moe.cpp) as
-// two differentiable ops, each an exchange with the pass over the (token,
-// slot) rows that feeds or drains it (moe_slots.cpp has the passes):
+// two differentiable ops, each an exchange with the passes over the (token,
+// slot) rows that feed or drain it (moe_slots.cpp has the passes):
 //   _moe_slot_dispatch(hidden, order, K, tokens_per_expert)
 //       = moe_dispatch(_moe_slot_rows(hidden, order, K), tokens_per_expert, by_expert=False)
 //       backward: _moe_slot_dispatch_backward(grad, order, T, ..)
 //               = _moe_slot_sum(moe_combine(grad, ..), order, ones [T, K])
-//   _moe_slot_combine(local_out, w, order, ..) -> (out, combined)
-//       combined = moe_combine(local_out, ..) [T*K, H'], out = _moe_slot_sum(combined, order, w)
-//       backward: _moe_slot_combine_backward(grad_out, combined, ..)
-//               = (_moe_dispatch_rows(w[order] * grad_out[order / K]), <grad_out[order / K], combined>)
-// `combined` is an output so that the backward's dots have it under
-// torch.compile too (a tensor made inside a kernel and saved would not be in
-// the traced graph).
+//   _moe_slot_combine(local_out, w, order, ..) [R, H'] -> out [T, H']
+//       = _moe_slot_sum(moe_combine(local_out, ..), order, w)
+//       backward: _moe_slot_combine_backward(grad_out, local_out, ..), where
+//       g = _moe_dispatch_rows(_moe_slot_rows(grad_out, order, K)) [R, H'] is
+//       each expert row's token gradient and w_r = _moe_dispatch_rows(w[order]) [R]
+//       its weight: grad_local_out = w_r * g, and the weights' gradient
+//       <g, local_out> [R] goes back the way the rows came (moe_combine) to
+//       grad_w[order[i]].
+// The weights' dots are taken where the expert rows are, against local_out,
+// and their R values come back in a small exchange (w_r goes out in
+// another): so the combine keeps no [T*K, H'] copy of the rows it received,
+// and its forward folds them into the weighted sum as they arrive.
 //
 // NOTE [slot rows through the backend's buffers]
-// Three of those passes only make an all-to-all's send buffer or drain its
-// receive buffer: the gather of dispatch's T*K rows, the scaled gather of
-// the combine backward's (which reads each grad_out row the weights' dots
-// need), and the dispatch backward's unit-weight sum of what comes back.
-// Where the exchange runs by pieces (NOTE [all-to-all by pieces] in
+// Five of those passes only make an all-to-all's send buffer or drain its
+// receive buffer: the gathers of dispatch's T*K rows and of the combine
+// backward's grad_out rows, the sums of what arrives (the combine's weighted
+// by w, the dispatch backward's with unit weights), and the combine
+// backward's scaling by w_r with the dots against local_out. Where the
+// exchange runs by pieces (NOTE [all-to-all by pieces] in
 // <torch_tp/direct_collectives.h>: the torch_tp backend on one node, gloo by
 // messages, NOTE [all-to-all by pieces in messages] in comm_pieces.cpp) and
 // the rows are CPU float32, float64 or bfloat16, each pass runs inside the
 // exchange, on each block of a piece as it goes into the backend's shared
 // buffer or a message, or comes out of one: no T*K-row tensor is written or
 // read for it, and no such buffer is allocated (at T*K*H*4 = 32 MiB, a fresh
-// buffer's page faults cost as much as the pass); the dots are taken from
-// the same reads. The rows that are a tensor as they are (the received rows,
-// the rows' gradient) are gloo's messages themselves.
-// The gathers write the same bytes as _moe_slot_rows and
-// _moe_slot_sum_backward. The sum adds each token's K rows in the order they
-// arrive (by source rank's block, each by expert; on gloo, message by message
-// across the ranks) into a zeroed accumulator
-// of the rows' math type (float for bfloat16, rounded once at the end), and a
-// row that a block boundary splits adds its dot in two parts, where
-// _moe_slot_sum and _moe_slot_sum_backward sum in slot order and in one part:
-// the same terms in another order. The combine's own weighted sum stays
-// _moe_slot_sum after the exchange: `combined` is kept for the backward
-// anyway, and summing on arrival instead needs the zeroed accumulator and K
-// scattered read-modify-writes per token, which cost what reading `combined`
-// once more does. Everywhere else the compositions above run.
+// buffer's page faults cost as much as the pass). The rows that are a tensor
+// as they are (local_out, the dispatched rows, their gradient) are gloo's
+// messages themselves, and so are the combine backward's received rows: gloo
+// receives them into grad_local_out as they are, and the scaling with the
+// dots is one pass after (finish_scaled), since an exchange that packs and
+// unpacks messages on both sides costs more there than that pass. The
+// values that go with the rows (w_r, the dots) go the same way, one value
+// per row (exchange_values). The gathers and the scaling write the same bytes as
+// _moe_slot_rows and w_r * g. The sums add each token's K rows in the order
+// they arrive (by source rank's block, each by expert; on gloo, message by
+// message across the ranks) into a zeroed accumulator of the rows' math type
+// (float for bfloat16, rounded once at the end), and a row that a block
+// boundary splits adds its dot in two parts, where _moe_slot_sum sums in slot
+// order and a dot is one sum: the same terms in another order. Everywhere
+// else the compositions above run.
 
 #include "ops/comm.h"
 #include "ops/common.h"
@@ -75,15 +81,6 @@ at::Tensor slot_sum(const at::Tensor& rows, const at::Tensor& order, const at::T
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("torch_tp::_moe_slot_sum");
   return op.call(rows, order, weights);
-}
-
-std::tuple<at::Tensor, at::Tensor> slot_sum_backward(const at::Tensor& grad_out, const at::Tensor& rows,
-                                                     const at::Tensor& order, const at::Tensor& weights,
-                                                     std::array<bool, 2> output_mask) {
-  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::array<bool, 2>)>(
-      "torch_tp::_moe_slot_sum_backward");
-  return op.call(grad_out, rows, order, weights, output_mask);
 }
 
 // hidden [T, H] (or a gradient of its shape) and order [T*K] int64.
@@ -125,7 +122,7 @@ struct PieceLoops {
   using IO = Io<scalar_t>;
   using T = typename IO::stored;
   using opmath_t = typename IO::opmath_t;
-  struct Scale {  // to[j] = w * from[j], rounded as _moe_slot_sum_backward rounds
+  struct Scale {  // to[j] = w * from[j]
     static void run(T* to, const T* from, opmath_t w, int64_t n) {
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
@@ -153,15 +150,23 @@ struct PieceLoops {
       }
     }
   };
+  struct AddScaled {  // acc[j] += w * from[j]
+    static void run(opmath_t* acc, const T* from, opmath_t w, int64_t n) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        acc[j] += w * IO::load(from[j]);
+      }
+    }
+  };
 };
 
 // One exchange of slot rows [*, H] (NOTE [slot rows through the backend's
 // buffers]). Sent: piece r is rows [send_start[r], + send_rows[r]) of either
-// a contiguous tensor, or the gather row i = w[order[i]] * src[order[i] / K]
-// (w null: unit), optionally adding <src[order[i] / K], with[i]> to
-// dots[order[i]] on the way. Received: piece r lands at rows recv_start[r] of
-// a contiguous tensor, or each of its rows i (in sorted slot order) is added
-// to sum[order[i] / K].
+// a contiguous tensor, or the gather row i = src[order[i] / K]. Received:
+// piece r's rows land at rows recv_start[r] of a contiguous tensor, or each
+// of its rows i (in sorted slot order) is added to sum[order[i] / K], weighted
+// by w[order[i]] where weights are given, or each of its rows i is written
+// scaled, to[i] = scale[i] * row, optionally adding <row, with[i]> to dots[i].
 template <typename scalar_t>
 class SlotPieces final : public AllToAllPieces {
   using Loops = PieceLoops<scalar_t>;
@@ -179,30 +184,39 @@ class SlotPieces final : public AllToAllPieces {
         top_k_(top_k),
         scale_(isa_entry<typename Loops::Scale>(widest_cpu_isa())),
         scale_dot_(isa_entry<typename Loops::ScaleDot>(widest_cpu_isa())),
-        add_(isa_entry<typename Loops::Add>(widest_cpu_isa())) {}
+        add_(isa_entry<typename Loops::Add>(widest_cpu_isa())),
+        add_scaled_(isa_entry<typename Loops::AddScaled>(widest_cpu_isa())) {}
 
   // rows contiguous, sent as they are.
   void send_rows_of(const at::Tensor& rows) {
     send_rows_ = rows;
     send_plain_ = reinterpret_cast<const char*>(rows.const_data_ptr());
   }
-  void send_gather_of(const at::Tensor& src, const at::Tensor& weights) {
+  // src [T, H] contiguous.
+  void send_gather_of(const at::Tensor& src) {
     gather_src_ = stored_data<scalar_t>(src);
-    gather_w_ = weights.defined() ? stored_data<scalar_t>(weights) : nullptr;
-  }
-  // With a weighted gather: `with` [rows, H] contiguous, dots [T*K] of opmath_t, zeroed.
-  void send_dots_with(const at::Tensor& with, const at::Tensor& dots) {
-    dot_with_ = stored_data<scalar_t>(with);
-    dots_ = dots.mutable_data_ptr<opmath_t>();
   }
   // rows contiguous, received into as they are.
   void receive_into(const at::Tensor& rows) {
     recv_rows_ = rows;
     recv_plain_ = static_cast<char*>(rows.mutable_data_ptr());
   }
-  // acc [T, H] of opmath_t, zeroed.
-  void receive_sum_into(const at::Tensor& acc) {
+  // acc [T, H] of opmath_t, zeroed; weights [T, K] contiguous, or undefined for unit weights.
+  void receive_sum_into(const at::Tensor& acc, const at::Tensor& weights) {
     recv_sum_ = acc.mutable_data_ptr<opmath_t>();
+    sum_w_ = weights.defined() ? stored_data<scalar_t>(weights) : nullptr;
+  }
+  // to [R, H] contiguous, scale [R]; with [R, H] contiguous and dots [R] of opmath_t, zeroed, or both undefined.
+  // A backend that moves tensors receives into `to` as it is; finish_scaled() then scales it in place.
+  void receive_scaled_into(const at::Tensor& to, const at::Tensor& scale, const at::Tensor& with,
+                           const at::Tensor& dots) {
+    recv_rows_ = to;
+    recv_scaled_ = mutable_stored_data<scalar_t>(to);
+    recv_scale_ = stored_data<scalar_t>(scale);
+    if (with.defined()) {
+      dot_with_ = stored_data<scalar_t>(with);
+      dots_ = dots.mutable_data_ptr<opmath_t>();
+    }
   }
 
   at::Tensor sent_piece(int64_t rank, size_t len) override {
@@ -219,19 +233,22 @@ class SlotPieces final : public AllToAllPieces {
       return;
     }
     for_each_row(at, len, [&](int64_t i, size_t within, size_t n, size_t done) {
-      const int64_t slot = order_[i];
-      const T* from = gather_src_ + (slot / top_k_) * h_ + within / sizeof(T);
-      T* to = reinterpret_cast<T*>(static_cast<char*>(dst) + done);
-      const auto count = static_cast<int64_t>(n / sizeof(T));
-      if (gather_w_ == nullptr) {
-        std::memcpy(to, from, n);
-      } else if (dots_ == nullptr) {
-        scale_(to, from, Io<scalar_t>::load(gather_w_[slot]), count);
-      } else {  // a row split over two calls adds its dot in two parts
-        scale_dot_(to, from, dot_with_ + i * h_ + within / sizeof(T), Io<scalar_t>::load(gather_w_[slot]),
-                   dots_ + slot, count);
-      }
+      std::memcpy(static_cast<char*>(dst) + done,
+                  reinterpret_cast<const char*>(gather_src_ + (order_[i] / top_k_) * h_) + within, n);
     });
+  }
+
+  // After a receive_scaled_into exchange of `rows` rows: where they were received as they are (no unpack),
+  // scale them in place and take their dots now.
+  void finish_scaled(int64_t rows) {
+    if (unpacked_bytes_ > 0) {
+      TORCH_INTERNAL_ASSERT(unpacked_bytes_ == static_cast<size_t>(rows) * row_bytes_, kCombine,
+                            ": the backend unpacked only part of the rows");
+      return;
+    }
+    for (const auto i : c10::irange(rows)) {
+      scale_row(i, 0, recv_scaled_ + i * h_, h_);
+    }
   }
 
   void unpack(int64_t rank, size_t offset, size_t len, const void* src) override {
@@ -241,8 +258,21 @@ class SlotPieces final : public AllToAllPieces {
       return;
     }
     for_each_row(at, len, [&](int64_t i, size_t within, size_t n, size_t done) {
-      opmath_t* acc = recv_sum_ + (order_[i] / top_k_) * h_ + within / sizeof(T);
-      add_(acc, reinterpret_cast<const T*>(static_cast<const char*>(src) + done), static_cast<int64_t>(n / sizeof(T)));
+      const T* from = reinterpret_cast<const T*>(static_cast<const char*>(src) + done);
+      const auto count = static_cast<int64_t>(n / sizeof(T));
+      const size_t col = within / sizeof(T);
+      if (recv_scaled_ != nullptr) {
+        scale_row(i, col, from, count);
+        unpacked_bytes_ += n;
+        return;
+      }
+      const int64_t slot = order_[i];
+      opmath_t* acc = recv_sum_ + (slot / top_k_) * h_ + col;
+      if (sum_w_ == nullptr) {
+        add_(acc, from, count);
+      } else {
+        add_scaled_(acc, from, Io<scalar_t>::load(sum_w_[slot]), count);
+      }
     });
   }
 
@@ -253,6 +283,17 @@ class SlotPieces final : public AllToAllPieces {
       return {};
     }
     return rows.view({-1}).view(at::kByte).narrow(0, start * static_cast<int64_t>(row_bytes_), static_cast<int64_t>(len));
+  }
+
+  // Columns [col, col + count) of received row i from `from` (which may be that row itself):
+  // to[i] = scale[i] * from, dots[i] += <from, with[i]>. A row split over two calls adds its dot in two parts.
+  void scale_row(int64_t i, size_t col, const T* from, int64_t count) {
+    const opmath_t w = Io<scalar_t>::load(recv_scale_[i]);
+    if (dots_ == nullptr) {
+      scale_(recv_scaled_ + i * h_ + col, from, w, count);
+    } else {
+      scale_dot_(recv_scaled_ + i * h_ + col, from, dot_with_ + i * h_ + col, w, dots_ + i, count);
+    }
   }
 
   // Bytes [at, at + len) of the rows, as f(row, byte offset within it, bytes, bytes done before).
@@ -275,14 +316,18 @@ class SlotPieces final : public AllToAllPieces {
   void (*scale_)(T*, const T*, opmath_t, int64_t);
   void (*scale_dot_)(T*, const T*, const T*, opmath_t, opmath_t*, int64_t);
   void (*add_)(opmath_t*, const T*, int64_t);
+  void (*add_scaled_)(opmath_t*, const T*, opmath_t, int64_t);
   at::Tensor send_rows_, recv_rows_;  // the sides that are tensors' rows as they are
   const char* send_plain_ = nullptr;
   const T* gather_src_ = nullptr;
-  const T* gather_w_ = nullptr;
-  const T* dot_with_ = nullptr;
-  opmath_t* dots_ = nullptr;
   char* recv_plain_ = nullptr;
   opmath_t* recv_sum_ = nullptr;
+  const T* sum_w_ = nullptr;
+  T* recv_scaled_ = nullptr;
+  const T* recv_scale_ = nullptr;
+  const T* dot_with_ = nullptr;
+  opmath_t* dots_ = nullptr;
+  size_t unpacked_bytes_ = 0;
 };
 
 // The split sizes of the slot rows: `sorted` [p] (the sender's T*K rows by
@@ -293,6 +338,29 @@ struct SlotSplits {
 
 SlotSplits slot_splits(const at::Tensor& tpe_host, const at::Tensor& recv_host, int64_t world_size) {
   return {row_sums(tpe_host.view({world_size, -1})), row_sums(recv_host)};
+}
+
+// The combine backward's 1-D tensors of values, one per slot row, sent as the
+// rows are: `send` [p] of them to each rank, `recv` [p] from each. By pieces
+// where the rows go by pieces, so that a failing peer is reported as for the
+// rows (comm_pieces.cpp names it on gloo); else start_all_to_all.
+at::Tensor exchange_values(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& values,
+                           const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+  if (in_pieces(values)) {
+    const at::Tensor v = values.contiguous();
+    at::Tensor got = at::empty({c10::sum_integers(recv)}, v.options());
+    bool done = false;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, v.scalar_type(), kCombine, [&] {
+      SlotPieces<scalar_t> pieces(1, run_starts(send), run_starts(recv), nullptr, 1);
+      pieces.send_rows_of(v);
+      pieces.receive_into(got);
+      done = all_to_all_pieces(kCombine, group, v.view({-1, 1}), send, recv, pieces);
+    });
+    if (done) {
+      return got;
+    }
+  }
+  return start_all_to_all(kCombine, group, false, values, recv, send).wait();
 }
 
 // --------------------------------------------------------------- kernels
@@ -320,7 +388,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> slot_dispatch_kernel(const at::Te
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), op, [&] {
       SlotPieces<scalar_t> pieces(h.size(1), run_starts(splits.sorted), run_starts(splits.received),
                                   o.const_data_ptr<int64_t>(), top_k);
-      pieces.send_gather_of(h, at::Tensor());
+      pieces.send_gather_of(h);
       pieces.receive_into(received);
       if (all_to_all_pieces(op, group, h, splits.sorted, splits.received, pieces)) {
         local_tokens = received;
@@ -361,7 +429,7 @@ at::Tensor slot_dispatch_backward_kernel(const at::Tensor& grad, const at::Tenso
       SlotPieces<scalar_t> pieces(g.size(1), run_starts(splits.received), run_starts(splits.sorted),
                                   o.const_data_ptr<int64_t>(), top_k);
       pieces.send_rows_of(g);
-      pieces.receive_sum_into(sum);
+      pieces.receive_sum_into(sum, at::Tensor());
       done = all_to_all_pieces(op, group, g, splits.received, splits.sorted, pieces);
     });
     if (done) {
@@ -387,9 +455,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> check_combine_args(const at::Tensor& loca
   return resolve_group(op, group_name);
 }
 
-std::tuple<at::Tensor, at::Tensor> slot_combine_kernel(const at::Tensor& local_out, const at::Tensor& weights,
-                                                       const at::Tensor& order, const at::Tensor& tokens_per_expert,
-                                                       const at::Tensor& recv_counts, c10::string_view group_name) {
+at::Tensor slot_combine_kernel(const at::Tensor& local_out, const at::Tensor& weights, const at::Tensor& order,
+                               const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts,
+                               c10::string_view group_name) {
   constexpr const char* op = kCombine;
   const auto group = check_combine_args(local_out, weights, order, group_name);
   const int64_t world_size = group->getSize();
@@ -397,58 +465,86 @@ std::tuple<at::Tensor, at::Tensor> slot_combine_kernel(const at::Tensor& local_o
   check_recv_counts(op, recv_counts, world_size, local);
   const at::Tensor recv_host = host_counts(op, "recv_counts", recv_counts, local_out.size(0), "local_out.size(0)");
   const at::Tensor tpe_host = host_counts(op, "tokens_per_expert", tokens_per_expert, order.size(0), "T*K");
-  at::Tensor combined = combine_rows(op, group, local_out, tpe_host, recv_host, false);
-  at::Tensor out = slot_sum(combined, order, weights);
-  return {std::move(out), std::move(combined)};
+  if (in_pieces(local_out)) {
+    const SlotSplits splits = slot_splits(tpe_host, recv_host, world_size);
+    const at::Tensor rows = local_out.contiguous();
+    const at::Tensor o = order.contiguous();
+    const at::Tensor w = weights.contiguous();
+    check_order_range(op, o, o.numel());
+    const auto math = at::toOpMathType(rows.scalar_type());
+    at::Tensor sum = at::zeros({w.size(0), rows.size(1)}, rows.options().dtype(math));
+    bool done = false;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, rows.scalar_type(), op, [&] {
+      // Back the way dispatch came, each arriving row added to its token's sum.
+      SlotPieces<scalar_t> pieces(rows.size(1), run_starts(splits.received), run_starts(splits.sorted),
+                                  o.const_data_ptr<int64_t>(), w.size(1));
+      pieces.send_rows_of(rows);
+      pieces.receive_sum_into(sum, w);
+      done = all_to_all_pieces(op, group, rows, splits.received, splits.sorted, pieces);
+    });
+    if (done) {
+      return math == rows.scalar_type() ? sum : sum.to(rows.scalar_type());
+    }
+  }
+  return slot_sum(combine_rows(op, group, local_out, tpe_host, recv_host, false), order, weights);
 }
 
 std::tuple<at::Tensor, at::Tensor> slot_combine_backward_kernel(
-    const at::Tensor& grad_out, const at::Tensor& combined, const at::Tensor& order, const at::Tensor& weights,
+    const at::Tensor& grad_out, const at::Tensor& local_out, const at::Tensor& order, const at::Tensor& weights,
     const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts, c10::string_view group_name,
-    c10::SymInt local_rows, bool weights_grad) {
+    bool weights_grad) {
   constexpr const char* op = kCombine;
-  const auto group = check_combine_args(combined, weights, order, group_name);
-  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == weights.size(0) && grad_out.size(1) == combined.size(1) &&
-                  grad_out.scalar_type() == combined.scalar_type(),
+  const auto group = check_combine_args(local_out, weights, order, group_name);
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == weights.size(0) && grad_out.size(1) == local_out.size(1) &&
+                  grad_out.scalar_type() == local_out.scalar_type(),
               op, ": the output gradient has shape ", grad_out.sizes(), " and dtype ", grad_out.scalar_type(),
-              "; expected [", weights.size(0), ", ", combined.size(1), "] of ", combined.scalar_type());
+              "; expected [", weights.size(0), ", ", local_out.size(1), "] of ", local_out.scalar_type());
   const int64_t world_size = group->getSize();
-  const int64_t local = check_dispatch_args(op, combined, tokens_per_expert, world_size);
+  const int64_t local = check_dispatch_args(op, local_out, tokens_per_expert, world_size);
   check_recv_counts(op, recv_counts, world_size, local);
-  const at::Tensor recv_host = host_counts(op, "recv_counts", recv_counts, local_rows.expect_int(), "local_out.size(0)");
+  const at::Tensor recv_host = host_counts(op, "recv_counts", recv_counts, local_out.size(0), "local_out.size(0)");
   const at::Tensor tpe_host = host_counts(op, "tokens_per_expert", tokens_per_expert, order.size(0), "T*K");
   const SlotSplits splits = slot_splits(tpe_host, recv_host, world_size);
+  const int64_t top_k = weights.size(1);
   const at::Tensor g = grad_out.contiguous();
-  const at::Tensor w = weights.contiguous();
-  at::Tensor grad_local, grad_w;
+  const at::Tensor o = order.contiguous();
+  // w_r [R]: each expert row's weight, sent the way its token row went.
+  const at::Tensor w_rows = exchange_values(group, weights.reshape({-1}).index_select(0, o), splits.sorted,
+                                            splits.received);
+  at::Tensor grad_local, dots;  // dots [R]: <g, local_out> per expert row
   if (in_pieces(g)) {
-    const at::Tensor o = order.contiguous();
-    const at::Tensor c = combined.contiguous();
+    const at::Tensor lo = local_out.contiguous();
     check_order_range(op, o, o.numel());
-    TORCH_CHECK(c.size(0) == o.numel(), op, ": ", c.size(0), " combined rows but order has ", o.numel(), " entries");
-    at::Tensor received = at::empty({c10::sum_integers(splits.received), g.size(1)}, g.options());
-    at::Tensor dots = weights_grad ? at::zeros({w.numel()}, w.options().dtype(at::toOpMathType(w.scalar_type())))
-                                   : at::Tensor();
+    at::Tensor scaled = at::empty_like(lo, at::MemoryFormat::Contiguous);
+    at::Tensor row_dots = weights_grad ? at::zeros({lo.size(0)}, lo.options().dtype(at::toOpMathType(lo.scalar_type())))
+                                       : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, g.scalar_type(), op, [&] {
       SlotPieces<scalar_t> pieces(g.size(1), run_starts(splits.sorted), run_starts(splits.received),
-                                  o.const_data_ptr<int64_t>(), w.size(1));
-      pieces.send_gather_of(g, w);
-      if (weights_grad) {
-        pieces.send_dots_with(c, dots);
-      }
-      pieces.receive_into(received);
+                                  o.const_data_ptr<int64_t>(), top_k);
+      pieces.send_gather_of(g);
+      pieces.receive_scaled_into(scaled, w_rows, weights_grad ? lo : at::Tensor(), row_dots);
       if (all_to_all_pieces(op, group, g, splits.sorted, splits.received, pieces)) {
-        grad_local = received;
+        pieces.finish_scaled(lo.size(0));
+        grad_local = scaled;
+        dots = row_dots;
       }
     });
-    if (grad_local.defined() && weights_grad) {
-      grad_w = dots.view(w.sizes()).to(w.scalar_type());
-    }
   }
   if (!grad_local.defined()) {
-    auto [grad_rows, grad_weights] = slot_sum_backward(g, combined, order, w, {true, weights_grad});
-    grad_local = dispatch_rows(op, group, grad_rows, tpe_host, recv_host, false);
-    grad_w = grad_weights;
+    const at::Tensor g_rows = dispatch_rows(op, group, slot_rows(g, o, top_k), tpe_host, recv_host, false);
+    grad_local = g_rows * w_rows.unsqueeze(1);
+    if (weights_grad) {
+      dots = (g_rows * local_out).sum(1);
+    }
+  }
+  at::Tensor grad_w;
+  if (weights_grad) {
+    // The dots back to the tokens' ranks, in sorted slot order, then to [T, K].
+    const at::Tensor sorted_dots = exchange_values(group, dots, splits.received, splits.sorted);
+    grad_w = at::empty({o.numel()}, sorted_dots.options())
+                 .index_copy_(0, o, sorted_dots)
+                 .view(weights.sizes())
+                 .to(weights.scalar_type());
   }
   return {grad_local, grad_w};
 }
@@ -462,21 +558,19 @@ at::Tensor slot_dispatch_backward_meta(const at::Tensor& grad, const at::Tensor&
   return at::empty_symint({std::move(tokens), grad.sym_size(1)}, grad.options());
 }
 
-std::tuple<at::Tensor, at::Tensor> slot_combine_meta(const at::Tensor& local_out, const at::Tensor& weights,
-                                                     const at::Tensor& order, const at::Tensor& /*tokens_per_expert*/,
-                                                     const at::Tensor& /*recv_counts*/, c10::string_view group_name) {
+at::Tensor slot_combine_meta(const at::Tensor& local_out, const at::Tensor& weights, const at::Tensor& order,
+                             const at::Tensor& /*tokens_per_expert*/, const at::Tensor& /*recv_counts*/,
+                             c10::string_view group_name) {
   check_combine_args(local_out, weights, order, group_name);
-  return {at::empty_symint({weights.sym_size(0), local_out.sym_size(1)}, local_out.options()),
-          at::empty_symint({order.sym_size(0), local_out.sym_size(1)}, local_out.options())};
+  return at::empty_symint({weights.sym_size(0), local_out.sym_size(1)}, local_out.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> slot_combine_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& combined, const at::Tensor& order, const at::Tensor& weights,
+    const at::Tensor& grad_out, const at::Tensor& local_out, const at::Tensor& order, const at::Tensor& weights,
     const at::Tensor& /*tokens_per_expert*/, const at::Tensor& /*recv_counts*/, c10::string_view group_name,
-    c10::SymInt local_rows, bool weights_grad) {
-  check_combine_args(combined, weights, order, group_name);
-  return {at::empty_symint({std::move(local_rows), combined.sym_size(1)}, grad_out.options()),
-          weights_grad ? at::empty_like(weights) : at::Tensor()};
+    bool weights_grad) {
+  check_combine_args(local_out, weights, order, group_name);
+  return {at::empty_like(local_out, grad_out.options()), weights_grad ? at::empty_like(weights) : at::Tensor()};
 }
 
 // --------------------------------------------------------------- autograd
@@ -484,8 +578,7 @@ std::tuple<at::Tensor, at::Tensor> slot_combine_backward_meta(
 using DispatchOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using DispatchSignature = DispatchOut(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
                                       c10::string_view);
-using CombineOut = std::tuple<at::Tensor, at::Tensor>;
-using CombineSignature = CombineOut(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+using CombineSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, c10::string_view);
 
 DispatchOut slot_dispatch(const at::Tensor& hidden, const at::Tensor& order, int64_t top_k,
@@ -494,7 +587,7 @@ DispatchOut slot_dispatch(const at::Tensor& hidden, const at::Tensor& order, int
   return op.call(hidden, order, top_k, tokens_per_expert, group_name);
 }
 
-CombineOut slot_combine(const at::Tensor& local_out, const at::Tensor& weights, const at::Tensor& order,
+at::Tensor slot_combine(const at::Tensor& local_out, const at::Tensor& weights, const at::Tensor& order,
                         const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts,
                         c10::string_view group_name) {
   static const auto op = find_op<CombineSignature>("torch_tp::_moe_slot_combine");
@@ -538,49 +631,38 @@ DispatchOut slot_dispatch_autograd(const at::Tensor& hidden, const at::Tensor& o
   return {out[0], out[1], out[2]};
 }
 
-// Backward: _moe_slot_combine_backward, from the saved `combined`.
+// Backward: _moe_slot_combine_backward, against the saved local_out.
 struct SlotCombineFunction : public torch::autograd::Function<SlotCombineFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& local_out, const at::Tensor& weights,
-                               const at::Tensor& order, const at::Tensor& tokens_per_expert,
-                               const at::Tensor& recv_counts, const std::string& group_name) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local_out, const at::Tensor& weights,
+                            const at::Tensor& order, const at::Tensor& tokens_per_expert,
+                            const at::Tensor& recv_counts, const std::string& group_name) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, combined] = slot_combine(local_out, weights, order, tokens_per_expert, recv_counts, group_name);
     ctx->saved_data["group_name"] = group_name;
-    ctx->saved_data["local_rows"] = local_out.sym_size(0);
-    ctx->save_for_backward({combined, order, weights, tokens_per_expert, recv_counts});
-    ctx->mark_non_differentiable({combined});
-    // `combined` has no gradient; materialized, it would be a zeroed [T*K, H'].
-    ctx->set_materialize_grads(false);
-    return {out, combined};
+    ctx->save_for_backward({local_out, order, weights, tokens_per_expert, recv_counts});
+    return slot_combine(local_out, weights, order, tokens_per_expert, recv_counts, group_name);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto op =
-        find_op<CombineOut(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, c10::string_view, c10::SymInt, bool)>(
-            "torch_tp::_moe_slot_combine_backward");
-    if (!grads[0].defined()) {
-      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    }
+        find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   c10::string_view, bool)>("torch_tp::_moe_slot_combine_backward");
     const auto saved = ctx->get_saved_variables();
-    auto [grad_local, grad_w] =
-        op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4],
-                ctx->saved_data["group_name"].toStringRef(), ctx->saved_data["local_rows"].toSymInt(),
-                ctx->needs_input_grad(1));
+    auto [grad_local, grad_w] = op.call(grads[0].contiguous(), saved[0], saved[1], saved[2], saved[3], saved[4],
+                                        ctx->saved_data["group_name"].toStringRef(), ctx->needs_input_grad(1));
     return {grad_local, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-CombineOut slot_combine_autograd(const at::Tensor& local_out, const at::Tensor& weights, const at::Tensor& order,
+at::Tensor slot_combine_autograd(const at::Tensor& local_out, const at::Tensor& weights, const at::Tensor& order,
                                  const at::Tensor& tokens_per_expert, const at::Tensor& recv_counts,
                                  c10::string_view group_name) {
   if (!needs_autograd(local_out) && !needs_autograd(weights)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return slot_combine(local_out, weights, order, tokens_per_expert, recv_counts, group_name);
   }
-  auto out = SlotCombineFunction::apply(local_out, weights, order, tokens_per_expert, recv_counts,
-                                        std::string(group_name));
-  return {out[0], out[1]};
+  return SlotCombineFunction::apply(local_out, weights, order, tokens_per_expert, recv_counts,
+                                    std::string(group_name));
 }
 
 void impl_device_kernels(torch::Library& m) {

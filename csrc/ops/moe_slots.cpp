@@ -4,21 +4,17 @@
 //   _moe_slot_rows:  rows[i] = hidden[order[i] / K]                    -> [T*K, H],
 // and moe_token_combine ends with the weighted sum over each token's slots
 //   _moe_slot_sum:   out[t] = sum_k w[t, k] * rows[i : order[i] = t*K + k]  -> [T, H].
-// Each is the other's adjoint in the rows (the gather's backward is the sum
-// with unit weights; the sum's is the gather, scaled by w[order[i]]); the
-// sum's gradient in the weights is a dot: grad_w[order[i]] =
-// <grad_out[order[i] / K], rows[i]>. These are the passes; the ops that
-// differentiate the pair with its exchanges are moe_slot_exchange.cpp's.
+// The gather's backward is the sum with unit weights; the sum's backward is
+// taken where the expert rows are (moe_slot_exchange.cpp, which also runs
+// both passes inside the exchanges where it can). These are the passes for
+// where it cannot.
 //
 // NOTE [one pass over the slots]
 // In ATen the sum is a product (a fresh [T*K, H]), a zeroed [T, H] and an
-// index_add, its backward gathers grad_out to [T*K, H] before two more
-// products, and the gather's backward is another zeroed [T, H] and
 // index_add: passes over the rows where one does. On the CPU (float32,
 // float64, bfloat16) each output row of the sum is written once from its K
-// rows, found through the inverse of order, and its backward writes each
-// grad_rows row once while taking its dot. Elsewhere (CUDA, float16) the ATen
-// compositions run. The gather itself is index_select everywhere.
+// rows, found through the inverse of order. Elsewhere (CUDA, float16) the
+// ATen composition runs. The gather itself is index_select everywhere.
 
 #include "ops/common.h"
 #include "ops/cpu_isa.h"
@@ -115,35 +111,6 @@ struct SlotRows {
       }
     }
   };
-
-  // Rows [begin, end): grad_rows[i] = w[order[i]] * g[t] where grad_rows != nullptr,
-  // grad_w[order[i]] = <g[t], rows[i]> where grad_w != nullptr; t = order[i] / K.
-  struct Backward {
-    static void run(const T* g, const T* rows, const int64_t* order, const T* w, T* grad_rows, T* grad_w,
-                    int64_t begin, int64_t end, int64_t k_slots, int64_t h) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t slot = order[i];
-        const T* gt = g + (slot / k_slots) * h;
-        if (grad_rows != nullptr) {
-          const opmath_t wk = IO::load(w[slot]);
-          T* gr = grad_rows + i * h;
-#pragma omp simd
-          for (int64_t j = 0; j < h; ++j) {
-            gr[j] = IO::store(wk * IO::load(gt[j]));
-          }
-        }
-        if (grad_w != nullptr) {
-          const T* r = rows + i * h;
-          opmath_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t j = 0; j < h; ++j) {
-            dot += IO::load(gt[j]) * IO::load(r[j]);
-          }
-          grad_w[slot] = IO::store(dot);
-        }
-      }
-    }
-  };
 };
 
 at::Tensor slot_sum_composite(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
@@ -175,55 +142,9 @@ at::Tensor slot_sum_kernel(const at::Tensor& rows, const at::Tensor& order, cons
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> slot_sum_backward_kernel(const at::Tensor& grad_out, const at::Tensor& rows,
-                                                            const at::Tensor& order, const at::Tensor& weights,
-                                                            std::array<bool, 2> output_mask) {
-  check_slot_sum_args(rows, order, weights);
-  TORCH_CHECK(grad_out.sizes().equals({weights.size(0), rows.size(1)}) && grad_out.scalar_type() == rows.scalar_type(),
-              kOp, ": the output gradient has shape ", grad_out.sizes(), " and dtype ", grad_out.scalar_type(),
-              "; expected [", weights.size(0), ", ", rows.size(1), "] of ", rows.scalar_type());
-  const int64_t k_slots = weights.size(1);
-  if (!fuses(rows)) {
-    const at::Tensor g = grad_out.index_select(0, at::div(order, c10::Scalar(k_slots), "floor"));
-    at::Tensor grad_rows, grad_w;
-    if (output_mask[0]) {
-      grad_rows = g * weights.reshape({-1}).index_select(0, order).unsqueeze(1);
-    }
-    if (output_mask[1]) {
-      grad_w = at::empty({weights.numel()}, weights.options()).index_copy_(0, order, (g * rows).sum(1)).view(
-          weights.sizes());
-    }
-    return {grad_rows, grad_w};
-  }
-  inverse_of(order);  // the permutation check: each grad_w entry is written by one row
-  const at::Tensor g = grad_out.contiguous();
-  const at::Tensor r = rows.contiguous();
-  const at::Tensor o = order.contiguous();
-  const at::Tensor w = weights.contiguous();
-  const int64_t h = r.size(1);
-  at::Tensor grad_rows = output_mask[0] ? at::empty_like(r, at::MemoryFormat::Contiguous) : at::Tensor();
-  at::Tensor grad_w = output_mask[1] ? at::empty_like(w, at::MemoryFormat::Contiguous) : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, r.scalar_type(), kOp, [&] {
-    const auto loop = isa_entry<typename SlotRows<scalar_t>::Backward>(widest_cpu_isa());
-    at::parallel_for(0, r.size(0), row_grain(h), [&](int64_t begin, int64_t end) {
-      loop(stored_data<scalar_t>(g), stored_data<scalar_t>(r), o.const_data_ptr<int64_t>(), stored_data<scalar_t>(w),
-           grad_rows.defined() ? mutable_stored_data<scalar_t>(grad_rows) : nullptr,
-           grad_w.defined() ? mutable_stored_data<scalar_t>(grad_w) : nullptr, begin, end, k_slots, h);
-    });
-  });
-  return {grad_rows, grad_w};
-}
-
 at::Tensor slot_sum_meta(const at::Tensor& rows, const at::Tensor& order, const at::Tensor& weights) {
   check_slot_sum_args(rows, order, weights);
   return at::empty_symint({weights.sym_size(0), rows.sym_size(1)}, rows.options());
-}
-
-std::tuple<at::Tensor, at::Tensor> slot_sum_backward_meta(const at::Tensor& /*grad_out*/, const at::Tensor& rows,
-                                                          const at::Tensor& order, const at::Tensor& weights,
-                                                          std::array<bool, 2> output_mask) {
-  check_slot_sum_args(rows, order, weights);
-  return {output_mask[0] ? at::empty_like(rows) : at::Tensor(), output_mask[1] ? at::empty_like(weights) : at::Tensor()};
 }
 
 // --------------------------------------------------------------- the gather
@@ -257,26 +178,22 @@ at::Tensor slot_rows_meta(const at::Tensor& hidden, const at::Tensor& order, int
 TORCH_LIBRARY_IMPL(torch_tp, CPU, m) {
   m.impl("_moe_slot_rows", slot_rows_kernel);
   m.impl("_moe_slot_sum", slot_sum_kernel);
-  m.impl("_moe_slot_sum_backward", slot_sum_backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torch_tp, CUDA, m) {
   m.impl("_moe_slot_rows", slot_rows_kernel);
   m.impl("_moe_slot_sum", slot_sum_kernel);
-  m.impl("_moe_slot_sum_backward", slot_sum_backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torch_tp, Meta, m) {
   m.impl("_moe_slot_rows", slot_rows_meta);
   m.impl("_moe_slot_sum", slot_sum_meta);
-  m.impl("_moe_slot_sum_backward", slot_sum_backward_meta);
 }
 
 // Called below autograd only, by moe_slot_exchange.cpp's differentiable ops.
 TORCH_LIBRARY_IMPL(torch_tp, Autograd, m) {
   m.impl("_moe_slot_rows", torch::autograd::autogradNotImplementedFallback());
   m.impl("_moe_slot_sum", torch::autograd::autogradNotImplementedFallback());
-  m.impl("_moe_slot_sum_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
 } // namespace torch_tp

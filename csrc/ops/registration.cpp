@@ -133,9 +133,6 @@ TORCH_LIBRARY(torch_tp, m) {
   m.def("_moe_slot_rows(Tensor hidden, Tensor order, int top_k) -> Tensor");
   m.def("_moe_slot_sum(Tensor rows, Tensor order, Tensor weights) -> Tensor");
   m.def(
-      "_moe_slot_sum_backward(Tensor grad_out, Tensor rows, Tensor order, Tensor weights, bool[2] output_mask) -> "
-      "(Tensor, Tensor)");
-  m.def(
       "_moe_slot_dispatch(Tensor hidden, Tensor order, int top_k, Tensor tokens_per_expert, str group_name) -> "
       "(Tensor local_tokens, Tensor local_tokens_per_expert, Tensor recv_counts)");
   m.def(
@@ -143,10 +140,10 @@ TORCH_LIBRARY(torch_tp, m) {
       "Tensor recv_counts, str group_name) -> Tensor");
   m.def(
       "_moe_slot_combine(Tensor local_out, Tensor top_k_weights, Tensor order, Tensor tokens_per_expert, "
-      "Tensor recv_counts, str group_name) -> (Tensor out, Tensor combined)");
+      "Tensor recv_counts, str group_name) -> Tensor");
   m.def(
-      "_moe_slot_combine_backward(Tensor grad_out, Tensor combined, Tensor order, Tensor top_k_weights, "
-      "Tensor tokens_per_expert, Tensor recv_counts, str group_name, SymInt local_rows, bool weights_grad) -> "
+      "_moe_slot_combine_backward(Tensor grad_out, Tensor local_out, Tensor order, Tensor top_k_weights, "
+      "Tensor tokens_per_expert, Tensor recv_counts, str group_name, bool weights_grad) -> "
       "(Tensor grad_local_out, Tensor grad_top_k_weights)");
   // moe_gated_experts (moe_experts.cpp) runs transformers' SiLU-gated experts on
   // rows grouped by expert: rows [N, H] in the row-major (run, expert) blocks of
